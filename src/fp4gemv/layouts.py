@@ -1,0 +1,91 @@
+"""Block-scale layouts: linear ``[rows, K/bs]`` and the 128x4 swizzle of cuBLAS/CUTLASS.
+
+The swizzled ("blocked") layout tiles the scale matrix into atoms of 128 rows x 4 scale columns, 512 bytes
+each, atoms ordered row-tile-major.  Inside an atom, 16-byte line ``r % 32`` holds rows r, r+32, r+64,
+r+96, four scale columns each.  The GPU MODE task's ``sfa_permuted`` tensor, shaped
+``(32, 4, rows/128, 4, cols/4, L)``, is a strided view of exactly these bytes, one atom sequence per batch.
+
+Kernels compute ``swizzled_offset`` inline; this module is its one Python definition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "ROWS_PER_ATOM",
+    "COLS_PER_ATOM",
+    "padded_scale_shape",
+    "swizzled_offset",
+    "swizzle_scales",
+    "unswizzle_scales",
+    "task_permuted_view",
+    "swizzled_from_task_permuted",
+]
+
+ROWS_PER_ATOM = 128
+COLS_PER_ATOM = 4
+
+
+def _ceil_to(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def padded_scale_shape(rows: int, cols: int) -> tuple[int, int]:
+    """Rows rounded up to 128 and scale columns to 4: the swizzled layout always covers whole atoms."""
+    return _ceil_to(rows, ROWS_PER_ATOM), _ceil_to(cols, COLS_PER_ATOM)
+
+
+def swizzled_offset(row: torch.Tensor | int, col: torch.Tensor | int, cols: int):
+    """Byte offset of scale ``(row, col)`` in the swizzled layout of a matrix with ``cols`` scale columns."""
+    atoms_per_row_tile = (cols + COLS_PER_ATOM - 1) // COLS_PER_ATOM
+    atom = (row // 128) * atoms_per_row_tile + col // 4
+    return atom * 512 + (row % 32) * 16 + ((row % 128) // 32) * 4 + col % 4
+
+
+def swizzle_scales(linear: torch.Tensor) -> torch.Tensor:
+    """Linear scales ``[..., rows, cols]`` to swizzled bytes ``[..., rows_p * cols_p]``.
+
+    Rows are zero-padded to a multiple of 128 and columns to a multiple of 4 (padding scales are zero,
+    so they contribute nothing to a product).  Returns a new contiguous tensor of the input's dtype.
+    """
+    *batch, rows, cols = linear.shape
+    rows_p, cols_p = padded_scale_shape(rows, cols)
+    padded = linear.new_zeros(*batch, rows_p, cols_p)
+    padded[..., :rows, :cols] = linear
+    # [.., row_tile, r4, r32, col_tile, c4] -> [.., row_tile, col_tile, r32, r4, c4]
+    tiles = padded.reshape(*batch, rows_p // 128, 4, 32, cols_p // 4, 4)
+    nb = len(batch)
+    perm = list(range(nb)) + [nb + 0, nb + 3, nb + 2, nb + 1, nb + 4]
+    return tiles.permute(perm).reshape(*batch, rows_p * cols_p).contiguous()
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Swizzled bytes ``[..., rows_p * cols_p]`` back to linear ``[..., rows, cols]`` (padding dropped)."""
+    *batch, n = swizzled.shape
+    rows_p, cols_p = padded_scale_shape(rows, cols)
+    if n != rows_p * cols_p:
+        raise ValueError(
+            f"swizzled: expected {rows_p}*{cols_p} = {rows_p * cols_p} bytes for {rows}x{cols} scales, got {n}"
+        )
+    tiles = swizzled.reshape(*batch, rows_p // 128, cols_p // 4, 32, 4, 4)
+    nb = len(batch)
+    perm = list(range(nb)) + [nb + 0, nb + 3, nb + 2, nb + 1, nb + 4]
+    linear = tiles.permute(perm).reshape(*batch, rows_p, cols_p)
+    return linear[..., :rows, :cols].contiguous()
+
+
+def task_permuted_view(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The task's ``(32, 4, rows_p/128, 4, cols_p/4, L)`` view of swizzled bytes ``[L, rows_p * cols_p]``."""
+    L = swizzled.shape[0]
+    rows_p, cols_p = padded_scale_shape(rows, cols)
+    six = swizzled.reshape(L, rows_p // 128, cols_p // 4, 32, 4, 4)
+    return six.permute(3, 4, 1, 5, 2, 0)
+
+
+def swizzled_from_task_permuted(permuted: torch.Tensor) -> torch.Tensor:
+    """Swizzled bytes ``[L, rows_p * cols_p]`` behind a task-permuted scale tensor (a view when possible)."""
+    if permuted.dim() != 6 or tuple(permuted.shape[:2]) != (32, 4) or permuted.shape[3] != 4:
+        raise ValueError(f"permuted: expected shape (32, 4, rows/128, 4, cols/4, L), got {tuple(permuted.shape)}")
+    six = permuted.permute(5, 2, 4, 0, 1, 3)
+    return six.reshape(six.shape[0], -1)
