@@ -1,0 +1,158 @@
+"""In-kernel e2m1 decode and 16-element block dot products, in pure Triton and in PTX.
+
+Numbers are handled as "doubled integers": 2 * e2m1 is an integer in [-12, 12], so the product of two
+doubled operands is 4 * a * b, an integer, and a block of 16 such products sums exactly in int32
+(|sum| <= 16 * 144).  Both variants below return that exact block sum as float32, so the rest of the
+kernel (scaling, fp32 accumulation, the final reduction) is shared code and the two paths agree bit for bit.
+
+A 16-element block is one int64: packed byte i holds elements 2i (low nibble) and 2i+1 (high nibble).
+"""
+
+import triton
+import triton.language as tl
+
+# Doubled e2m1 magnitudes 0,1,2,3,4,6,8,12 as the byte table prmt indexes: bytes 0..3 and 4..7.
+_MAG_TABLE_LO = 0x03020100
+_MAG_TABLE_HI = 0x0C080604
+# float32 1.5 * 2^23: adding a small int32 to its bits adds that integer to its value.
+_MAGIC_F32_BITS = 0x4B400000
+
+
+@triton.jit
+def doubled_e2m1(code):
+    """2 * value of e2m1 codes 0..15 (any integer dtype): 0,1,2,3,4,6,8,12 and their negatives."""
+    mag = code & 7
+    exp = mag >> 1
+    man = mag & 1
+    # exp 0 is subnormal (0 or 0.5 -> 0 or 1); otherwise (2 + man) << (exp - 1).
+    dbl = tl.where(exp == 0, man, (2 + man) << tl.maximum(exp - 1, 0))
+    return tl.where((code & 8) != 0, -dbl, dbl)
+
+
+@triton.jit
+def unpack_block(packed):
+    """One int64 block ``[...]`` to its 16 e2m1 codes ``[..., 16]`` (element order)."""
+    shifts = tl.arange(0, 16).to(tl.int64) * 4
+    return (tl.expand_dims(packed, len(packed.shape)) >> shifts) & 15
+
+
+@triton.jit
+def activation_bytes(b_block):
+    """Doubled values of one 16-element activation block as signed int8 bytes, in PTX.
+
+    Returns (lo, hi): int64 words holding elements 0..7 and 8..15, element i in byte i % 8, the operand
+    layout ``block_dot_ptx`` expects.  Magnitudes come from the same ``prmt`` table lookup as the weights;
+    the signed byte is pos - neg, computed four lanes at a time with the top bit of each byte preset so no
+    borrow crosses a byte: ((pos | 0x80) - neg) ^ 0x80.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, tlo, thi, p, n, r0, r1, r2, r3;
+        mov.b64 {w0, w1}, $2;
+        mov.b32 tlo, 0x03020100;
+        mov.b32 thi, 0x0C080604;
+        xor.b32 x0, w0, 0x88888888;
+        xor.b32 x1, w1, 0x88888888;
+        shr.u32 s0, w0, 16;
+        shr.u32 s1, w1, 16;
+        shr.u32 sx0, x0, 16;
+        shr.u32 sx1, x1, 16;
+        prmt.b32 p, tlo, thi, w0;
+        prmt.b32 n, tlo, thi, x0;
+        or.b32 p, p, 0x80808080;
+        sub.u32 p, p, n;
+        xor.b32 r0, p, 0x80808080;
+        prmt.b32 p, tlo, thi, s0;
+        prmt.b32 n, tlo, thi, sx0;
+        or.b32 p, p, 0x80808080;
+        sub.u32 p, p, n;
+        xor.b32 r1, p, 0x80808080;
+        prmt.b32 p, tlo, thi, w1;
+        prmt.b32 n, tlo, thi, x1;
+        or.b32 p, p, 0x80808080;
+        sub.u32 p, p, n;
+        xor.b32 r2, p, 0x80808080;
+        prmt.b32 p, tlo, thi, s1;
+        prmt.b32 n, tlo, thi, sx1;
+        or.b32 p, p, 0x80808080;
+        sub.u32 p, p, n;
+        xor.b32 r3, p, 0x80808080;
+        mov.b64 $0, {r0, r1};
+        mov.b64 $1, {r2, r3};
+        }
+        """,
+        constraints="=l,=l,l",
+        args=[b_block],
+        dtype=(tl.int64, tl.int64),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def block_dot_triton(a_block, b_dbl):
+    """Exact sum of 4*a*b over each 16-element block, as float32 ``[ROWS, NB]``.
+
+    a_block: int64 ``[ROWS, NB]`` packed weights; b_dbl: int32 ``[NB, 16]`` doubled activation values.
+    """
+    a_dbl = doubled_e2m1(unpack_block(a_block)).to(tl.int32)
+    return tl.sum(a_dbl * b_dbl[None, :, :], axis=2).to(tl.float32)
+
+
+@triton.jit
+def block_dot_ptx(a_block, b_lo, b_hi):
+    """The same block sum as ``block_dot_triton`` in 24 integer instructions per block.
+
+    The weight is split as a = a_pos - a_neg (two magnitudes, one of them zero): ``prmt`` looks each nibble
+    up in the magnitude table, and a selector nibble with bit 3 (the e2m1 sign) set yields the table byte's
+    sign, 0.  Flipping bit 3 first (xor 0x8) selects the negative elements instead.  ``dp4a`` accumulates
+    a_pos . b from the bits of 1.5 * 2^23 and a_neg . b from 0; their integer difference is then read as a
+    float with one subtraction instead of an int-to-float convert.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 a0, a1, x0, x1, s0, s1, sx0, sx1, p, tlo, thi, accp, accn;
+        .reg .b32 b0, b1, b2, b3;
+        .reg .f32 f;
+        mov.b64 {a0, a1}, $1;
+        mov.b64 {b0, b1}, $2;
+        mov.b64 {b2, b3}, $3;
+        mov.b32 tlo, 0x03020100;
+        mov.b32 thi, 0x0C080604;
+        mov.b32 accp, 0x4B400000;
+        mov.b32 accn, 0;
+        xor.b32 x0, a0, 0x88888888;
+        xor.b32 x1, a1, 0x88888888;
+        shr.u32 s0, a0, 16;
+        shr.u32 s1, a1, 16;
+        shr.u32 sx0, x0, 16;
+        shr.u32 sx1, x1, 16;
+        prmt.b32 p, tlo, thi, a0;
+        dp4a.s32.s32 accp, p, b0, accp;
+        prmt.b32 p, tlo, thi, s0;
+        dp4a.s32.s32 accp, p, b1, accp;
+        prmt.b32 p, tlo, thi, a1;
+        dp4a.s32.s32 accp, p, b2, accp;
+        prmt.b32 p, tlo, thi, s1;
+        dp4a.s32.s32 accp, p, b3, accp;
+        prmt.b32 p, tlo, thi, x0;
+        dp4a.s32.s32 accn, p, b0, accn;
+        prmt.b32 p, tlo, thi, sx0;
+        dp4a.s32.s32 accn, p, b1, accn;
+        prmt.b32 p, tlo, thi, x1;
+        dp4a.s32.s32 accn, p, b2, accn;
+        prmt.b32 p, tlo, thi, sx1;
+        dp4a.s32.s32 accn, p, b3, accn;
+        sub.s32 accp, accp, accn;
+        mov.b32 f, accp;
+        sub.f32 $0, f, 0f4B400000;
+        }
+        """,
+        constraints="=f,l,l,l",
+        args=[a_block, b_lo, b_hi],
+        dtype=tl.float32,
+        is_pure=True,
+        pack=1,
+    )

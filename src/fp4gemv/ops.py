@@ -1,0 +1,143 @@
+"""Public operations: validate once at the boundary, pick a kernel configuration, launch.
+
+Validation raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, stride, device) naming the
+argument, what was expected and what was given, before anything is written to the output.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from . import formats, layouts
+from .kernels.configs import GemvConfig, w4a4_config
+from .reference import gemv_reference
+
+__all__ = ["task_gemv", "Backend"]
+
+Backend = Literal["auto", "triton-ptx", "triton", "reference"]
+_FP4_STORAGE = (torch.float4_e2m1fn_x2, torch.uint8)
+_E4M3_STORAGE = (torch.float8_e4m3fn, torch.uint8)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _require(cond: bool, exc: type[Exception], msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
+    names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+    _require(isinstance(t, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    _require(t.dtype in allowed, TypeError, f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+
+
+def _check_task_scales(name: str, sf: torch.Tensor, rows: int, k: int, l: int) -> torch.Tensor:
+    """The swizzled bytes ``[L, rows_p * K/16]`` behind a task-permuted scale tensor (a view, never a copy)."""
+    _check_dtype(name, sf, _E4M3_STORAGE)
+    rows_p, cols_p = layouts.padded_scale_shape(rows, k // 16)
+    expected = (32, 4, rows_p // 128, 4, cols_p // 4, l)
+    _require(tuple(sf.shape) == expected, ValueError,
+             f"{name}: expected shape {expected} for {rows} rows, K = {k}, L = {l}, got {tuple(sf.shape)}")
+    swizzled = layouts.swizzled_from_task_permuted(formats.as_uint8(sf))
+    # reshape() copies when the strides are not those of the task's permuted view; a copy per call would
+    # hide a slow path, so insist on the layout instead.
+    _require(swizzled.data_ptr() == sf.data_ptr() and swizzled.is_contiguous(), ValueError,
+             f"{name}: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
+             f"(L, rows/128, K/64, 32, 4, 4) tensor, got strides {tuple(sf.stride())}")
+    return swizzled
+
+
+def task_gemv(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sfa_permuted: torch.Tensor,
+    sfb_permuted: torch.Tensor,
+    c: torch.Tensor,
+    *,
+    backend: Backend = "auto",
+    config: GemvConfig | None = None,
+) -> torch.Tensor:
+    """The GPU MODE ``nvfp4_gemv`` product: ``c[m, 0, l] = sum_k a[m, k, l] sfa b[0, k, l] sfb`` in place.
+
+    a: ``[M, K/2, L]`` float4_e2m1fn_x2 (or uint8), K-major (stride 1 along K/2); M >= 1, K a multiple of 64.
+    b: ``[N, K/2, L]`` likewise, N >= 1; only row 0 is used.
+    sfa_permuted, sfb_permuted: float8_e4m3fn scales in the task's ``(32, 4, rows/128, 4, K/64, L)`` view of
+        the 128x4 swizzled layout (``fp4gemv.layouts``), rows = M and N.
+    c: ``[M, 1, L]`` float16, any strides; written and returned.
+    backend: ``"auto"`` is the Triton kernel with PTX decode on CUDA and the float64 reference on the CPU;
+        ``"triton"`` uses the pure-Triton decode (runs under ``TRITON_INTERPRET=1`` on CPU tensors);
+        ``"triton-ptx"`` insists on the PTX decode; ``"reference"`` computes in float64.
+    All tensors on one device.  Accumulation is fp32 over exact 16-element block sums; c is rounded once.
+    """
+    _check_dtype("a", a, _FP4_STORAGE)
+    _check_dtype("b", b, _FP4_STORAGE)
+    _check_dtype("c", c, (torch.float16,))
+    _require(a.dim() == 3, ValueError, f"a: expected 3 dims [M, K/2, L], got shape {tuple(a.shape)}")
+    m, k_half, l = a.shape
+    k = 2 * k_half
+    _require(m >= 1 and l >= 1, ValueError, f"a: expected M >= 1 and L >= 1, got shape {tuple(a.shape)}")
+    _require(k > 0 and k % 64 == 0, ValueError, f"a: expected K = 2 * a.shape[1] to be a positive multiple of 64, got K = {k}")
+    _require(a.stride(1) == 1, ValueError, f"a: expected K-major storage (stride 1 along K/2), got strides {tuple(a.stride())}")
+    _require(b.dim() == 3 and b.shape[0] >= 1 and b.shape[1:] == (k_half, l), ValueError,
+             f"b: expected shape [N >= 1, {k_half}, {l}] to match a's K/2 and L, got {tuple(b.shape)}")
+    _require(b.stride(1) == 1, ValueError, f"b: expected K-major storage (stride 1 along K/2), got strides {tuple(b.stride())}")
+    _require(tuple(c.shape) == (m, 1, l), ValueError, f"c: expected shape ({m}, 1, {l}), got {tuple(c.shape)}")
+    sfa = _check_task_scales("sfa_permuted", sfa_permuted, m, k, l)
+    sfb = _check_task_scales("sfb_permuted", sfb_permuted, b.shape[0], k, l)
+    device = a.device
+    for name, t in (("b", b), ("sfa_permuted", sfa_permuted), ("sfb_permuted", sfb_permuted), ("c", c)):
+        _require(t.device == device, ValueError, f"{name}: expected device {device} like a, got {t.device}")
+    _require(backend in ("auto", "triton-ptx", "triton", "reference"), ValueError,
+             f"backend: expected 'auto', 'triton-ptx', 'triton' or 'reference', got {backend!r}")
+    if backend == "auto":
+        backend = "triton-ptx" if device.type == "cuda" else "reference"
+    if backend != "reference":
+        _require(device.type == "cuda" or _interpreting(), ValueError,
+                 f"backend: {backend!r} needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+
+    a_bytes = formats.as_uint8(a).permute(2, 0, 1)  # [L, M, K/2], K contiguous
+    b_bytes = formats.as_uint8(b).permute(2, 0, 1)[:, 0, :]  # [L, K/2]
+    c_lm = c[:, 0, :].permute(1, 0)  # [L, M]
+
+    if backend == "reference":
+        sfa_lin = layouts.unswizzle_scales(sfa, m, k // 16)
+        sfb_lin = layouts.unswizzle_scales(sfb[:, :512 * ((k // 16 + 3) // 4)], 1, k // 16)
+        a_val = formats.dequantize(a_bytes, sfa_lin)
+        b_val = formats.dequantize(b_bytes[:, None, :], sfb_lin)
+        c_lm.copy_(gemv_reference(a_val, b_val)[:, :, 0])
+        return c
+
+    cfg = config or w4a4_config(m, k, l)
+    _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg, use_ptx=(backend == "triton-ptx"))
+    return c
+
+
+def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use_ptx: bool) -> None:
+    from .kernels.w4a4 import w4a4_gemv_kernel
+
+    nb = k // 16
+    a_blocks = a_bytes.view(torch.int64)  # [L, M, K/16]: one 16-element block per int64
+    b_blocks = b_bytes.view(torch.int64)  # [L, K/16]
+    row_tile = 512 * ((nb + 3) // 4)  # bytes per 128-row tile of swizzled scales
+    grid = (triton_cdiv(m, cfg.rows), l)
+    w4a4_gemv_kernel[grid](
+        a_blocks, b_blocks, sfa, sfb, c_lm,
+        m, nb,
+        a_blocks.stride(0), a_blocks.stride(1),
+        b_blocks.stride(0),
+        sfa.stride(0), row_tile, 16, 4, 512,
+        sfb.stride(0), 512,
+        c_lm.stride(0), c_lm.stride(1),
+        ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % cfg.blocks == 0), USE_PTX=use_ptx,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def triton_cdiv(x: int, y: int) -> int:
+    return (x + y - 1) // y
