@@ -39,15 +39,15 @@ def check(backends=("triton-ptx", "triton")):
     return bad
 
 
-def measure(m, k, l, cfg, backend="triton-ptx", count=None):
-    nbytes = bench.task_bytes(m, k, l)
-    count = count or max(20, -(-300_000_000 // nbytes))
-    inputs = [bench.random_task_operands(m, k, l, seed=i) for i in range(count)]
+def make_inputs(m, k, l):
+    count = max(20, -(-300_000_000 // bench.task_bytes(m, k, l)))
+    return [bench.random_task_operands(m, k, l, seed=i) for i in range(count)]
+
+
+def measure(m, k, l, cfg, inputs, backend="triton-ptx"):
     launch = lambda x: ops.task_gemv(*x, backend=backend, config=cfg)
-    times = bench.device_time_us(launch, inputs)
-    del inputs
-    med = bench.summarize(times)["median_us"]
-    return med, nbytes / med / 1e6
+    med = bench.summarize(bench.device_time_us(launch, inputs))["median_us"]
+    return med, bench.task_bytes(m, k, l) / med / 1e6
 
 
 def main():
@@ -72,18 +72,20 @@ def main():
     stages_l = [1, 3]
     t0 = time.time()
     for (m, k, l) in SHAPES:
+        inputs = make_inputs(m, k, l)
         for rows, blocks, nw, ns in itertools.product(rows_l, blocks_l, warps_l, stages_l):
-            if blocks > k // 16:
+            if blocks > k // 16 or rows * blocks // (32 * nw) > 32:
                 continue
             cfg = GemvConfig(rows, blocks, nw, ns)
             try:
-                us, tbps = measure(m, k, l, cfg)
+                us, tbps = measure(m, k, l, cfg, inputs)
             except Exception as e:  # a config that does not compile is a result too
                 print(f"{(m, k, l)} {cfg}: ERROR {type(e).__name__}: {str(e)[:200]}")
                 continue
             results["sweep"].append({"shape": (m, k, l), "cfg": cfg._asdict(), "us": us, "tbps": tbps})
             print(f"{(m, k, l)} {tuple(cfg)}: {us:.2f} us {tbps:.2f} TB/s", flush=True)
-        us, tbps = measure(m, k, l, w4a4_config(m, k, l), backend="triton")
+        us, tbps = measure(m, k, l, w4a4_config(m, k, l), inputs, backend="triton")
+        del inputs
         results["sweep"].append({"shape": (m, k, l), "cfg": "pure-triton default", "us": us, "tbps": tbps})
         print(f"{(m, k, l)} pure-triton default: {us:.2f} us {tbps:.2f} TB/s   [{time.time() - t0:.0f}s]", flush=True)
     with open(os.path.join(out_dir, "sweep_w4a4.json"), "w") as f:
