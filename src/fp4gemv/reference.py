@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gemv_reference"]
+__all__ = ["gemv_reference", "round_from_float64"]
 
 
 def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -22,4 +22,22 @@ def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = to
     """
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"b: expected K = {a.shape[-1]} to match a, got {b.shape[-1]}")
-    return torch.matmul(a.to(torch.float64), b.to(torch.float64).transpose(-1, -2)).to(out_dtype)
+    return round_from_float64(torch.matmul(a.to(torch.float64), b.to(torch.float64).transpose(-1, -2)), out_dtype)
+
+
+def round_from_float64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 ``x`` to ``dtype`` once (nearest, ties to even).
+
+    torch converts float64 to float16 and bfloat16 through float32, rounding twice: 1 + 2^-11 + 2^-40 first
+    becomes the fp16 tie 1 + 2^-11, then 1.0, where one rounding gives 1 + 2^-10.  Rounding to float32
+    *to odd* instead (truncate, then set the last bit if anything was cut off) keeps what the second
+    rounding needs: float32 has more than two bits beyond either 16-bit format's significand.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    f32 = x.to(torch.float32)
+    inexact = (f32.to(torch.float64) != x) & torch.isfinite(x)
+    rounded_away = f32.to(torch.float64).abs() > x.abs()
+    truncated = torch.where(rounded_away, torch.nextafter(f32, torch.zeros_like(f32)), f32)
+    to_odd = (truncated.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(inexact, to_odd, f32).to(dtype)
