@@ -139,15 +139,21 @@ def generate_input(m: int, k: int, l: int, seed: int, device: str | torch.device
     return _assemble(a_bytes, b_bytes, sfa, sfb, c, device)
 
 
-# Full-range scales.  b's block exponents cover all of e4m3 (2^-9 .. 2^8, the subnormals 2^-9 .. 2^-7
-# included); a's exponent in the same block is the negation of b's row-0 exponent plus a jitter, so the
-# product of the two scales stays in 2^-9 .. 2^-3 and the outputs are tens to hundreds.  Without the
-# cancellation the sums overflow fp16; with larger outputs, the fp32 rounding of a correct kernel's
-# accumulation (about 2^-24 of the partial sums, times sqrt(K)) approaches the task's atol = 1e-3 on outputs
-# that cancel to near zero.  Measured on TEST_SHAPES (seeds 0..9): a strictly sequential fp32 sum is off the
-# exact sum by at most 2e-4, a fifth of atol.
-_FULL_RANGE_EXP_B = (-9, 8)
-_FULL_RANGE_JITTER = (-9, -3)
+# Full-range scales.  Real NVFP4 weights use e4m3's whole range (the per-tensor global scale maps the
+# largest block scale to 448), so both sides must see every exponent field, 2^-9 (smallest subnormal) to
+# 2^8.  Products of two such scales would overflow fp16, so the two are drawn together per 16-element
+# block: in most blocks ("paired") b's row-0 exponent is uniform in -9 .. 3 and a's is its negation plus a
+# jitter, so their product is 2^-10 .. 2^-4; in 1 block in 16 b's exponent is uniform over the whole range
+# ("b-wide"; a's follows as in paired blocks, clamped at 2^-9), and in 1 in 16 a's exponent is, per row,
+# with b's at 2^-9 ("a-wide").  Products never exceed about 2^-1 and outputs are units to hundreds.  Larger
+# outputs would let the fp32 rounding of a correct kernel's accumulation (about 2^-24 of the partial sums,
+# times sqrt(K)) reach the task's atol = 1e-3 on outputs that cancel to near zero.  Measured on TEST_SHAPES
+# (3 seeds): a strictly sequential fp32 sum is off the exact sum by at most 1.5e-4; with every block wide,
+# by up to 7e-4.
+_E4M3_EXPONENTS = (-9, 8)
+_PAIRED_B_EXPONENTS = (-9, 3)
+_FULL_RANGE_JITTER = (-10, -4)
+_FULL_RANGE_WIDE = 1 / 8  # half a-wide, half b-wide
 _FULL_RANGE_NEGATIVE = 1 / 8
 _FULL_RANGE_ZERO = 1 / 32
 
@@ -163,6 +169,22 @@ def _random_e4m3(exponent: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return formats.encode_e4m3(value).view(torch.float8_e4m3fn)
 
 
+def _full_range_exponents(m: int, k: int, l: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: E741
+    """Scale exponents ``[L, M, K/16]`` for a and ``[L, 128, K/16]`` for b, drawn per block (see above)."""
+    lo, hi = _E4M3_EXPONENTS
+    blocks = k // 16
+    kind = torch.rand((l, 1, blocks), generator=gen)
+    a_wide = kind < _FULL_RANGE_WIDE / 2
+    b_wide = kind >= 1 - _FULL_RANGE_WIDE / 2
+    exp_b = torch.randint(lo, hi + 1, (l, B_ROWS, blocks), generator=gen)  # rows 1.. are never used
+    paired_b = torch.randint(_PAIRED_B_EXPONENTS[0], _PAIRED_B_EXPONENTS[1] + 1, (l, 1, blocks), generator=gen)
+    exp_b[:, :1] = torch.where(a_wide, lo, torch.where(b_wide, exp_b[:, :1], paired_b))
+    jitter = torch.randint(_FULL_RANGE_JITTER[0], _FULL_RANGE_JITTER[1] + 1, (l, m, blocks), generator=gen)
+    exp_a_wide = torch.randint(lo, hi + 1, (l, m, blocks), generator=gen)
+    exp_a = torch.where(a_wide, exp_a_wide, (jitter - exp_b[:, :1]).clamp(lo, hi))
+    return exp_a, exp_b
+
+
 def generate_full_range_input(
     m: int, k: int, l: int, seed: int, device: str | torch.device | None = None  # noqa: E741
 ) -> TaskInput:
@@ -172,25 +194,24 @@ def generate_full_range_input(
 
     * a and b bytes are uniform over all 256 values, so both nibbles carry all 16 e2m1 codes, negative
       values and -0 included;
-    * scales are ``±(1 + m/8) * 2^e`` rounded to e4m3: b's exponents are uniform over e4m3's whole range
-      2^-9 .. 2^8 (subnormals included), a's exponent in the same 16-element block is the negation of b's
-      (row 0) plus a uniform jitter in -9 .. -3 (clamped to the e4m3 range), so every exponent field is
-      exercised while the product of the two scales stays in a few binades and the fp16 outputs stay
-      finite and of moderate size (tens to hundreds) where an fp32-accumulating kernel meets rtol = atol =
-      1e-3;  about 1 scale in 8 is negative and 1 in 32 is zero.
+    * scales are ``±(1 + m/8) * 2^e`` rounded to e4m3, with exponents over e4m3's whole range 2^-9 .. 2^8
+      (subnormals and 448 included) on both sides, drawn together per 16-element block so that the
+      product of a's and b's scales stays at or below about 2^-1: mostly b's exponent is in -9 .. 3 and
+      a's is its negation plus a uniform jitter in -10 .. -4; in 1 block in 16 b's exponent spans the
+      whole range, in another 1 in 16 a's does (per row) with b's at 2^-9.  About 1 scale in 8 is
+      negative and 1 in 32 is zero.
 
-    Sums now cancel, so this checks sign handling, every code, every scale exponent and the pairing of
-    a's and b's scale blocks, none of which the task's distribution can tell apart from a wrong kernel.
+    Sums now cancel and outputs are units to hundreds, finite in fp16, where an fp32-accumulating kernel
+    meets rtol = atol = 1e-3 with a wide margin.  This checks sign handling, every code, every scale
+    exponent on both sides and the pairing of a's and b's scale blocks, none of which the task's
+    distribution can tell from a bug.
     """
     _check_task_shape(m, k, l)
     device = resolve_device(device)
     gen = torch.Generator().manual_seed(seed)
     a_bytes = torch.randint(0, 256, (l, m, k // 2), dtype=torch.uint8, generator=gen)
     b_bytes = torch.randint(0, 256, (l, B_ROWS, k // 2), dtype=torch.uint8, generator=gen)
-    exp_lo, exp_hi = _FULL_RANGE_EXP_B
-    exp_b = torch.randint(exp_lo, exp_hi + 1, (l, B_ROWS, k // 16), generator=gen)
-    jitter = torch.randint(_FULL_RANGE_JITTER[0], _FULL_RANGE_JITTER[1] + 1, (l, m, k // 16), generator=gen)
-    exp_a = (jitter - exp_b[:, :1, :]).clamp(exp_lo, exp_hi)
+    exp_a, exp_b = _full_range_exponents(m, k, l, gen)
     sfa = _random_e4m3(exp_a, gen)
     sfb = _random_e4m3(exp_b, gen)
     c = torch.randn((l, m, 1), generator=gen).to(torch.float16)
