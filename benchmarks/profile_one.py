@@ -1,0 +1,18 @@
+"""Device script: launch the W4A4 kernel once per configuration, for ncu to profile.
+
+ncu --clock-control none -k regex:w4a4 python benchmarks/profile_one.py M K L rows,blocks,warps ...
+"""
+
+import sys
+
+import torch
+
+from fp4gemv import bench, ops
+from fp4gemv.kernels.configs import GemvConfig
+
+m, k, l = (int(x) for x in sys.argv[1:4])
+x = bench.random_task_operands(m, k, l, seed=0)
+for spec in sys.argv[4:]:
+    rows, blocks, warps = (int(v) for v in spec.split(","))
+    ops.task_gemv(*x, config=GemvConfig(rows, blocks, warps, 1))
+torch.cuda.synchronize()
