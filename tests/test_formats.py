@@ -160,7 +160,7 @@ def test_encode_e8m0_rejects_non_positive():
 
 
 def _codes_to_bytes(codes: list[int]) -> torch.Tensor:
-    return torch.tensor([lo | (hi << 4) for lo, hi in zip(codes[0::2], codes[1::2])], dtype=torch.uint8)
+    return torch.tensor([lo | (hi << 4) for lo, hi in zip(codes[0::2], codes[1::2], strict=True)], dtype=torch.uint8)
 
 
 def test_dequantize_nvfp4_by_hand():

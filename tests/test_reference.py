@@ -8,7 +8,7 @@ import torch
 from fp4gemv import formats
 from fp4gemv.reference import gemv_reference, round_from_float64
 
-E2M1_MAGNITUDES = [Fraction(0), Fraction(1, 2), Fraction(1), Fraction(3, 2), Fraction(2), Fraction(3), Fraction(4), Fraction(6)]
+E2M1_MAGNITUDES = [Fraction(n, 2) for n in (0, 1, 2, 3, 4, 6, 8, 12)]  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
 
 
 def e2m1_exact(code: int) -> Fraction:
@@ -18,12 +18,15 @@ def e2m1_exact(code: int) -> Fraction:
 def e4m3_exact(byte: int) -> Fraction:
     """e4m3fn from its bit fields: bias 7, subnormals m/8 * 2^-6 (no NaN bytes used here)."""
     exponent, mantissa = (byte >> 3) & 0xF, byte & 7
-    magnitude = Fraction(mantissa, 8) * Fraction(1, 64) if exponent == 0 else (1 + Fraction(mantissa, 8)) * Fraction(2) ** (exponent - 7)
+    if exponent == 0:
+        magnitude = Fraction(mantissa, 8) * Fraction(1, 64)
+    else:
+        magnitude = (1 + Fraction(mantissa, 8)) * Fraction(2) ** (exponent - 7)
     return -magnitude if byte & 0x80 else magnitude
 
 
 def _pack(codes: list[int]) -> list[int]:
-    return [lo | (hi << 4) for lo, hi in zip(codes[0::2], codes[1::2])]
+    return [lo | (hi << 4) for lo, hi in zip(codes[0::2], codes[1::2], strict=True)]
 
 
 # Two batches, 3 rows, K = 32 (two 16-element scale blocks).  Every row and b hold all 16 codes, negatives

@@ -96,7 +96,7 @@ def _time_calls(
             kernel(inputs[i % len(inputs)])
             ends[i].record()
         torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends)]
+        return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends, strict=True)]
     times = []
     for i in range(repeats):
         start = time.perf_counter()
@@ -137,7 +137,8 @@ def _task_benchmark(args: argparse.Namespace) -> int:
     failed = 0
     for index, shape in enumerate(shapes):
         _progress(f"[{index + 1}/{len(shapes)}] {shape}: generating {n_inputs} input(s) and checking")
-        inputs = [task.generate_input(*shape, seed=args.seed + 1000 * index + j, device=device) for j in range(n_inputs)]
+        seeds = [args.seed + 1000 * index + j for j in range(n_inputs)]
+        inputs = [task.generate_input(*shape, seed=seed, device=device) for seed in seeds]
         comparison, _ = _run_checked(inputs[0], device)
         if not comparison.ok:
             failed += 1
@@ -177,9 +178,15 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
     )
     test.set_defaults(func=_task_test)
 
-    bench = actions.add_parser("benchmark", parents=[common], help="check, then time custom_kernel on the benchmark shapes")
-    bench.add_argument("--repeats", type=_positive_int, default=None, help="timed calls per shape (default: 100 on cuda, 3 on cpu)")
-    bench.add_argument("--inputs", type=_positive_int, default=None, help="distinct inputs cycled through (default: 4 on cuda, 1 on cpu)")
+    bench = actions.add_parser(
+        "benchmark", parents=[common], help="check, then time custom_kernel on the benchmark shapes"
+    )
+    bench.add_argument(
+        "--repeats", type=_positive_int, default=None, help="timed calls per shape (default: 100 on cuda, 3 on cpu)"
+    )
+    bench.add_argument(
+        "--inputs", type=_positive_int, default=None, help="distinct inputs, cycled (default: 4 on cuda, 1 on cpu)"
+    )
     bench.set_defaults(func=_task_benchmark)
 
 
