@@ -168,7 +168,7 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
     common.add_argument(
         "--device", choices=("cpu", "cuda"), default=None, help="default: cuda when a GPU is found, else cpu"
     )
-    common.add_argument("--seed", type=int, default=42, help="seed of the first shape; shape i uses seed + i")
+    common.add_argument("--seed", type=int, default=42, help="base seed; every shape and input gets its own seed from it")
 
     test = actions.add_parser("test", parents=[common], help="check custom_kernel on every test shape")
     test.add_argument(
