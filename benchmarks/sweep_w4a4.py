@@ -76,9 +76,9 @@ def main():
     results["stream_2GiB_tbps"] = (2 << 30) / t / 1e6
     print(f"launch in graph: {results['launch_us']:.2f} us; stream 2 GiB: {results['stream_2GiB_tbps']:.2f} TB/s", flush=True)
     del big
-    rows_l = [4, 8, 16] if not quick else [8]
-    blocks_l = [64, 128, 256]
-    warps_l = [2, 4, 8]
+    rows_l = [8, 16] if not quick else [8]
+    blocks_l = [64, 128]
+    warps_l = [4]
     stages_l = [1]
     t0 = time.time()
     for (m, k, l) in SHAPES:

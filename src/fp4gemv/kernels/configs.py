@@ -1,6 +1,7 @@
 """Launch configurations for the GEMV kernels, chosen from the problem shape.
 
-Every constant here is a measured choice; docs/performance.md has the sweep that picked it.
+Every constant here is a measured choice; docs/performance.md has the sweeps that picked them
+(``benchmarks/sweep_w4a4.py`` on the H200).
 """
 
 from __future__ import annotations
@@ -17,8 +18,14 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def w4a4_config(m: int, k: int, l: int) -> GemvConfig:
-    """The configuration for an ``m x k`` GEMV over ``l`` batches (W4A4, N = 1)."""
+def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
+    """The configuration for an ``m x k`` GEMV over ``l`` batches (W4A4, N = 1).
+
+    Sweep 1 (docs/performance.md): long rows (K >= 8192) or few rows (M*L <= 4096) were fastest with 8 rows
+    x 128 blocks, the others with 16 rows x 64 blocks; 4 warps won everywhere; num_stages had no effect
+    (Triton does not pipeline these loads).
+    """
     nb = k // 16
-    blocks = 256 if nb >= 256 else max(4, 1 << (nb.bit_length() - 1))
-    return GemvConfig(rows=16, blocks=blocks, num_warps=4, num_stages=1)
+    rows, blocks = (8, 128) if k >= 8192 or m * l <= 4096 else (16, 64)
+    blocks = min(blocks, 1 << (nb.bit_length() - 1))  # a power of two no larger than K/16
+    return GemvConfig(rows=rows, blocks=blocks, num_warps=4, num_stages=1)

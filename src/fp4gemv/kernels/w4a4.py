@@ -14,24 +14,6 @@ from ._decode import activation_bytes, block_dot_ptx, block_dot_triton, doubled_
 
 
 @triton.jit
-def _load_step(a_rows, sfa_rows, b_row, sfb_row, j, NB, sfa_stride_col_tile, sfb_stride_col_tile,
-               EVEN_K: tl.constexpr, active):
-    """Weights, weight scales, activation and activation scales of K-blocks ``j`` (zeros past K or when
-    ``active`` is false)."""
-    # Scale columns come in runs of 4 contiguous bytes in every supported layout.
-    sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, 4), 4)
-    sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, 4), 4)
-    k_ok = (j < NB) & active
-    if EVEN_K:
-        k_ok = tl.full(j.shape, 1, tl.int1) & active
-    a = tl.load(a_rows + j[None, :], mask=k_ok[None, :], other=0)
-    sfa = tl.load(sfa_rows[:, None] + sfa_col[None, :], mask=k_ok[None, :], other=0)
-    b = tl.load(b_row + j, mask=k_ok, other=0)
-    sfb = tl.load(sfb_row + sfb_col, mask=k_ok, other=0)
-    return a, sfa, b, sfb
-
-
-@triton.jit
 def w4a4_gemv_kernel(
     a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr,
     M, NB,
@@ -58,13 +40,22 @@ def w4a4_gemv_kernel(
 
     cols = tl.arange(0, BLOCKS)
     acc = tl.zeros([ROWS, BLOCKS], dtype=tl.float32)
-    # Register double-buffering: the loads of step i+1 are issued before step i is decoded, so every warp
-    # keeps a step of weights in flight while it computes (Triton's pipeliner does not stage these loads).
-    a, sfa, b, sfb = _load_step(a_rows, sfa_rows, b_row, sfb_row, cols, NB,
-                                sfa_stride_col_tile, sfb_stride_col_tile, EVEN_K, True)
-    for j0 in range(BLOCKS, NB + BLOCKS, BLOCKS):
-        a_next, sfa_next, b_next, sfb_next = _load_step(a_rows, sfa_rows, b_row, sfb_row, j0 + cols, NB,
-                                                        sfa_stride_col_tile, sfb_stride_col_tile, EVEN_K, j0 < NB)
+    for j0 in range(0, NB, BLOCKS):
+        j = j0 + cols
+        # Scale columns come in runs of 4 contiguous bytes in every supported layout.
+        sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, 4), 4)
+        sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, 4), 4)
+        if EVEN_K:
+            a = tl.load(a_rows + j[None, :])
+            sfa = tl.load(sfa_rows[:, None] + sfa_col[None, :])
+            b = tl.load(b_row + j)
+            sfb = tl.load(sfb_row + sfb_col)
+        else:
+            k_ok = j < NB
+            a = tl.load(a_rows + j[None, :], mask=k_ok[None, :], other=0)
+            sfa = tl.load(sfa_rows[:, None] + sfa_col[None, :], mask=k_ok[None, :], other=0)
+            b = tl.load(b_row + j, mask=k_ok, other=0)
+            sfb = tl.load(sfb_row + sfb_col, mask=k_ok, other=0)
         scale = (sfa.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                  * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
         if USE_PTX:
@@ -73,7 +64,6 @@ def w4a4_gemv_kernel(
         else:
             block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
         acc += block * scale
-        a, sfa, b, sfb = a_next, sfa_next, b_next, sfb_next
     # Block sums carry a factor 4 from the doubled operands.
     out = tl.sum(acc, axis=1) * 0.25
     tl.store(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out.to(tl.float16), mask=rows < M)
