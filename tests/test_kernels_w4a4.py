@@ -1,0 +1,102 @@
+"""The W4A4 kernel against the exact reference.
+
+On a CPU-only machine the pure-Triton decode runs in Triton's interpreter (conftest sets TRITON_INTERPRET),
+which exercises the kernel's indexing, scale addressing and masking.  The PTX decode can only run on a GPU:
+the ``gpu`` tests check it bit for bit against the pure-Triton decode and on a fuzz of shapes.
+"""
+
+import pytest
+import torch
+
+from fp4gemv import formats, layouts, ops, task
+from fp4gemv.kernels.configs import GemvConfig, w4a4_config
+from fp4gemv.reference import gemv_reference
+
+
+def _operands(m, k, L, seed, device="cpu"):
+    """Full-range task-layout operands for any M (padded scale atoms) and their exact fp16 reference."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 256, (L, m, k // 2), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (L, 3, k // 2), dtype=torch.uint8, generator=g)
+    # Scales spanning 2^-9 .. 2^2 with every mantissa; products stay small enough for fp16 outputs.
+    sfa = formats.encode_e4m3((1 + torch.randint(0, 8, (L, m, k // 16), generator=g) / 8)
+                              * torch.exp2(torch.randint(-9, 3, (L, m, k // 16), generator=g).float()))
+    sfb = formats.encode_e4m3(torch.exp2(torch.randint(-9, 1, (L, 3, k // 16), generator=g).float()))
+    expected = gemv_reference(formats.dequantize(a, sfa), formats.dequantize(b[:, :1], sfb[:, :1]))[:, :, 0]
+    args = (
+        a.permute(1, 2, 0).to(device).view(torch.float4_e2m1fn_x2),
+        b.permute(1, 2, 0).to(device).view(torch.float4_e2m1fn_x2),
+        layouts.task_permuted_view(layouts.swizzle_scales(sfa), m, k // 16).to(device).view(torch.float8_e4m3fn),
+        layouts.task_permuted_view(layouts.swizzle_scales(sfb), 3, k // 16).to(device).view(torch.float8_e4m3fn),
+        torch.full((L, m, 1), float("nan"), dtype=torch.float16, device=device).permute(1, 2, 0),
+    )
+    return args, expected
+
+
+def _as_lm(c):
+    return c[:, 0, :].permute(1, 0).float().cpu()
+
+
+@pytest.mark.parametrize(
+    "m, k, L, cfg",
+    [
+        (128, 256, 1, None),
+        (256, 1536, 2, None),
+        (128, 192, 3, GemvConfig(8, 8, 4, 1)),  # K/16 = 12: a partial last step, masked
+        (200, 128, 2, GemvConfig(16, 4, 4, 1)),  # M neither a multiple of 16 nor 128: tail rows, padded atoms
+        (384, 512, 1, GemvConfig(8, 8, 4, 1)),  # several K steps and three row tiles of scales
+    ],
+)
+def test_triton_decode_matches_reference_in_interpreter(m, k, L, cfg):
+    args, expected = _operands(m, k, L, seed=m + k + L)
+    out = ops.task_gemv(*args, backend="triton", config=cfg)
+    got = _as_lm(out)
+    assert not torch.isnan(got).any(), "some outputs were not written"
+    torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3)
+
+
+def test_triton_decode_passes_task_check_in_interpreter():
+    data = task.generate_full_range_input(128, 1536, 2, seed=7, device="cpu")
+    c = data[6].fill_(float("nan"))
+    ops.task_gemv(data[0], data[1], data[4], data[5], c, backend="triton")
+    ok, msg = task.check_implementation(data, c)
+    assert ok, msg
+
+
+def test_config_blocks_never_exceed_k():
+    for k in (64, 128, 192, 256, 1536, 2048, 7168, 16384):
+        cfg = w4a4_config(128, k, 1)
+        assert cfg.blocks <= k // 16 and cfg.blocks & (cfg.blocks - 1) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, L", [(128, 256, 1), (2432, 4608, 2), (384, 7168, 2), (200, 192, 3), (7168, 2048, 4)])
+def test_ptx_and_triton_decodes_agree_bitwise(m, k, L):
+    args, expected = _operands(m, k, L, seed=3, device="cuda")
+    ptx = ops.task_gemv(*args, backend="triton-ptx").clone()
+    args[4].fill_(float("nan"))
+    pure = ops.task_gemv(*args, backend="triton")
+    assert torch.equal(ptx.view(torch.int16), pure.view(torch.int16))
+    torch.testing.assert_close(_as_lm(ptx), expected.float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_ptx_decode_on_random_shapes():
+    g = torch.Generator().manual_seed(11)
+    for i in range(24):
+        m = 128 * int(torch.randint(1, 40, (1,), generator=g))
+        k = 64 * int(torch.randint(1, 120, (1,), generator=g))
+        L = int(torch.randint(1, 9, (1,), generator=g))
+        args, expected = _operands(m, k, L, seed=100 + i, device="cuda")
+        got = _as_lm(ops.task_gemv(*args))
+        assert not torch.isnan(got).any(), (m, k, L)
+        torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3, msg=f"shape {(m, k, L)}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", task.TEST_SHAPES)
+def test_custom_kernel_on_gpu_full_range(shape):
+    data = task.generate_full_range_input(*shape, seed=1, device="cuda")
+    c = data[6].fill_(float("nan"))
+    ok, msg = task.check_implementation(data, task.custom_kernel(data))
+    assert ok, msg
