@@ -132,3 +132,110 @@ def dequant_matmul_eager(a_bytes, sfa_linear, b_bytes, sfb_linear, dtype=torch.f
 
 def summarize(times: Sequence[float]) -> dict:
     return {"median_us": statistics.median(times), "min_us": min(times), "max_us": max(times)}
+
+
+TASK_SHAPES = [Shape(7168, 16384, 1), Shape(4096, 7168, 8), Shape(7168, 2048, 4)]
+DECODE_SHAPES = [Shape(4096, 4096), Shape(14336, 4096), Shape(4096, 14336), Shape(28672, 8192)]
+
+
+def _event_time_us(call: Callable[[], object], repeats: int = 10) -> float:
+    """Median device-and-host time of a synchronous call, for baselines that cannot be graph-captured."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def bench_shape(shape: Shape, compile_baseline: bool = True) -> dict:
+    """Every measurement of one W4A4 task-layout shape: kernel, stream read, baselines, host overhead."""
+    from . import ops
+
+    m, k, l = shape.m, shape.k, shape.l
+    nbytes = task_bytes(m, k, l)
+    count = max(20, -(-300_000_000 // nbytes))
+    inputs = [random_task_operands(m, k, l, seed=i) for i in range(count)]
+    row = {"m": m, "k": k, "l": l, "bytes": nbytes, "floor_us": floor_us(nbytes), "inputs": count}
+    row["kernel"] = summarize(device_time_us(lambda x: ops.task_gemv(*x), inputs))
+    row["host_us_per_call"] = host_overhead_us(lambda: ops.task_gemv(*inputs[0]))
+    bufs = [x[0] for x in inputs]  # the weights' bytes: the bulk of what the kernel reads
+    out = torch.empty(stream_read_programs(nbytes), dtype=torch.int64, device="cuda")
+    flat = [torch.empty(nbytes // 8 * 8, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(count)]
+    row["stream_read"] = summarize(device_time_us(lambda x: stream_read(x, out), flat))
+    del flat, bufs
+    a, b, sfa_p, sfb_p, _ = inputs[0]
+    a_lin = a.view(torch.uint8).permute(2, 0, 1)
+    b_lin = b.view(torch.uint8).permute(2, 0, 1)[:, :1]
+    sfa_lin = layouts.unswizzle_scales(layouts.swizzled_from_task_permuted(sfa_p.view(torch.uint8)), m, k // 16)
+    sfb_lin = layouts.unswizzle_scales(layouts.swizzled_from_task_permuted(sfb_p.view(torch.uint8)), 128, k // 16)[:, :1]
+    eager = lambda: dequant_matmul_eager(a_lin, sfa_lin, b_lin, sfb_lin)  # noqa: E731
+    row["eager_us"] = _event_time_us(eager)
+    if compile_baseline:
+        compiled = torch.compile(dequant_matmul_eager, dynamic=False)
+        row["compile_us"] = _event_time_us(lambda: compiled(a_lin, sfa_lin, b_lin, sfb_lin))
+    del inputs
+    return row
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    head = (f"{'M':>6} {'K':>6} {'L':>2} {'MB':>7} {'floor us':>8} {'kernel us':>9} {'TB/s':>5} {'%floor':>6} "
+            f"{'stream us':>9} {'host us':>7} {'eager us':>9} {'x eager':>7} {'compile us':>10} {'x comp':>6}")
+    lines = [head]
+    for r in rows:
+        t = r["kernel"]["median_us"]
+        comp = r.get("compile_us")
+        lines.append(
+            f"{r['m']:>6} {r['k']:>6} {r['l']:>2} {r['bytes'] / 1e6:>7.1f} {r['floor_us']:>8.2f} {t:>9.2f} "
+            f"{r['bytes'] / t / 1e6:>5.2f} {100 * r['floor_us'] / t:>5.0f}% {r['stream_read']['median_us']:>9.2f} "
+            f"{r['host_us_per_call']:>7.1f} {r['eager_us']:>9.1f} {r['eager_us'] / t:>7.1f} "
+            f"{comp if comp is not None else float('nan'):>10.1f} {(comp or float('nan')) / t:>6.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str) -> bool:
+    """Bar chart of achieved bandwidth per shape (kernel, stream read) against the floor; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    labels = [f"{r['m']}x{r['k']}x{r['l']}" for r in rows]
+    kern = [r["bytes"] / r["kernel"]["median_us"] / 1e6 for r in rows]
+    stream = [r["bytes"] / r["stream_read"]["median_us"] / 1e6 for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
+    ax.bar([i - 0.2 for i in x], kern, 0.4, label="fp4gemv W4A4 kernel")
+    ax.bar([i + 0.2 for i in x], stream, 0.4, label="stream read, same bytes")
+    ax.axhline(PEAK_READ_TBPS, color="k", ls="--", lw=1, label=f"{PEAK_READ_TBPS} TB/s floor")
+    ax.set_xticks(list(x), labels, rotation=20)
+    ax.set_ylabel("TB/s (bytes / device time per call)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def run(shapes: Sequence[Shape], out_dir: str, compile_baseline: bool = True) -> list[dict]:
+    """Measure every shape, write ``bench.json`` and ``bench.png`` to ``out_dir``, print the table last."""
+    import json
+    import os
+
+    rows = []
+    for s in shapes:
+        print(f"measuring {s.m}x{s.k}x{s.l} ...", flush=True)
+        rows.append(bench_shape(s, compile_baseline))
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_read_tbps": PEAK_READ_TBPS}
+    with open(os.path.join(out_dir, "bench.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(out_dir, "bench.png"))
+    print(format_table(rows))
+    return rows

@@ -2,6 +2,7 @@
 
     fp4gemv task test       [--device cpu|cuda] [--seed N] [--full-range]
     fp4gemv task benchmark  [--device cpu|cuda] [--seed N] [--repeats N] [--inputs N]
+    fp4gemv bench           [--shapes task|decode|all] [--out DIR] [--no-compile]   (GPU only)
 
 Each top-level command is one ``_add_<command>_parser`` function listed in ``_COMMANDS``; it adds its
 sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and returns as the exit code.
@@ -190,7 +191,27 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_task_benchmark)
 
 
-_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_task_parser,)
+def _run_bench(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
+        return 2
+    from fp4gemv import bench
+
+    shapes = {"task": bench.TASK_SHAPES, "decode": bench.DECODE_SHAPES,
+              "all": bench.TASK_SHAPES + bench.DECODE_SHAPES}[args.shapes]
+    bench.run(shapes, args.out, compile_baseline=not args.no_compile)
+    return 0
+
+
+def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("bench", help="time the W4A4 kernel against a stream read and PyTorch baselines (GPU)")
+    p.add_argument("--shapes", choices=("task", "decode", "all"), default="all")
+    p.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.set_defaults(func=_run_bench)
+
+
+_COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_task_parser, _add_bench_parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
