@@ -12,6 +12,9 @@ from fp4gemv import formats, layouts, ops, task
 from fp4gemv.kernels.configs import GemvConfig, w4a4_config
 from fp4gemv.reference import gemv_reference
 
+# Interpreter on CPU tensors without a GPU (conftest), the compiled kernel on CUDA tensors with one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _operands(m, k, L, seed, device="cpu"):
     """Full-range task-layout operands for any M (padded scale atoms) and their exact fp16 reference."""
@@ -47,16 +50,16 @@ def _as_lm(c):
         (384, 512, 1, GemvConfig(8, 8, 4, 1)),  # several K steps and three row tiles of scales
     ],
 )
-def test_triton_decode_matches_reference_in_interpreter(m, k, L, cfg):
-    args, expected = _operands(m, k, L, seed=m + k + L)
+def test_triton_decode_matches_reference(m, k, L, cfg):
+    args, expected = _operands(m, k, L, seed=m + k + L, device=DEVICE)
     out = ops.task_gemv(*args, backend="triton", config=cfg)
     got = _as_lm(out)
     assert not torch.isnan(got).any(), "some outputs were not written"
     torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3)
 
 
-def test_triton_decode_passes_task_check_in_interpreter():
-    data = task.generate_full_range_input(128, 1536, 2, seed=7, device="cpu")
+def test_triton_decode_passes_task_check():
+    data = task.generate_full_range_input(128, 1536, 2, seed=7, device=DEVICE)
     c = data[6].fill_(float("nan"))
     ops.task_gemv(data[0], data[1], data[4], data[5], c, backend="triton")
     ok, msg = task.check_implementation(data, c)
