@@ -84,20 +84,16 @@ def _time_calls(
 ) -> list[float]:
     """Seconds per call of ``kernel``, cycling through distinct inputs so no call finds its operands in L2.
 
-    On CUDA each call is bracketed by CUDA events; on the CPU by the wall clock.  One untimed warm-up call
-    first (Triton compiles on first use).
+    On CUDA: device time per launch by CUDA-graph replay of one call per input, L2 flushed before each of
+    ``repeats`` replays (``bench.device_time_us``); eager event timing would measure the host's launch cost.
+    On the CPU: the wall clock per call.  One untimed warm-up call first (Triton compiles on first use).
     """
     kernel(inputs[0])
     _synchronize(device)
     if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-        for i in range(repeats):
-            starts[i].record()
-            kernel(inputs[i % len(inputs)])
-            ends[i].record()
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) / 1e3 for start, end in zip(starts, ends, strict=True)]
+        from fp4gemv import bench
+
+        return [us / 1e6 for us in bench.device_time_us(kernel, inputs, replays=repeats)]
     times = []
     for i in range(repeats):
         start = time.perf_counter()
