@@ -18,6 +18,70 @@ _MAG_TABLE_HI = 0x0C080604
 _MAGIC_F32_BITS = 0x4B400000
 
 
+# The 32-bit halves of a block: selector words w (elements 0-3 in bits 0-15; s = w >> 16 for elements 4-7)
+# and their sign-flipped twins x = w ^ 0x88888888, for the two words of an int64 block.
+_LOAD_TABLE_PTX = f"""
+        mov.b32 tlo, {_MAG_TABLE_LO:#010x};
+        mov.b32 thi, {_MAG_TABLE_HI:#010x};"""
+_SPLIT_WORDS_PTX = """
+        xor.b32 x0, w0, 0x88888888;
+        xor.b32 x1, w1, 0x88888888;
+        shr.u32 s0, w0, 16;
+        shr.u32 s1, w1, 16;
+        shr.u32 sx0, x0, 16;
+        shr.u32 sx1, x1, 16;"""
+# (selector of the magnitudes, selector of the negated elements) for each group of 4 elements, in order.
+_SELECTORS = (("w0", "x0"), ("s0", "sx0"), ("w1", "x1"), ("s1", "sx1"))
+
+_ACTIVATION_BYTES_PTX = tl.constexpr(
+    """{
+        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, tlo, thi, p, n, r0, r1, r2, r3;
+        mov.b64 {w0, w1}, $2;"""
+    + _LOAD_TABLE_PTX
+    + _SPLIT_WORDS_PTX
+    + "".join(
+        f"""
+        prmt.b32 p, tlo, thi, {pos};
+        prmt.b32 n, tlo, thi, {neg};
+        or.b32 p, p, 0x80808080;
+        sub.u32 p, p, n;
+        xor.b32 r{i}, p, 0x80808080;"""
+        for i, (pos, neg) in enumerate(_SELECTORS)
+    )
+    + """
+        mov.b64 $0, {r0, r1};
+        mov.b64 $1, {r2, r3};
+        }"""
+)
+
+_BLOCK_DOT_PTX = tl.constexpr(
+    """{
+        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, p, tlo, thi, accp, accn;
+        .reg .b32 b0, b1, b2, b3;
+        .reg .f32 f;
+        mov.b64 {w0, w1}, $1;
+        mov.b64 {b0, b1}, $2;
+        mov.b64 {b2, b3}, $3;"""
+    + _LOAD_TABLE_PTX
+    + f"""
+        mov.b32 accp, {_MAGIC_F32_BITS:#010x};
+        mov.b32 accn, 0;"""
+    + _SPLIT_WORDS_PTX
+    + "".join(
+        f"""
+        prmt.b32 p, tlo, thi, {sel};
+        dp4a.s32.s32 {acc}, p, b{i}, {acc};"""
+        for column, acc in ((0, "accp"), (1, "accn"))
+        for i, sel in enumerate(s[column] for s in _SELECTORS)
+    )
+    + f"""
+        sub.s32 accp, accp, accn;
+        mov.b32 f, accp;
+        sub.f32 $0, f, 0f{_MAGIC_F32_BITS:08X};
+        }}"""
+)
+
+
 @triton.jit
 def doubled_e2m1(code):
     """2 * value of e2m1 codes 0..15 (any integer dtype): 0,1,2,3,4,6,8,12 and their negatives."""
@@ -46,42 +110,7 @@ def activation_bytes(b_block):
     borrow crosses a byte: ((pos | 0x80) - neg) ^ 0x80.
     """
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, tlo, thi, p, n, r0, r1, r2, r3;
-        mov.b64 {w0, w1}, $2;
-        mov.b32 tlo, 0x03020100;
-        mov.b32 thi, 0x0C080604;
-        xor.b32 x0, w0, 0x88888888;
-        xor.b32 x1, w1, 0x88888888;
-        shr.u32 s0, w0, 16;
-        shr.u32 s1, w1, 16;
-        shr.u32 sx0, x0, 16;
-        shr.u32 sx1, x1, 16;
-        prmt.b32 p, tlo, thi, w0;
-        prmt.b32 n, tlo, thi, x0;
-        or.b32 p, p, 0x80808080;
-        sub.u32 p, p, n;
-        xor.b32 r0, p, 0x80808080;
-        prmt.b32 p, tlo, thi, s0;
-        prmt.b32 n, tlo, thi, sx0;
-        or.b32 p, p, 0x80808080;
-        sub.u32 p, p, n;
-        xor.b32 r1, p, 0x80808080;
-        prmt.b32 p, tlo, thi, w1;
-        prmt.b32 n, tlo, thi, x1;
-        or.b32 p, p, 0x80808080;
-        sub.u32 p, p, n;
-        xor.b32 r2, p, 0x80808080;
-        prmt.b32 p, tlo, thi, s1;
-        prmt.b32 n, tlo, thi, sx1;
-        or.b32 p, p, 0x80808080;
-        sub.u32 p, p, n;
-        xor.b32 r3, p, 0x80808080;
-        mov.b64 $0, {r0, r1};
-        mov.b64 $1, {r2, r3};
-        }
-        """,
+        asm=_ACTIVATION_BYTES_PTX,
         constraints="=l,=l,l",
         args=[b_block],
         dtype=(tl.int64, tl.int64),
@@ -111,45 +140,7 @@ def block_dot_ptx(a_block, b_lo, b_hi):
     float with one subtraction instead of an int-to-float convert.
     """
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 a0, a1, x0, x1, s0, s1, sx0, sx1, p, tlo, thi, accp, accn;
-        .reg .b32 b0, b1, b2, b3;
-        .reg .f32 f;
-        mov.b64 {a0, a1}, $1;
-        mov.b64 {b0, b1}, $2;
-        mov.b64 {b2, b3}, $3;
-        mov.b32 tlo, 0x03020100;
-        mov.b32 thi, 0x0C080604;
-        mov.b32 accp, 0x4B400000;
-        mov.b32 accn, 0;
-        xor.b32 x0, a0, 0x88888888;
-        xor.b32 x1, a1, 0x88888888;
-        shr.u32 s0, a0, 16;
-        shr.u32 s1, a1, 16;
-        shr.u32 sx0, x0, 16;
-        shr.u32 sx1, x1, 16;
-        prmt.b32 p, tlo, thi, a0;
-        dp4a.s32.s32 accp, p, b0, accp;
-        prmt.b32 p, tlo, thi, s0;
-        dp4a.s32.s32 accp, p, b1, accp;
-        prmt.b32 p, tlo, thi, a1;
-        dp4a.s32.s32 accp, p, b2, accp;
-        prmt.b32 p, tlo, thi, s1;
-        dp4a.s32.s32 accp, p, b3, accp;
-        prmt.b32 p, tlo, thi, x0;
-        dp4a.s32.s32 accn, p, b0, accn;
-        prmt.b32 p, tlo, thi, sx0;
-        dp4a.s32.s32 accn, p, b1, accn;
-        prmt.b32 p, tlo, thi, x1;
-        dp4a.s32.s32 accn, p, b2, accn;
-        prmt.b32 p, tlo, thi, sx1;
-        dp4a.s32.s32 accn, p, b3, accn;
-        sub.s32 accp, accp, accn;
-        mov.b32 f, accp;
-        sub.f32 $0, f, 0f4B400000;
-        }
-        """,
+        asm=_BLOCK_DOT_PTX,
         constraints="=f,l,l,l",
         args=[a_block, b_lo, b_hi],
         dtype=tl.float32,
