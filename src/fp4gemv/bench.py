@@ -89,6 +89,19 @@ def host_overhead_us(call: Callable[[], object], calls: int = 200) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def input_count(nbytes: int) -> int:
+    """Distinct inputs per timed round: at least 20 and 300 MB, so no launch finds its operands in L2."""
+    return max(20, -(-300_000_000 // nbytes))
+
+
+def stream_read_time_us(nbytes: int) -> list[float]:
+    """Device times of a stream read of ``nbytes`` per launch, over ``input_count`` distinct random buffers."""
+    bufs = [torch.empty(nbytes // 8 * 8, dtype=torch.uint8, device="cuda").random_(0, 255)
+            for _ in range(input_count(nbytes))]
+    out = torch.empty(stream_read_programs(nbytes), dtype=torch.int64, device="cuda")
+    return device_time_us(lambda x: stream_read(x, out), bufs)
+
+
 def random_task_operands(m: int, k: int, l: int, seed: int, device: str = "cuda"):  # noqa: E741
     """Task-layout operands ``(a, b, sfa_permuted, sfb_permuted, c)`` drawn directly on ``device``, fast.
 
@@ -159,16 +172,12 @@ def bench_shape(shape: Shape, compile_baseline: bool = True) -> dict:
 
     m, k, l = shape.m, shape.k, shape.l
     nbytes = task_bytes(m, k, l)
-    count = max(20, -(-300_000_000 // nbytes))
+    count = input_count(nbytes)
     inputs = [random_task_operands(m, k, l, seed=i) for i in range(count)]
     row = {"m": m, "k": k, "l": l, "bytes": nbytes, "floor_us": floor_us(nbytes), "inputs": count}
     row["kernel"] = summarize(device_time_us(lambda x: ops.task_gemv(*x), inputs))
     row["host_us_per_call"] = host_overhead_us(lambda: ops.task_gemv(*inputs[0]))
-    bufs = [x[0] for x in inputs]  # the weights' bytes: the bulk of what the kernel reads
-    out = torch.empty(stream_read_programs(nbytes), dtype=torch.int64, device="cuda")
-    flat = [torch.empty(nbytes // 8 * 8, dtype=torch.uint8, device="cuda").random_(0, 255) for _ in range(count)]
-    row["stream_read"] = summarize(device_time_us(lambda x: stream_read(x, out), flat))
-    del flat, bufs
+    row["stream_read"] = summarize(stream_read_time_us(nbytes))
     a, b, sfa_p, sfb_p, _ = inputs[0]
     a_lin = a.view(torch.uint8).permute(2, 0, 1)
     b_lin = b.view(torch.uint8).permute(2, 0, 1)[:, :1]

@@ -107,7 +107,9 @@ def task_gemv(
 
     if backend == "reference":
         sfa_lin = layouts.unswizzle_scales(sfa, m, k // 16)
-        sfb_lin = layouts.unswizzle_scales(sfb[:, :512 * ((k // 16 + 3) // 4)], 1, k // 16)
+        # Row 0 of b lives in its first 128-row tile of scales.
+        _, cols_p = layouts.padded_scale_shape(1, k // 16)
+        sfb_lin = layouts.unswizzle_scales(sfb[:, :layouts.ROWS_PER_ATOM * cols_p], 1, k // 16)
         a_val = formats.dequantize(a_bytes, sfa_lin)
         b_val = formats.dequantize(b_bytes[:, None, :], sfb_lin)
         c_lm.copy_(gemv_reference(a_val, b_val)[:, :, 0])
@@ -119,13 +121,16 @@ def task_gemv(
 
 
 def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use_ptx: bool) -> None:
+    import triton
+
     from .kernels.w4a4 import w4a4_gemv_kernel
 
     nb = k // 16
     a_blocks = a_bytes.view(torch.int64)  # [L, M, K/16]: one 16-element block per int64
     b_blocks = b_bytes.view(torch.int64)  # [L, K/16]
-    row_tile = 512 * ((nb + 3) // 4)  # bytes per 128-row tile of swizzled scales
-    grid = (triton_cdiv(m, cfg.rows), l)
+    _, cols_p = layouts.padded_scale_shape(1, nb)
+    row_tile = layouts.ROWS_PER_ATOM * cols_p  # bytes per 128-row tile of swizzled scales
+    grid = (triton.cdiv(m, cfg.rows), l)
     w4a4_gemv_kernel[grid](
         a_blocks, b_blocks, sfa, sfb, c_lm,
         m, nb,
@@ -137,7 +142,3 @@ def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use
         ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % cfg.blocks == 0), USE_PTX=use_ptx,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def triton_cdiv(x: int, y: int) -> int:
-    return (x + y - 1) // y
