@@ -94,12 +94,12 @@ def input_count(nbytes: int) -> int:
     return max(20, -(-300_000_000 // nbytes))
 
 
-def stream_read_time_us(nbytes: int) -> list[float]:
+def stream_read_time_us(nbytes: int, pdl: bool = False) -> list[float]:
     """Device times of a stream read of ``nbytes`` per launch, over ``input_count`` distinct random buffers."""
     bufs = [torch.empty(nbytes // 8 * 8, dtype=torch.uint8, device="cuda").random_(0, 255)
             for _ in range(input_count(nbytes))]
     out = torch.empty(stream_read_programs(nbytes), dtype=torch.int64, device="cuda")
-    return device_time_us(lambda x: stream_read(x, out), bufs)
+    return device_time_us(lambda x: stream_read(x, out, pdl), bufs)
 
 
 def random_task_operands(m: int, k: int, l: int, seed: int, device: str = "cuda"):  # noqa: E741
@@ -124,12 +124,13 @@ def random_task_operands(m: int, k: int, l: int, seed: int, device: str = "cuda"
     )
 
 
-def stream_read(buf: torch.Tensor, out: torch.Tensor) -> None:
+def stream_read(buf: torch.Tensor, out: torch.Tensor, pdl: bool = False) -> None:
     """Read every byte of ``buf`` (a multiple of 8 bytes) once; ``out`` needs ``stream_read_programs`` int64."""
     from .kernels.stream import stream_read_kernel
 
     words = buf.view(torch.int64)
-    stream_read_kernel[(stream_read_programs(buf.numel()),)](words, out, words.numel(), WORDS=1024, STEPS=4, num_warps=4)
+    stream_read_kernel[(stream_read_programs(buf.numel()),)](words, out, words.numel(), WORDS=1024, STEPS=4,
+                                                         PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def stream_read_programs(nbytes: int) -> int:

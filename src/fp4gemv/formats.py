@@ -28,6 +28,7 @@ __all__ = [
     "encode_e8m0",
     "decode_scales",
     "dequantize",
+    "quantize",
 ]
 
 # e2m1 codes 0..7 (bit 3 is the sign): 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit.
@@ -159,3 +160,55 @@ def dequantize(
     if global_scale is not None:
         out = out * torch.as_tensor(global_scale, dtype=dtype, device=out.device)
     return out
+
+
+def _mx_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power-of-two exponent e with ``amax <= 6 * 2^e``, clamped to e8m0's -127 .. 127.
+
+    From ``amax = m * 2^p`` (m in [0.5, 1)): ``6 * 2^(p-3) = 0.75 * 2^p`` covers m <= 0.75, and
+    ``6 * 2^(p-2)`` covers the rest; ``6 * 2^(p-4)`` is below every such amax.  Integer arithmetic on the
+    exponent, so no log2 rounding can pick a power too small.
+    """
+    mantissa, exponent = torch.frexp(amax)
+    e = torch.where(mantissa <= 0.75, exponent - 3, exponent - 2)
+    return e.clamp(-127, 127)
+
+
+def quantize(
+    x: torch.Tensor, fmt: FP4Format = NVFP4, global_scale: float | torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-quantize finite floats ``[..., K]`` to packed e2m1 ``[..., K/2]`` and linear scale bytes ``[..., K/bs]``.
+
+    Each block of ``fmt.block_size`` elements of ``x / global_scale`` gets a scale from its largest
+    magnitude ``amax``, then every element is rounded to the nearest e2m1 value of ``x / (global * scale)``
+    (ties to even, saturating at ±6; :func:`encode_e2m1`):
+
+    * NVFP4: ``scale = e4m3(amax / 6)``, round to nearest, saturating at 448 (the usual NVFP4 recipe; pick
+      ``global_scale = amax(x) / (6 * 448)`` so that no block saturates).  A rounded-down scale can push an
+      element past 6, where it saturates: with a normal e4m3 scale (relative rounding error <= 2^-4) by at
+      most ``6 / (1 - 2^-4) - 6 = 0.4`` scale units, less than half the gap between 4 and 6.  Subnormal
+      scales (``amax < 6 * 2^-6``) are coarser.
+    * MXFP4: ``scale = 2^ceil(log2(amax / 6))``, the smallest power of two that keeps every element within
+      ±6, so no element saturates.  (The OCP MX recipe rounds the exponent down instead and clips.)
+
+    An all-zero block (or one whose scale underflows e4m3) gets scale 0 and codes 0.  Values already of the
+    form ``code * scale * global_scale`` with a ±6 in each block quantize back exactly.  Computed in float64.
+    """
+    if not torch.isfinite(x).all():
+        raise ValueError("x: expected finite values (NaN and infinity have no FP4 encoding)")
+    k = x.shape[-1]
+    if k % fmt.block_size:
+        raise ValueError(f"x: expected K a multiple of the {fmt.name} block size {fmt.block_size}, got K = {k}")
+    values = x.to(torch.float64)
+    if global_scale is not None:
+        values = values / torch.as_tensor(global_scale, dtype=torch.float64, device=x.device)
+    blocks = values.reshape(*values.shape[:-1], k // fmt.block_size, fmt.block_size)
+    amax = blocks.abs().amax(dim=-1)
+    if fmt.scale_dtype == torch.float8_e4m3fn:
+        scale_bytes = encode_e4m3(amax / 6)
+    else:
+        scale_bytes = (_mx_scale_exponent(amax) + 127).to(torch.uint8)
+    scale = decode_scales(scale_bytes, fmt).to(torch.float64).unsqueeze(-1)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scaled = torch.where(scale > 0, blocks / safe, torch.zeros_like(blocks))
+    return pack_e2m1(encode_e2m1(scaled.reshape(values.shape))), scale_bytes

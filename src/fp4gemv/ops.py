@@ -120,9 +120,17 @@ def task_gemv(
     return c
 
 
+def _prefetch_blocks(cfg: GemvConfig, nb: int) -> int:
+    """Blocks per row to prefetch into L2 under PDL: a power of two >= 16 (one 128-byte line), at most K/16."""
+    if not cfg.pdl or cfg.prefetch < 16 or nb < 16:
+        return 0
+    return 1 << (min(cfg.prefetch, nb).bit_length() - 1)
+
+
 def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use_ptx: bool) -> None:
     import triton
 
+    from .kernels._decode import MAG_TABLE
     from .kernels.w4a4 import w4a4_gemv_kernel
 
     nb = k // 16
@@ -139,6 +147,8 @@ def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use
         sfa.stride(0), row_tile, 16, 4, 512,
         sfb.stride(0), 512,
         c_lm.stride(0), c_lm.stride(1),
-        ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % cfg.blocks == 0), USE_PTX=use_ptx,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *MAG_TABLE,
+        ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % (cfg.blocks * cfg.ksplit) == 0), USE_PTX=use_ptx, KSPLIT=cfg.ksplit,
+        UNROLL=cfg.unroll, PDL=cfg.pdl, PREFETCH=_prefetch_blocks(cfg, nb),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=cfg.pdl,
     )

@@ -11,18 +11,17 @@ A 16-element block is one int64: packed byte i holds elements 2i (low nibble) an
 import triton
 import triton.language as tl
 
-# Doubled e2m1 magnitudes 0,1,2,3,4,6,8,12 as the byte table prmt indexes: bytes 0..3 and 4..7.
-_MAG_TABLE_LO = 0x03020100
-_MAG_TABLE_HI = 0x0C080604
+# Doubled e2m1 magnitudes 0,1,2,3,4,6,8,12 as the byte table prmt indexes: bytes 0..3 and 4..7.  Kernels
+# take the two words as runtime arguments and pass them to the PTX below as register operands: written as
+# constants inside each asm block, ptxas copied the low word into a fresh register before every prmt (one
+# extra instruction per prmt; docs/performance.md, v4).
+MAG_TABLE = (0x03020100, 0x0C080604)
 # float32 1.5 * 2^23: adding a small int32 to its bits adds that integer to its value.
 _MAGIC_F32_BITS = 0x4B400000
 
 
 # The 32-bit halves of a block: selector words w (elements 0-3 in bits 0-15; s = w >> 16 for elements 4-7)
 # and their sign-flipped twins x = w ^ 0x88888888, for the two words of an int64 block.
-_LOAD_TABLE_PTX = f"""
-        mov.b32 tlo, {_MAG_TABLE_LO:#010x};
-        mov.b32 thi, {_MAG_TABLE_HI:#010x};"""
 _SPLIT_WORDS_PTX = """
         xor.b32 x0, w0, 0x88888888;
         xor.b32 x1, w1, 0x88888888;
@@ -35,14 +34,13 @@ _SELECTORS = (("w0", "x0"), ("s0", "sx0"), ("w1", "x1"), ("s1", "sx1"))
 
 _ACTIVATION_BYTES_PTX = tl.constexpr(
     """{
-        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, tlo, thi, p, n, r0, r1, r2, r3;
+        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, p, n, r0, r1, r2, r3;
         mov.b64 {w0, w1}, $2;"""
-    + _LOAD_TABLE_PTX
     + _SPLIT_WORDS_PTX
     + "".join(
         f"""
-        prmt.b32 p, tlo, thi, {pos};
-        prmt.b32 n, tlo, thi, {neg};
+        prmt.b32 p, $3, $4, {pos};
+        prmt.b32 n, $3, $4, {neg};
         or.b32 p, p, 0x80808080;
         sub.u32 p, p, n;
         xor.b32 r{i}, p, 0x80808080;"""
@@ -56,20 +54,19 @@ _ACTIVATION_BYTES_PTX = tl.constexpr(
 
 _BLOCK_DOT_PTX = tl.constexpr(
     """{
-        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, p, tlo, thi, accp, accn;
+        .reg .b32 w0, w1, x0, x1, s0, s1, sx0, sx1, p, accp, accn;
         .reg .b32 b0, b1, b2, b3;
         .reg .f32 f;
         mov.b64 {w0, w1}, $1;
         mov.b64 {b0, b1}, $2;
         mov.b64 {b2, b3}, $3;"""
-    + _LOAD_TABLE_PTX
     + f"""
         mov.b32 accp, {_MAGIC_F32_BITS:#010x};
         mov.b32 accn, 0;"""
     + _SPLIT_WORDS_PTX
     + "".join(
         f"""
-        prmt.b32 p, tlo, thi, {sel};
+        prmt.b32 p, $4, $5, {sel};
         dp4a.s32.s32 {acc}, p, b{i}, {acc};"""
         for column, acc in ((0, "accp"), (1, "accn"))
         for i, sel in enumerate(s[column] for s in _SELECTORS)
@@ -101,18 +98,18 @@ def unpack_block(packed):
 
 
 @triton.jit
-def activation_bytes(b_block):
+def activation_bytes(b_block, mag_lo, mag_hi):
     """Doubled values of one 16-element activation block as signed int8 bytes, in PTX.
 
     Returns (lo, hi): int64 words holding elements 0..7 and 8..15, element i in byte i % 8, the operand
     layout ``block_dot_ptx`` expects.  Magnitudes come from the same ``prmt`` table lookup as the weights;
     the signed byte is pos - neg, computed four lanes at a time with the top bit of each byte preset so no
-    borrow crosses a byte: ((pos | 0x80) - neg) ^ 0x80.
+    borrow crosses a byte: ((pos | 0x80) - neg) ^ 0x80.  ``mag_lo, mag_hi``: the words of ``MAG_TABLE``.
     """
     return tl.inline_asm_elementwise(
         asm=_ACTIVATION_BYTES_PTX,
-        constraints="=l,=l,l",
-        args=[b_block],
+        constraints="=l,=l,l,r,r",
+        args=[b_block, mag_lo, mag_hi],
         dtype=(tl.int64, tl.int64),
         is_pure=True,
         pack=1,
@@ -123,15 +120,16 @@ def activation_bytes(b_block):
 def block_dot_triton(a_block, b_dbl):
     """Exact sum of 4*a*b over each 16-element block, as float32 ``[ROWS, NB]``.
 
-    a_block: int64 ``[ROWS, NB]`` packed weights; b_dbl: int32 ``[NB, 16]`` doubled activation values.
+    a_block: int64 packed weights, any shape; b_dbl: int32 doubled activation values, shaped like
+    ``unpack_block(a_block)`` or broadcastable to it.
     """
     a_dbl = doubled_e2m1(unpack_block(a_block)).to(tl.int32)
-    return tl.sum(a_dbl * b_dbl[None, :, :], axis=2).to(tl.float32)
+    return tl.sum(a_dbl * b_dbl, axis=len(a_dbl.shape) - 1).to(tl.float32)
 
 
 @triton.jit
-def block_dot_ptx(a_block, b_lo, b_hi):
-    """The same block sum as ``block_dot_triton`` in 24 integer instructions per block.
+def block_dot_ptx(a_block, b_lo, b_hi, mag_lo, mag_hi):
+    """The same block sum as ``block_dot_triton`` in 22 integer instructions and one float subtraction.
 
     The weight is split as a = a_pos - a_neg (two magnitudes, one of them zero): ``prmt`` looks each nibble
     up in the magnitude table, and a selector nibble with bit 3 (the e2m1 sign) set yields the table byte's
@@ -141,8 +139,8 @@ def block_dot_ptx(a_block, b_lo, b_hi):
     """
     return tl.inline_asm_elementwise(
         asm=_BLOCK_DOT_PTX,
-        constraints="=f,l,l,l",
-        args=[a_block, b_lo, b_hi],
+        constraints="=f,l,l,l,r,r",
+        args=[a_block, b_lo, b_hi, mag_lo, mag_hi],
         dtype=tl.float32,
         is_pure=True,
         pack=1,

@@ -10,12 +10,22 @@ from typing import NamedTuple
 
 
 class GemvConfig(NamedTuple):
-    """One launch: ``rows`` outputs per program, ``blocks`` 16-element K-blocks per loop step."""
+    """One launch: ``rows`` outputs per program, ``blocks`` 16-element K-blocks per loop step.
+
+    ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
+    ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
+    kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
+    many 16-element blocks of each row to prefetch into L2 while waiting.
+    """
 
     rows: int
     blocks: int
     num_warps: int
-    num_stages: int
+    num_stages: int = 1
+    ksplit: int = 1
+    unroll: int = 1
+    pdl: bool = False
+    prefetch: int = 0
 
 
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741

@@ -14,6 +14,13 @@ from ._decode import activation_bytes, block_dot_ptx, block_dot_triton, doubled_
 
 
 @triton.jit
+def l2_prefetch(ptrs):
+    """Ask L2 for the 128-byte lines holding ``ptrs`` (no registers filled, no wait)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def w4a4_gemv_kernel(
     a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr,
     M, NB,
@@ -22,48 +29,75 @@ def w4a4_gemv_kernel(
     sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4, sfa_stride_col_tile,
     sfb_stride_l, sfb_stride_col_tile,
     c_stride_l, c_stride_m,
+    mag_lo, mag_hi,
     ROWS: tl.constexpr,
     BLOCKS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
+    KSPLIT: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
     rows = pid_m * ROWS + tl.arange(0, ROWS)
     # Tail rows re-read row M-1 instead of masking every load; only the store is masked.
     rows_in = tl.minimum(rows, M - 1)
-    a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None] * a_stride_m
+    # Tiles are [ROWS, KSPLIT, BLOCKS]: a step covers KSPLIT * BLOCKS consecutive blocks, chunk s of it in
+    # slice s.  Triton lays BLOCKS over lanes (two blocks, one 16-byte load, per lane), then ROWS, then
+    # KSPLIT, so KSPLIT > 1 puts warps side by side along K: more loads in flight per row when rows are few.
+    a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None, None] * a_stride_m
     sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + (rows_in // 128) * sfa_stride_row_tile
-                + (rows_in % 32) * sfa_stride_r32 + ((rows_in % 128) // 32) * sfa_stride_r4)
+                + (rows_in % 32) * sfa_stride_r32 + ((rows_in % 128) // 32) * sfa_stride_r4)[:, None, None]
     b_row = b_ptr + pid_l * b_stride_l
     sfb_row = sfb_ptr + pid_l * sfb_stride_l
 
-    cols = tl.arange(0, BLOCKS)
-    acc = tl.zeros([ROWS, BLOCKS], dtype=tl.float32)
-    for j0 in range(0, NB, BLOCKS):
+    cols = (tl.arange(0, KSPLIT) * BLOCKS)[None, :, None] + tl.arange(0, BLOCKS)[None, None, :]
+    acc = tl.zeros([ROWS, KSPLIT, BLOCKS], dtype=tl.float32)
+    # The prmt table in per-thread registers: ptxas copies a uniform value into a fresh register before
+    # every prmt (+8 instructions per block).  A condition it cannot fold makes the table per thread; it only
+    # fails for blocks past K, which are masked to zero anyway.
+    tab_lo = tl.where(cols < NB, mag_lo, 0)
+    tab_hi = tl.where(cols < NB, mag_hi, 0)
+    if PDL:
+        # Programmatic dependent launch: let the next kernel in the stream start its programs now.  Until the
+        # previous kernel has finished (it may write b or read c) only L2 prefetches of the weights are issued:
+        # they carry no data into registers, so nothing stale can be read, and they keep DRAM busy meanwhile.
+        tl.extra.cuda.gdc_launch_dependents()
+        if PREFETCH > 0:
+            l2_prefetch(a_rows + (tl.arange(0, PREFETCH // 16) * 16)[None, None, :])
+        tl.extra.cuda.gdc_wait()
+    for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
         j = j0 + cols
-        # Scale columns come in runs of 4 contiguous bytes in every supported layout.
-        sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, 4), 4)
-        sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, 4), 4)
+        # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks
+        # (one 16-byte weight load) need two of them.
+        sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, [1, 1, 2]), [1, 1, 2])
+        sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, [1, 1, 2]), [1, 1, 2])
+        # The activation is addressed per row as well: loads of the full tile shape get the weights' layout
+        # (a [1, KSPLIT, BLOCKS] load would get its own and a shared-memory conversion per step), and a
+        # thread's rows share one load of each address.
+        b_ptrs = tl.broadcast_to(b_row + j, [ROWS, KSPLIT, BLOCKS])
+        sfb_ptrs = tl.broadcast_to(sfb_row + sfb_col, [ROWS, KSPLIT, BLOCKS])
         if EVEN_K:
-            a = tl.load(a_rows + j[None, :])
-            sfa = tl.load(sfa_rows[:, None] + sfa_col[None, :])
-            b = tl.load(b_row + j)
-            sfb = tl.load(sfb_row + sfb_col)
+            a = tl.load(a_rows + j)
+            sfa = tl.load(sfa_rows + sfa_col)
+            b = tl.load(b_ptrs)
+            sfb = tl.load(sfb_ptrs)
         else:
             k_ok = j < NB
-            a = tl.load(a_rows + j[None, :], mask=k_ok[None, :], other=0)
-            sfa = tl.load(sfa_rows[:, None] + sfa_col[None, :], mask=k_ok[None, :], other=0)
-            b = tl.load(b_row + j, mask=k_ok, other=0)
-            sfb = tl.load(sfb_row + sfb_col, mask=k_ok, other=0)
+            a = tl.load(a_rows + j, mask=k_ok, other=0)
+            sfa = tl.load(sfa_rows + sfa_col, mask=k_ok, other=0)
+            b = tl.load(b_ptrs, mask=k_ok, other=0)
+            sfb = tl.load(sfb_ptrs, mask=k_ok, other=0)
         scale = (sfa.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                 * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :])
+                 * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32))
         if USE_PTX:
-            b_lo, b_hi = activation_bytes(b)
-            block = block_dot_ptx(a, b_lo[None, :], b_hi[None, :])
+            b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
+            block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
         else:
             block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
         acc += block * scale
     # Block sums carry a factor 4 from the doubled operands.
-    out = tl.sum(acc, axis=1) * 0.25
+    out = tl.sum(tl.sum(acc, axis=2), axis=1) * 0.25
     tl.store(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out.to(tl.float16), mask=rows < M)
