@@ -1,0 +1,269 @@
+"""``FP4Tensor``: a block-scaled FP4 tensor ``[L?, R, K]`` as the kernels read it.
+
+The container holds bytes exactly as they sit in memory (nothing is repacked on construction), so a
+tensor built from another library's buffers, or from the GPU MODE task's operands, costs no copy:
+
+* ``data``: uint8 ``[L?, R, K/2]``, two e2m1 codes per byte, element 2i in the low nibble, stride 1 along K.
+* ``scales``: one byte per block of ``fmt.block_size`` K-elements (NVFP4: e4m3 per 16; MXFP4: e8m0 per 32),
+  in one of two layouts (``fp4gemv.layouts``): ``"linear"`` ``[L?, R, K/bs]``, or ``"swizzled"``
+  ``[L?, R_p * C_p]``, the 128x4 cuBLAS/CUTLASS swizzle with rows padded to 128 and scale columns to 4.
+* ``global_scale``: an optional fp32 scalar that multiplies every value (NVFP4's per-tensor scale).
+
+Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import formats, layouts
+
+__all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS"]
+
+ScaleLayout = Literal["linear", "swizzled"]
+SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled")
+_DATA_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _resolve_format(fmt: str | formats.FP4Format) -> formats.FP4Format:
+    if isinstance(fmt, formats.FP4Format):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt: expected 'nvfp4', 'mxfp4' or an FP4Format, got {type(fmt).__name__}")
+    if fmt not in formats.FORMATS:
+        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
+    return formats.FORMATS[fmt]
+
+
+def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = " or ".join(_dtype_name(d) for d in dtypes)
+        raise TypeError(f"{name}: expected dtype {names}, got {_dtype_name(t.dtype)}")
+
+
+def _global_scale_tensor(global_scale: float | torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """A 0-d float32 tensor on ``device`` (a Python number is rounded to fp32 once), or None."""
+    if global_scale is None:
+        return None
+    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+        return torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+    _check_tensor("global_scale", global_scale, (torch.float32,))
+    if global_scale.numel() != 1:
+        raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
+    if global_scale.device != device:
+        raise ValueError(f"global_scale: expected device {device} like data, got {global_scale.device}")
+    return global_scale.reshape(())
+
+
+class FP4Tensor:
+    """A quantized tensor ``[L?, R, K]``: packed e2m1 data, block scales, optional fp32 global scale.
+
+    Args:
+        data: uint8 (or float4_e2m1fn_x2) ``[R, K/2]`` or ``[L, R, K/2]``, stride 1 along K/2; R, L >= 1.
+        scales: uint8 (or the format's float8 dtype) block scales on data's device, stride 1 along the last
+            dimension: ``[L?, R, K/bs]`` for ``"linear"``, ``[L?, R_p * C_p]`` for ``"swizzled"`` (R_p = R
+            rounded up to 128, C_p = K/bs rounded up to 4; see ``layouts.swizzle_scales``).
+        fmt: ``"nvfp4"`` (e4m3 scale per 16 elements) or ``"mxfp4"`` (e8m0 scale per 32); K must be a
+            multiple of the block size.
+        scale_layout: ``"linear"`` or ``"swizzled"``.
+        global_scale: None, a Python number (stored as fp32) or a one-element float32 tensor on data's device.
+
+    Tensors are kept as given (viewed as uint8, never copied).  Raises TypeError / ValueError naming the
+    argument, the expected and the actual.
+    """
+
+    __slots__ = ("data", "scales", "fmt", "scale_layout", "global_scale")
+
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scales: torch.Tensor,
+        fmt: str | formats.FP4Format = "nvfp4",
+        scale_layout: ScaleLayout = "linear",
+        global_scale: float | torch.Tensor | None = None,
+    ) -> None:
+        fmt = _resolve_format(fmt)
+        _check_tensor("data", data, _DATA_DTYPES)
+        if data.dim() not in (2, 3) or min(data.shape) < 1:
+            raise ValueError(f"data: expected shape [R, K/2] or [L, R, K/2] with sizes >= 1, got {tuple(data.shape)}")
+        if data.stride(-1) != 1:
+            raise ValueError(f"data: expected stride 1 along K/2 (packed along K), got strides {tuple(data.stride())}")
+        k = 2 * data.shape[-1]
+        if k % fmt.block_size:
+            raise ValueError(
+                f"data: expected K = 2 * data.shape[-1] to be a multiple of the {fmt.name} block size "
+                f"{fmt.block_size}, got K = {k}"
+            )
+        if scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+        _check_tensor("scales", scales, (torch.uint8, fmt.scale_dtype))
+        *batch, rows, _ = data.shape
+        cols = k // fmt.block_size
+        if scale_layout == "linear":
+            expected = (*batch, rows, cols)
+        else:
+            rows_p, cols_p = layouts.padded_scale_shape(rows, cols)
+            expected = (*batch, rows_p * cols_p)
+        if tuple(scales.shape) != expected:
+            raise ValueError(
+                f"scales: expected shape {expected} for {scale_layout} {fmt.name} scales of {rows} rows, K = {k}, "
+                f"got {tuple(scales.shape)}"
+            )
+        if scales.stride(-1) != 1:
+            raise ValueError(
+                f"scales: expected stride 1 along the last dimension, got strides {tuple(scales.stride())}"
+            )
+        if scales.device != data.device:
+            raise ValueError(f"scales: expected device {data.device} like data, got {scales.device}")
+        self.data = formats.as_uint8(data)
+        self.scales = formats.as_uint8(scales)
+        self.fmt = fmt
+        self.scale_layout = scale_layout
+        self.global_scale = _global_scale_tensor(global_scale, data.device)
+
+    # --- shape ---------------------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape ``[L?, R, K]`` (K counts elements, not bytes)."""
+        return torch.Size((*self.data.shape[:-1], 2 * self.data.shape[-1]))
+
+    @property
+    def ndim(self) -> int:
+        return self.data.dim()
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return 2 * self.data.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def __repr__(self) -> str:
+        gs = "None" if self.global_scale is None else f"{self.global_scale.item():g}"
+        return (
+            f"FP4Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name!r}, scale_layout={self.scale_layout!r}, "
+            f"global_scale={gs}, device={self.device})"
+        )
+
+    # --- conversions ---------------------------------------------------------------------------------------
+
+    def linear_scales(self) -> torch.Tensor:
+        """Scale bytes ``[L?, R, K/bs]`` (the stored tensor when linear, an unswizzled copy otherwise)."""
+        if self.scale_layout == "linear":
+            return self.scales
+        return layouts.unswizzle_scales(self.scales, self.rows, self.k // self.fmt.block_size)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Values ``[L?, R, K]`` in ``dtype`` via ``formats.dequantize``.
+
+        float64 is always exact; float32 is exact without a global scale (e2m1 x e4m3 needs 6 significant
+        bits; e8m0 scales fit fp32's exponent range, 2^-127 as a subnormal), else rounded once per element.
+        """
+        return formats.dequantize(self.data, self.linear_scales(), self.fmt, self.global_scale, dtype)
+
+    def with_scale_layout(self, scale_layout: ScaleLayout) -> FP4Tensor:
+        """The same values with scales in ``scale_layout`` (this tensor when already so; else a scale copy)."""
+        if scale_layout not in SCALE_LAYOUTS:
+            raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+        if scale_layout == self.scale_layout:
+            return self
+        scales = layouts.swizzle_scales(self.scales) if scale_layout == "swizzled" else self.linear_scales()
+        return FP4Tensor(self.data, scales, self.fmt, scale_layout, self.global_scale)
+
+    def to(self, device: str | torch.device) -> FP4Tensor:
+        """A copy on ``device`` (or this tensor when already there); bytes are copied as they are."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        gs = None if self.global_scale is None else self.global_scale.to(device)
+        return FP4Tensor(self.data.to(device), self.scales.to(device), self.fmt, self.scale_layout, gs)
+
+    def first_rows(self, n: int) -> FP4Tensor:
+        """The first ``n`` rows, without a copy.
+
+        Swizzled scales keep their whole first ``ceil(n / 128)`` row tiles: row tiles are outermost in the
+        swizzle, so those bytes are exactly the swizzled scales of an ``n``-row tensor.
+        """
+        if not 1 <= n <= self.rows:
+            raise ValueError(f"n: expected 1 <= n <= {self.rows} rows, got {n}")
+        if self.scale_layout == "linear":
+            scales = self.scales[..., :n, :]
+        else:
+            rows_p, cols_p = layouts.padded_scale_shape(n, self.k // self.fmt.block_size)
+            scales = self.scales[..., : rows_p * cols_p]
+        return FP4Tensor(self.data[..., :n, :], scales, self.fmt, self.scale_layout, self.global_scale)
+
+    # --- constructors --------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_task(
+        cls, operand: torch.Tensor, sf_permuted: torch.Tensor, fmt: str | formats.FP4Format = "nvfp4"
+    ) -> FP4Tensor:
+        """Zero-copy views of a GPU MODE task operand: ``a`` (or ``b``) with its ``sfa`` (``sfb``) permuted scales.
+
+        operand: ``[R, K/2, L]`` float4_e2m1fn_x2 or uint8, stride 1 along K/2 (the task's
+            ``permute(1, 2, 0)`` of a contiguous ``[L, R, K/2]``); becomes data ``[L, R, K/2]``.
+        sf_permuted: the task's ``(32, 4, R_p/128, 4, C_p/4, L)`` view of swizzled scale bytes
+            (``layouts.task_permuted_view``); becomes the swizzled scales ``[L, R_p * C_p]`` behind it.
+        Raises ValueError when either is not a view of the expected memory (a copy per call would hide a
+        slow path).
+        """
+        _check_tensor("operand", operand, _DATA_DTYPES)
+        if operand.dim() != 3:
+            raise ValueError(f"operand: expected 3 dims [R, K/2, L], got shape {tuple(operand.shape)}")
+        if operand.stride(1) != 1:
+            raise ValueError(f"operand: expected stride 1 along K/2, got strides {tuple(operand.stride())}")
+        fmt = _resolve_format(fmt)
+        _check_tensor("sf_permuted", sf_permuted, (torch.uint8, fmt.scale_dtype))
+        rows, k_half, batch = operand.shape
+        # Ceil: a K that is not a multiple of the block size is reported by the constructor, naming data.
+        rows_p, cols_p = layouts.padded_scale_shape(rows, -(-2 * k_half // fmt.block_size))
+        expected = (32, 4, rows_p // 128, 4, cols_p // 4, batch)
+        if tuple(sf_permuted.shape) != expected:
+            raise ValueError(
+                f"sf_permuted: expected shape {expected} for {rows} rows, K = {2 * k_half}, L = {batch}, "
+                f"got {tuple(sf_permuted.shape)}"
+            )
+        raw = formats.as_uint8(sf_permuted)
+        swizzled = layouts.swizzled_from_task_permuted(raw)
+        if swizzled.data_ptr() != raw.data_ptr() or not swizzled.is_contiguous():
+            raise ValueError(
+                "sf_permuted: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
+                f"(L, R_p/128, C_p/4, 32, 4, 4) tensor, got strides {tuple(sf_permuted.stride())}"
+            )
+        return cls(formats.as_uint8(operand).permute(2, 0, 1), swizzled, fmt, "swizzled")
+
+    @classmethod
+    def quantize(
+        cls,
+        x: torch.Tensor,
+        fmt: str | formats.FP4Format = "nvfp4",
+        scale_layout: ScaleLayout = "linear",
+        global_scale: float | torch.Tensor | None = None,
+    ) -> FP4Tensor:
+        """Quantize finite floats ``[L?, R, K]`` (``formats.quantize`` documents the scale choice and rounding).
+
+        global_scale: divides ``x`` before the block scales are chosen and multiplies on dequantization; for
+        NVFP4 ``x.abs().max() / (6 * 448)`` uses e4m3's whole range without saturating.
+        """
+        _check_tensor("x", x, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+        if x.dim() not in (2, 3):
+            raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
+        fmt = _resolve_format(fmt)
+        gs = _global_scale_tensor(global_scale, x.device)
+        data, scales = formats.quantize(x, fmt, gs)
+        return cls(data, scales, fmt, "linear", gs).with_scale_layout(scale_layout)
