@@ -8,9 +8,14 @@ rounding to fp16/bf16/fp32 that the result then takes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["gemv_reference", "round_from_float64"]
+if TYPE_CHECKING:
+    from .tensor import FP4Tensor
+
+__all__ = ["gemv_reference", "quantized_gemv_reference", "round_from_float64"]
 
 
 def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -23,6 +28,26 @@ def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = to
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"b: expected K = {a.shape[-1]} to match a, got {b.shape[-1]}")
     return round_from_float64(torch.matmul(a.to(torch.float64), b.to(torch.float64).transpose(-1, -2)), out_dtype)
+
+
+def quantized_gemv_reference(
+    a: FP4Tensor, b: FP4Tensor | torch.Tensor, out_dtype: torch.dtype = torch.float16
+) -> torch.Tensor:
+    """The exact result of ``fp4gemv.gemv(a, b)``: both operands in float64, then :func:`gemv_reference`.
+
+    a: FP4Tensor ``[L?, M, K]``, dequantized exactly (global scale included).  b: FP4Tensor ``[L?, N, K]``
+    likewise, or a float tensor ``[L?, N, K]`` or ``[K]`` taken as given.  Batch dimensions broadcast as in
+    ``torch.matmul``.  Returns ``[L?, M, N]`` (``[L?, M]`` for a ``[K]`` vector) in ``out_dtype``, rounded
+    once; ``out_dtype=torch.float64`` gives the exact value itself.
+    """
+    a_values = a.dequantize(torch.float64)
+    if isinstance(b, torch.Tensor):
+        b_values = b.to(torch.float64)
+    else:
+        b_values = b.dequantize(torch.float64)
+    if b_values.dim() == 1:
+        return gemv_reference(a_values, b_values[None, :], out_dtype)[..., 0]
+    return gemv_reference(a_values, b_values, out_dtype)
 
 
 def round_from_float64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""``fp4gemv.gemv``: FP4 weights times FP4 or float activations, ``a @ b^T`` per batch.
+
+Validation happens once, here, before anything is written: TypeError (wrong type or dtype) or ValueError
+(shape, device, backend) naming the argument, the expected and the actual.  The Triton kernel
+(``kernels/gemv.py``) and the float64 oracle (``reference.quantized_gemv_reference``) sit behind it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+
+from .kernels.gemv_configs import GemvKernelConfig, gemv_config
+from .reference import quantized_gemv_reference
+from .tensor import FP4Tensor
+
+__all__ = ["gemv", "Backend", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
+
+Backend = Literal["auto", "triton-ptx", "triton", "reference"]
+BACKENDS: tuple[str, ...] = ("auto", "triton-ptx", "triton", "reference")
+# Activation rows per launch: the kernel keeps a [rows, N, blocks] accumulator per program.
+MAX_N = 16
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _batch(t: FP4Tensor | torch.Tensor) -> int | None:
+    """The batch size L of a ``[L, rows, K]`` operand, None for ``[rows, K]`` and ``[K]``."""
+    return t.shape[0] if len(t.shape) == 3 else None
+
+
+def _result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
+    """Check a and b against each other; the result's shape ``[L?, M, N?]``."""
+    if isinstance(b, FP4Tensor):
+        if b.fmt != a.fmt:
+            raise ValueError(f"b: expected format {a.fmt.name!r} like a, got {b.fmt.name!r}")
+    else:
+        if b.dtype not in ACTIVATION_DTYPES:
+            raise TypeError(f"b: expected an FP4Tensor or dtype {_names(ACTIVATION_DTYPES)}, got {b.dtype}")
+        if b.dim() not in (1, 2, 3):
+            raise ValueError(f"b: expected shape [K], [N, K] or [L, N, K], got {tuple(b.shape)}")
+    if b.shape[-1] != a.k:
+        raise ValueError(f"b: expected K = {a.k} like a, got K = {b.shape[-1]}")
+    n = b.shape[-2] if len(b.shape) >= 2 else 1
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"b: expected N from 1 to {MAX_N} rows, got N = {n}")
+    batch_a, batch_b = _batch(a), _batch(b)
+    if batch_a is not None and batch_b is not None and batch_a != batch_b:
+        raise ValueError(f"b: expected batch size L = {batch_a} like a, got L = {batch_b}")
+    batch = batch_a if batch_a is not None else batch_b
+    return (*(() if batch is None else (batch,)), a.rows, *((n,) if len(b.shape) >= 2 else ()))
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != out_dtype:
+        raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device} like a, got {out.device}")
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto' is the PTX-decode kernel on CUDA and the float64 reference elsewhere; never a silent fallback."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "auto":
+        return "triton-ptx" if device.type == "cuda" else "reference"
+    if backend == "triton-ptx" and device.type != "cuda":
+        raise ValueError(f"backend: 'triton-ptx' needs CUDA tensors (its decode is PTX), got device {device}")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if backend == "triton" and device.type != "cuda" and not interpreting:
+        raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+    return backend
+
+
+def _check_kernel_operand(name: str, t: FP4Tensor) -> None:
+    """The kernel reads packed data as int64 (one 16-element block each): rows must start 8-byte aligned."""
+    strides = t.data.stride()[:-1]
+    if any(s % 8 for s in strides) or t.data.storage_offset() % 8:
+        raise ValueError(
+            f"{name}: expected data rows at multiples of 8 bytes for the Triton kernel, got strides "
+            f"{tuple(t.data.stride())} and storage offset {t.data.storage_offset()}"
+        )
+
+
+def _check_config(config: GemvKernelConfig) -> None:
+    if not isinstance(config, GemvKernelConfig):
+        raise TypeError(f"config: expected a GemvKernelConfig, got {type(config).__name__}")
+    if any(v < 1 or v & (v - 1) for v in (config.rows, config.blocks)):
+        raise ValueError(f"config: expected powers of two for rows and blocks, got {config}")
+
+
+def gemv(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    backend: Backend = "auto",
+    config: GemvKernelConfig | None = None,
+) -> torch.Tensor:
+    """``a @ b^T`` per batch: FP4 weights times FP4 (W4A4) or float (W4A16) activations.
+
+    a: FP4Tensor ``[L, M, K]`` or ``[M, K]`` (NVFP4 or MXFP4, either scale layout).
+    b: FP4Tensor ``[L, N, K]`` or ``[N, K]`` of a's format (any scale layout), or a float16, bfloat16 or
+        float32 tensor ``[L, N, K]``, ``[N, K]`` or ``[K]`` (any strides); 1 <= N <= 16.  A batch dimension
+        on one operand only is broadcast over the other.
+    out: written and returned when given: exactly the result's shape, ``out_dtype`` and a's device, any
+        strides.  Otherwise a new tensor.
+    out_dtype: float16, bfloat16 or float32.
+    backend: ``"auto"``: the Triton kernel with PTX decode on CUDA, the float64 reference elsewhere.
+        ``"triton"``: pure-Triton decode (on CPU tensors too, under ``TRITON_INTERPRET=1``).
+        ``"triton-ptx"``: PTX decode for W4A4 (CUDA only; W4A16 has no PTX part).  ``"reference"``: float64.
+    config: the kernel's launch configuration; default ``kernels.gemv_configs.gemv_config`` of the shape.
+    Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
+
+    Both operands' global scales multiply the result (their fp32 product).  The kernel accumulates exact
+    16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32 and rounds once to ``out_dtype``.
+    """
+    if not isinstance(a, FP4Tensor):
+        raise TypeError(f"a: expected an FP4Tensor (see FP4Tensor.quantize), got {type(a).__name__}")
+    if not isinstance(b, (FP4Tensor, torch.Tensor)):
+        raise TypeError(f"b: expected an FP4Tensor or a torch.Tensor, got {type(b).__name__}")
+    shape = _result_shape(a, b)
+    device = a.device
+    if b.device != device:
+        raise ValueError(f"b: expected device {device} like a, got {b.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
+    if out is not None:
+        _check_out(out, shape, out_dtype, device)
+    backend = _resolve_backend(backend, device)
+    if backend != "reference":
+        _check_kernel_operand("a", a)
+        if isinstance(b, FP4Tensor):
+            _check_kernel_operand("b", b)
+    if config is not None:
+        _check_config(config)
+
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=device)
+    if backend == "reference":
+        out.copy_(quantized_gemv_reference(a, b, out_dtype))
+    else:
+        _launch(a, b, out, config, use_ptx=(backend == "triton-ptx"))
+    return out
+
+
+def _batched(t: torch.Tensor, batch: int, dims: int) -> torch.Tensor:
+    """``t`` with a leading batch dimension of size ``batch`` (stride 0 when broadcast), ``dims`` dims in all."""
+    while t.dim() < dims:
+        t = t.unsqueeze(0)
+    return t.expand(batch, *t.shape[1:])
+
+
+def _scale_operand(t: FP4Tensor, batch: int):
+    """Scale bytes (with a batch dimension) and their addressing for the kernel."""
+    from .kernels.gemv import linear_scale_addressing, swizzled_scale_addressing
+
+    if t.scale_layout == "linear":
+        scales = _batched(t.scales, batch, 3)
+        return scales, linear_scale_addressing(scales.stride(0), scales.stride(1))
+    scales = _batched(t.scales, batch, 2)
+    return scales, swizzled_scale_addressing(scales.stride(0), t.k // t.fmt.block_size)
+
+
+def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config, use_ptx: bool) -> None:
+    # Imported here so that building tensors and the reference never needs Triton.
+    from .kernels.gemv import launch_gemv
+
+    batch = _batch(a) or _batch(b) or 1
+    a_blocks = _batched(a.data, batch, 3).view(torch.int64)
+    sfa, sfa_addressing = _scale_operand(a, batch)
+    fp4_activation = isinstance(b, FP4Tensor)
+    if fp4_activation:
+        b_values = _batched(b.data, batch, 3).view(torch.int64)
+        sfb, sfb_addressing = _scale_operand(b, batch)
+    else:
+        b_values, sfb, sfb_addressing = _batched(b, batch, 3), None, None
+    # out as [L, M, N]: size-1 dimensions for what the result shape leaves out.
+    c = out
+    if len(b.shape) == 1:
+        c = c.unsqueeze(-1)
+    if c.dim() == 2:
+        c = c.unsqueeze(0)
+    m, n = a.rows, b_values.shape[1]
+    cfg = config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation)
+    launch_gemv(
+        a_blocks, sfa, sfa_addressing, b_values, sfb, sfb_addressing, c,
+        scale_block=a.fmt.block_size, global_scale_a=a.global_scale,
+        global_scale_b=b.global_scale if fp4_activation else None,
+        config=cfg, use_ptx=use_ptx,
+    )

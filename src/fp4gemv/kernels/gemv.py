@@ -1,0 +1,242 @@
+"""Batched block-scaled FP4 GEMV for every supported case: ``c[l, m, n] = sum_k a[l, m, k] * b[l, n, k]``.
+
+a is FP4 (NVFP4: e4m3 scale per 16 elements; MXFP4: e8m0 per 32).  b is either FP4 of the same format
+(W4A4) or a float16/bfloat16/float32 activation (W4A16), with N = 1..16 rows.
+
+One program computes ``ROWS`` output rows of one batch for all N activation rows, walking K in steps of
+``BLOCKS`` 16-element blocks (one int64 each; an MXFP4 32-element block is two of them sharing one scale).
+Each weight block is loaded once per program and used for every activation row.  Scales of either operand
+are addressed through five strides that cover the linear layout and the 128x4 swizzle in one formula
+(:class:`ScaleAddressing`).  Same shape of code as ``w4a4.py``, which is this kernel's N = 1, NVFP4 case:
+
+* W4A4: each block's exact integer dot product (``_decode``: doubled integers, PTX or pure Triton, equal bit
+  for bit) times ``sfa * sfb`` (exact in fp32: 4-bit significands, or powers of two), accumulated in fp32.
+* W4A16: weights decode to exact doubled values, are multiplied by the activation in fp32 (exact for fp16
+  and bf16 activations, rounded for fp32), summed per block in fp32 and scaled by the weight scale.
+
+The product of the global scales multiplies the result in the epilogue; c is rounded once to its dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import layouts
+from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from .gemv_configs import GemvKernelConfig
+
+__all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "gemv_kernel", "launch_gemv"]
+
+# e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
+_E8M0_ZERO_BYTE_BITS = 0x00400000
+_F32_QUIET_NAN_BITS = 0x7FC00000
+
+
+class ScaleAddressing(NamedTuple):
+    """Byte strides placing scale ``(l, row, col)`` at ``l * batch + (row // 128) * row_tile``
+    ``+ (row % 32) * r32 + ((row % 128) // 32) * r4 + (col // 4) * col_tile + col % 4``."""
+
+    batch: int
+    row_tile: int
+    r32: int
+    r4: int
+    col_tile: int
+
+
+def linear_scale_addressing(stride_batch: int, stride_row: int) -> ScaleAddressing:
+    """Linear ``[L, rows, cols]`` scales, column stride 1: the formula reduces to ``l * stride_batch``
+    ``+ row * stride_row + col``."""
+    return ScaleAddressing(stride_batch, 128 * stride_row, stride_row, 32 * stride_row, 4)
+
+
+def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
+    """The 128x4 swizzle of ``cols`` scale columns (``layouts.swizzled_offset``): 512-byte atoms of 32 lines x 16."""
+    _, cols_p = layouts.padded_scale_shape(1, cols)
+    return ScaleAddressing(stride_batch, layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
+
+
+@triton.jit
+def _scale_rows(sf_ptr, rows, stride_row_tile, stride_r32, stride_r4):
+    return sf_ptr + (rows // 128) * stride_row_tile + (rows % 32) * stride_r32 + ((rows % 128) // 32) * stride_r4
+
+
+@triton.jit
+def _scale_cols(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
+    """Offsets of the scales of 16-element blocks ``j``; an MXFP4 scale covers two of them."""
+    if SCALE_BLOCK == 16:
+        # Scale columns come in runs of 4 contiguous bytes in every supported layout.
+        return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, 2), 2)
+    else:
+        col = j // 2
+        return (col // 4) * stride_col_tile + col % 4
+
+
+@triton.jit
+def _decode_scale(raw, SCALE_BLOCK: tl.constexpr):
+    """Scale bytes to float32: e4m3 for 16-element blocks, e8m0 (2^(byte - 127), 255 = NaN) for 32."""
+    if SCALE_BLOCK == 16:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        e = raw.to(tl.int32)
+        bits = tl.where(e == 0, _E8M0_ZERO_BYTE_BITS, tl.where(e == 255, _F32_QUIET_NAN_BITS, e << 23))
+        return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bfloat16(x):
+    """fp32 to bf16, nearest even, by hand: what ``cvt.rn.bf16.f32`` does on the GPU.
+
+    Triton's interpreter truncates fp32 -> bf16 casts (and its RTNE mode does not carry into the exponent),
+    so the plain cast would make the CPU tests check a different rounding than the GPU runs.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # keep NaN a NaN (a carry could turn it into infinity)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
+    """Load, masking K-blocks past the end (zeros) only when the last step is partial."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=k_ok, other=0)
+
+
+@triton.jit
+def gemv_kernel(
+    a_ptr, sfa_ptr, b_ptr, sfb_ptr, gsa_ptr, gsb_ptr, c_ptr,
+    M, NB,
+    a_stride_l, a_stride_m,
+    sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4, sfa_stride_col_tile,
+    b_stride_l, b_stride_n, b_stride_k,
+    sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4, sfb_stride_col_tile,
+    c_stride_l, c_stride_m, c_stride_n,
+    mag_lo, mag_hi,
+    N: tl.constexpr,
+    N_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    FP4_ACTIVATION: tl.constexpr,
+    HAS_GSA: tl.constexpr,
+    HAS_GSB: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_l = tl.program_id(1).to(tl.int64)
+    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    # Tail rows re-read row M-1 (and padding activation rows re-read row N-1) instead of masking every
+    # load; only the store is masked.
+    rows_in = tl.minimum(rows, M - 1)
+    a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None] * a_stride_m
+    sfa_rows = _scale_rows(sfa_ptr + pid_l * sfa_stride_l, rows_in, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4)
+    n = tl.arange(0, N_PAD)
+    n_in = tl.minimum(n, N - 1)
+    b_rows = b_ptr + pid_l * b_stride_l + n_in.to(tl.int64)[:, None] * b_stride_n  # [N_PAD, 1]
+    sfb_rows = _scale_rows(sfb_ptr + pid_l * sfb_stride_l, n_in, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4)
+
+    cols = tl.arange(0, BLOCKS)
+    acc = tl.zeros([ROWS, N_PAD, BLOCKS], dtype=tl.float32)
+    # The prmt table in per-thread registers, as in w4a4.py: a condition ptxas cannot fold keeps it from
+    # copying a uniform value into a fresh register before every prmt.  It only fails for blocks past K,
+    # which are masked to zero anyway.
+    tab_lo = tl.where(cols < NB, mag_lo, 0)
+    tab_hi = tl.where(cols < NB, mag_hi, 0)
+    for j0 in range(0, NB, BLOCKS):
+        j = j0 + cols
+        k_ok = j < NB
+        a = _load_k(a_rows + j[None, :], k_ok[None, :], EVEN_K)
+        sfa_col = _scale_cols(j, sfa_stride_col_tile, SCALE_BLOCK)
+        sfa = _decode_scale(_load_k(sfa_rows[:, None] + sfa_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
+        if FP4_ACTIVATION:
+            b = _load_k(b_rows + j[None, :], k_ok[None, :], EVEN_K)
+            sfb_col = _scale_cols(j, sfb_stride_col_tile, SCALE_BLOCK)
+            sfb = _decode_scale(_load_k(sfb_rows[:, None] + sfb_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
+            scale = sfa[:, None, :] * sfb[None, :, :]
+            # [ROWS, 1, BLOCKS] weight blocks against [1, N_PAD, BLOCKS] activation blocks.
+            if USE_PTX:
+                b_lo, b_hi = activation_bytes(b, tab_lo[None, :], tab_hi[None, :])
+                block = block_dot_ptx(a[:, None, :], b_lo[None, :, :], b_hi[None, :, :],
+                                      tab_lo[None, None, :], tab_hi[None, None, :])
+            else:
+                block = block_dot_triton(a[:, None, :], doubled_e2m1(unpack_block(b)).to(tl.int32)[None, :, :, :])
+            acc += block * scale
+        else:
+            k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
+            x = _load_k(b_rows[:, :, None] + k_idx[None, :, :] * b_stride_k, k_ok[None, :, None], EVEN_K)
+            w = doubled_e2m1(unpack_block(a)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
+            block = tl.sum(w[:, None, :, :] * x.to(tl.float32)[None, :, :, :], axis=3)
+            acc += block * sfa[:, None, :]
+    # Block sums carry a factor 4 (W4A4: both operands doubled) or 2 (W4A16: weights doubled).
+    if FP4_ACTIVATION:
+        out = tl.sum(acc, axis=2) * 0.25
+    else:
+        out = tl.sum(acc, axis=2) * 0.5
+    if HAS_GSA and HAS_GSB:
+        out = out * (tl.load(gsa_ptr) * tl.load(gsb_ptr))
+    elif HAS_GSA:
+        out = out * tl.load(gsa_ptr)
+    elif HAS_GSB:
+        out = out * tl.load(gsb_ptr)
+    c_ptrs = c_ptr + pid_l * c_stride_l + rows.to(tl.int64)[:, None] * c_stride_m + n[None, :] * c_stride_n
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        out = _to_bfloat16(out)
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (n < N)[None, :])
+
+
+def launch_gemv(
+    a: torch.Tensor,
+    sfa: torch.Tensor,
+    sfa_addressing: ScaleAddressing,
+    b: torch.Tensor,
+    sfb: torch.Tensor | None,
+    sfb_addressing: ScaleAddressing | None,
+    c: torch.Tensor,
+    *,
+    scale_block: int,
+    global_scale_a: torch.Tensor | None,
+    global_scale_b: torch.Tensor | None,
+    config: GemvKernelConfig,
+    use_ptx: bool,
+) -> None:
+    """Launch :func:`gemv_kernel`; nothing is validated here (``fp4gemv.gemv`` does that).
+
+    a: int64 ``[L, M, K/16]``, one 16-element block per element, stride 1 along K/16 (batch stride may be 0).
+    sfa: scale bytes (uint8) of a, addressed by ``sfa_addressing`` from ``sfa.data_ptr()``.
+    b: int64 ``[L, N, K/16]`` with uint8 scales ``sfb`` / ``sfb_addressing`` (W4A4, same format as a), or
+        float16/bfloat16/float32 ``[L, N, K]`` with ``sfb = sfb_addressing = None`` (W4A16); any strides.
+    c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
+    scale_block: 16 (NVFP4: e4m3 scales) or 32 (MXFP4: e8m0 scales).
+    global_scale_a, global_scale_b: one-element float32 tensors or None.
+    """
+    batch, m, nb = a.shape
+    n = b.shape[1]
+    fp4_activation = sfb is not None
+    if not fp4_activation:
+        sfb, sfb_addressing = sfa, ScaleAddressing(0, 0, 0, 0, 0)  # never read
+    b_strides = (b.stride(0), b.stride(1), 1) if fp4_activation else b.stride()
+    grid = (triton.cdiv(m, config.rows), batch)
+    gemv_kernel[grid](
+        a, sfa, b, sfb,
+        sfa if global_scale_a is None else global_scale_a,
+        sfa if global_scale_b is None else global_scale_b,
+        c,
+        m, nb,
+        a.stride(0), a.stride(1),
+        *sfa_addressing,
+        *b_strides,
+        *sfb_addressing,
+        *c.stride(),
+        *MAG_TABLE,
+        N=n, N_PAD=triton.next_power_of_2(n), ROWS=config.rows, BLOCKS=config.blocks, SCALE_BLOCK=scale_block,
+        FP4_ACTIVATION=fp4_activation, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
+        EVEN_K=(nb % config.blocks == 0), USE_PTX=use_ptx,
+        num_warps=config.num_warps,
+    )
