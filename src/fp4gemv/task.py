@@ -290,9 +290,11 @@ def check_implementation(data: TaskInput, output: torch.Tensor) -> tuple[bool, s
 
 
 def custom_kernel(data: TaskInput) -> torch.Tensor:
-    """Our submission: the fused FP4 GEMV on the permuted scales, written into c."""
-    # Imported here so that generating and checking inputs never needs the kernels (or Triton).
-    from fp4gemv import ops
+    """Our submission: ``fp4gemv.gemv`` on zero-copy FP4Tensor views of the operands, written into c."""
+    from fp4gemv import FP4Tensor, gemv
 
     a, b, _sfa, _sfb, sfa_permuted, sfb_permuted, c = data
-    return ops.task_gemv(a, b, sfa_permuted, sfb_permuted, c)
+    weights = FP4Tensor.from_task(a, sfa_permuted)  # [L, M, K]
+    activation = FP4Tensor.from_task(b, sfb_permuted).first_rows(1)  # [L, 1, K]: only row 0 takes part
+    gemv(weights, activation, out=c.permute(2, 0, 1))  # c [M, 1, L] seen as the result [L, M, 1]
+    return c
