@@ -48,6 +48,8 @@ def _as_lm(c):
         (128, 192, 3, GemvConfig(8, 8, 4, 1)),  # K/16 = 12: a partial last step, masked
         (200, 128, 2, GemvConfig(16, 4, 4, 1)),  # M neither a multiple of 16 nor 128: tail rows, padded atoms
         (384, 512, 1, GemvConfig(8, 8, 4, 1)),  # several K steps and three row tiles of scales
+        (136, 320, 2, GemvConfig(8, 4, 4, ksplit=4, unroll=2)),  # K chunks side by side, a masked last step
+        (256, 1024, 1, GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32)),  # PDL config (off in the interpreter)
     ],
 )
 def test_triton_decode_matches_reference(m, k, L, cfg):
@@ -66,10 +68,12 @@ def test_triton_decode_passes_task_check():
     assert ok, msg
 
 
-def test_config_blocks_never_exceed_k():
-    for k in (64, 128, 192, 256, 1536, 2048, 7168, 16384):
-        cfg = w4a4_config(128, k, 1)
-        assert cfg.blocks <= k // 16 and cfg.blocks & (cfg.blocks - 1) == 0
+def test_config_step_never_exceeds_k():
+    for m, L in ((128, 1), (4096, 1), (7168, 1), (14336, 1), (4096, 8)):
+        for k in (64, 128, 192, 256, 1536, 2048, 7168, 16384):
+            cfg = w4a4_config(m, k, L)
+            assert cfg.blocks * cfg.ksplit <= k // 16, (m, k, L, cfg)
+            assert cfg.blocks & (cfg.blocks - 1) == 0 and cfg.ksplit & (cfg.ksplit - 1) == 0
 
 
 @pytest.mark.gpu

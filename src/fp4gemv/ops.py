@@ -139,6 +139,8 @@ def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use
     _, cols_p = layouts.padded_scale_shape(1, nb)
     row_tile = layouts.ROWS_PER_ATOM * cols_p  # bytes per 128-row tile of swizzled scales
     grid = (triton.cdiv(m, cfg.rows), l)
+    # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
+    pdl = cfg.pdl and not _interpreting()
     w4a4_gemv_kernel[grid](
         a_blocks, b_blocks, sfa, sfb, c_lm,
         m, nb,
@@ -149,6 +151,6 @@ def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use
         c_lm.stride(0), c_lm.stride(1),
         *MAG_TABLE,
         ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % (cfg.blocks * cfg.ksplit) == 0), USE_PTX=use_ptx, KSPLIT=cfg.ksplit,
-        UNROLL=cfg.unroll, PDL=cfg.pdl, PREFETCH=_prefetch_blocks(cfg, nb),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=cfg.pdl,
+        UNROLL=cfg.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(cfg, nb) if pdl else 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )

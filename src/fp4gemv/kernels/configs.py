@@ -31,11 +31,26 @@ class GemvConfig(NamedTuple):
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
     """The configuration for an ``m x k`` GEMV over ``l`` batches (W4A4, N = 1).
 
-    Sweep 1 (docs/performance.md): long rows (K >= 8192) or few rows (M*L <= 4096) were fastest with 8 rows
-    x 128 blocks, the others with 16 rows x 64 blocks; 4 warps won everywhere; num_stages had no effect
-    (Triton does not pipeline these loads).
+    Chosen by the number of output rows ``m * l`` (sweep 5 in docs/performance.md, v5 kernel on the H200):
+    with many rows, 64-row programs amortise the activation over 8 rows per thread; with fewer, smaller
+    programs keep enough loads in flight (about 500 or more programs for 132 SMs).  PDL with a 32-block L2
+    prefetch was 0.4-0.9 us faster on every configuration it was measured on except the 8 x 128 one.
     """
+    rows_total = m * l
+    if rows_total >= 28672:
+        cfg = GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32)
+    elif rows_total >= 14336:
+        cfg = GemvConfig(64, 32, 8, ksplit=2, unroll=2, pdl=True, prefetch=32)
+    elif rows_total >= 7168:
+        cfg = GemvConfig(8, 128, 4)
+    else:
+        cfg = GemvConfig(8, 32, 8, ksplit=4, unroll=2, pdl=True, prefetch=32)
+    return fit_to_k(cfg, k)
+
+
+def fit_to_k(cfg: GemvConfig, k: int) -> GemvConfig:
+    """Shrink a configuration whose K step is longer than K: blocks, then ksplit, to powers of two that fit."""
     nb = k // 16
-    rows, blocks = (8, 128) if k >= 8192 or m * l <= 4096 else (16, 64)
-    blocks = min(blocks, 1 << (nb.bit_length() - 1))  # a power of two no larger than K/16
-    return GemvConfig(rows=rows, blocks=blocks, num_warps=4, num_stages=1)
+    blocks = min(cfg.blocks, 1 << (nb.bit_length() - 1))
+    ksplit = min(cfg.ksplit, max(1, 1 << ((nb // blocks).bit_length() - 1)))
+    return cfg._replace(blocks=blocks, ksplit=ksplit)

@@ -48,8 +48,11 @@ def w4a4_gemv_kernel(
     # slice s.  Triton lays BLOCKS over lanes (two blocks, one 16-byte load, per lane), then ROWS, then
     # KSPLIT, so KSPLIT > 1 puts warps side by side along K: more loads in flight per row when rows are few.
     a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None, None] * a_stride_m
-    sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + (rows_in // 128) * sfa_stride_row_tile
-                + (rows_in % 32) * sfa_stride_r32 + ((rows_in % 128) // 32) * sfa_stride_r4)[:, None, None]
+    # Every row's scales start 4-byte aligned in both layouts (K/16 is a multiple of 4); saying so lets the
+    # two scale bytes of a lane's two blocks load as one 16-bit word.
+    sfa_row_offset = tl.multiple_of((rows_in // 128) * sfa_stride_row_tile + (rows_in % 32) * sfa_stride_r32
+                                    + ((rows_in % 128) // 32) * sfa_stride_r4, 4)
+    sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + sfa_row_offset)[:, None, None]
     b_row = b_ptr + pid_l * b_stride_l
     sfb_row = sfb_ptr + pid_l * sfb_stride_l
 
