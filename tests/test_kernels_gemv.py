@@ -14,9 +14,13 @@ ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 
 """
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import triton
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
 from fp4gemv.kernels.configs import GemvConfig
@@ -260,6 +264,48 @@ def test_configs_are_powers_of_two_within_k_and_register_budget():
         assert cfg.blocks <= k // 16
         n_pad = 1 << (n - 1).bit_length()
         assert cfg.rows * n_pad * cfg.blocks <= 1024 if fp4 else cfg.rows * n_pad * cfg.blocks * 16 <= 4096
+
+
+# --- compiled for the GPU without one ------------------------------------------------------------------
+
+# Compiles gemv_kernel ahead of time for sm_90 down to a cubin (Triton's bundled ptxas): the interpreter
+# never builds the PTX decode or the compiled dtype paths, and accepts Python globals that compiled Triton
+# rejects.  Run in a fresh interpreter because TRITON_INTERPRET=1 (conftest) changes what @triton.jit makes.
+_AOT_SCRIPT = """
+import itertools, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4gemv.kernels.gemv import gemv_kernel
+from fp4gemv.kernels.gemv_configs import gemv_config
+cases = [  # fp4 activation, activation dtype, out dtype, n, scale block, ptx, global scales, even k
+    (True, "i64", "fp16", 1, 16, True, False, True), (True, "i64", "bf16", 3, 32, True, True, False),
+    (True, "i64", "fp32", 16, 16, True, True, True), (True, "i64", "fp16", 5, 32, False, False, False),
+    (False, "fp16", "fp16", 1, 16, True, False, True), (False, "bf16", "bf16", 3, 32, False, True, False),
+    (False, "fp32", "fp32", 16, 16, True, True, True),
+]
+for fp4, act, out, n, sb, ptx, gs, even in cases:
+    cfg = gemv_config(4096, 4096, 1, n, fp4_activation=fp4)
+    const = dict(N=n, N_PAD=triton.next_power_of_2(n), ROWS=cfg.rows, BLOCKS=cfg.blocks, SCALE_BLOCK=sb,
+                 FP4_ACTIVATION=fp4, HAS_GSA=gs, HAS_GSB=gs and fp4, EVEN_K=even, USE_PTX=ptx)
+    ptrs = dict(a_ptr="*i64", sfa_ptr="*u8", b_ptr="*" + act, sfb_ptr="*u8", gsa_ptr="*fp32", gsb_ptr="*fp32",
+                c_ptr="*" + out)
+    sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in gemv_kernel.arg_names}
+    kernel = triton.compile(ASTSource(gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.num_warps))
+    assert kernel.asm["cubin"] and ("dp4a" in kernel.asm["ptx"]) == (fp4 and ptx)
+print("compiled", len(cases))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("Triton's bundled ptxas is missing")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "compiled 7" in done.stdout
 
 
 # --- GPU ------------------------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ from .gemv_configs import GemvKernelConfig
 __all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "gemv_kernel", "launch_gemv"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
-_E8M0_ZERO_BYTE_BITS = 0x00400000
-_F32_QUIET_NAN_BITS = 0x7FC00000
+_E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
+_F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 class ScaleAddressing(NamedTuple):
