@@ -23,7 +23,7 @@ import torch
 import triton
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
-from fp4gemv.kernels.configs import GemvConfig
+from fp4gemv.kernels.configs import GemvConfig, w4a4_config
 from fp4gemv.kernels.gemv_configs import GemvKernelConfig, gemv_config
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
 
@@ -257,13 +257,20 @@ def test_w4a4_case_is_bitwise_the_w4a4_kernel(m, k, L, rows, blocks):
 
 
 def test_configs_are_powers_of_two_within_k_and_register_budget():
-    for k, n, fp4 in itertools.product((16, 64, 192, 2048, 16384), (1, 2, 3, 9, 16), (True, False)):
-        cfg = gemv_config(4096, k, 1, n, fp4_activation=fp4)
+    shapes = itertools.product((128, 4096, 28672), (16, 64, 192, 2048, 16384), (1, 2, 3, 9, 16), (True, False))
+    for m, k, n, fp4 in shapes:
+        cfg = gemv_config(m, k, 1, n, fp4_activation=fp4)
         for v in (cfg.rows, cfg.blocks):
             assert v >= 1 and v & (v - 1) == 0, cfg
         assert cfg.blocks <= k // 16
         n_pad = 1 << (n - 1).bit_length()
-        assert cfg.rows * n_pad * cfg.blocks <= 1024 if fp4 else cfg.rows * n_pad * cfg.blocks * 16 <= 4096
+        if fp4 and n == 1:  # w4a4.py's measured tile, [rows, ksplit, blocks] -> [rows, 1, ksplit * blocks]
+            w4a4 = w4a4_config(m, k, 1)
+            assert (cfg.rows, cfg.blocks, cfg.num_warps) == (w4a4.rows, w4a4.blocks * w4a4.ksplit, w4a4.num_warps)
+        elif fp4:
+            assert cfg.rows * n_pad * cfg.blocks <= 1024
+        else:
+            assert cfg.rows * n_pad * cfg.blocks * 16 <= 4096
 
 
 # --- compiled for the GPU without one ------------------------------------------------------------------
