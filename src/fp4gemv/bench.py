@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -189,7 +189,7 @@ def bench_shape(shape: Shape, compile_baseline: bool = True) -> dict:
     if compile_baseline:
         compiled = torch.compile(dequant_matmul_eager, dynamic=False)
         row["compile_us"] = _event_time_us(lambda: compiled(a_lin, sfa_lin, b_lin, sfb_lin))
-    del inputs
+    inputs.clear()  # free the device buffers before the next shape
     return row
 
 

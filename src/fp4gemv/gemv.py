@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from .kernels.configs import GemvConfig, w4a4_config
 from .kernels.gemv_configs import GemvKernelConfig, gemv_config
 from .reference import quantized_gemv_reference
 from .tensor import FP4Tensor
@@ -92,11 +93,18 @@ def _check_kernel_operand(name: str, t: FP4Tensor) -> None:
         )
 
 
-def _check_config(config: GemvKernelConfig) -> None:
-    if not isinstance(config, GemvKernelConfig):
-        raise TypeError(f"config: expected a GemvKernelConfig, got {type(config).__name__}")
-    if any(v < 1 or v & (v - 1) for v in (config.rows, config.blocks)):
-        raise ValueError(f"config: expected powers of two for rows and blocks, got {config}")
+def _check_config(config: GemvKernelConfig | GemvConfig, w4a4_case: bool) -> None:
+    if isinstance(config, GemvConfig):
+        if not w4a4_case:
+            raise TypeError("config: a GemvConfig (kernels/w4a4.py) only applies to NVFP4 x NVFP4 with N = 1; "
+                            "expected a GemvKernelConfig")
+        values = (config.rows, config.blocks, config.ksplit)
+    elif isinstance(config, GemvKernelConfig):
+        values = (config.rows, config.blocks)
+    else:
+        raise TypeError(f"config: expected a GemvKernelConfig or GemvConfig, got {type(config).__name__}")
+    if any(v < 1 or v & (v - 1) for v in values):
+        raise ValueError(f"config: expected powers of two for rows, blocks (and ksplit), got {config}")
 
 
 def gemv(
@@ -106,7 +114,7 @@ def gemv(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
     backend: Backend = "auto",
-    config: GemvKernelConfig | None = None,
+    config: GemvKernelConfig | GemvConfig | None = None,
 ) -> torch.Tensor:
     """``a @ b^T`` per batch: FP4 weights times FP4 (W4A4) or float (W4A16) activations.
 
@@ -120,7 +128,9 @@ def gemv(
     backend: ``"auto"``: the Triton kernel with PTX decode on CUDA, the float64 reference elsewhere.
         ``"triton"``: pure-Triton decode (on CPU tensors too, under ``TRITON_INTERPRET=1``).
         ``"triton-ptx"``: PTX decode for W4A4 (CUDA only; W4A16 has no PTX part).  ``"reference"``: float64.
-    config: the kernel's launch configuration; default ``kernels.gemv_configs.gemv_config`` of the shape.
+    config: the launch configuration.  NVFP4 x NVFP4 with N = 1 runs the task's tuned kernel
+        (``kernels/w4a4.py``, ``kernels.configs.w4a4_config`` by default, or a ``GemvConfig``); every other case,
+        or that one given a ``GemvKernelConfig``, runs the general kernel (``kernels.gemv_configs.gemv_config``).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The kernel accumulates exact
@@ -144,7 +154,8 @@ def gemv(
         if isinstance(b, FP4Tensor):
             _check_kernel_operand("b", b)
     if config is not None:
-        _check_config(config)
+        w4a4_case = isinstance(b, FP4Tensor) and a.fmt.block_size == 16 and (len(b.shape) < 2 or b.shape[-2] == 1)
+        _check_config(config, w4a4_case)
 
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
@@ -164,7 +175,7 @@ def _batched(t: torch.Tensor, batch: int, dims: int) -> torch.Tensor:
 
 def _scale_operand(t: FP4Tensor, batch: int):
     """Scale bytes (with a batch dimension) and their addressing for the kernel."""
-    from .kernels.gemv import linear_scale_addressing, swizzled_scale_addressing
+    from .kernels._common import linear_scale_addressing, swizzled_scale_addressing
 
     if t.scale_layout == "linear":
         scales = _batched(t.scales, batch, 3)
@@ -193,6 +204,16 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
     if c.dim() == 2:
         c = c.unsqueeze(0)
     m, n = a.rows, b_values.shape[1]
+    if fp4_activation and n == 1 and a.fmt.block_size == 16 and not isinstance(config, GemvKernelConfig):
+        # NVFP4 x NVFP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
+        from .kernels.w4a4 import launch_w4a4
+
+        launch_w4a4(
+            a_blocks, sfa, sfa_addressing, b_values[:, 0], sfb, sfb_addressing, c[:, :, 0],
+            config=config or w4a4_config(m, a.k, batch), use_ptx=use_ptx,
+            global_scale_a=a.global_scale, global_scale_b=b.global_scale,
+        )
+        return
     cfg = config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation)
     launch_gemv(
         a_blocks, sfa, sfa_addressing, b_values, sfb, sfb_addressing, c,

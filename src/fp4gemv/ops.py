@@ -120,37 +120,13 @@ def task_gemv(
     return c
 
 
-def _prefetch_blocks(cfg: GemvConfig, nb: int) -> int:
-    """Blocks per row to prefetch into L2 under PDL: a power of two >= 16 (one 128-byte line), at most K/16."""
-    if not cfg.pdl or cfg.prefetch < 16 or nb < 16:
-        return 0
-    return 1 << (min(cfg.prefetch, nb).bit_length() - 1)
-
-
 def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use_ptx: bool) -> None:
-    import triton
-
-    from .kernels._decode import MAG_TABLE
-    from .kernels.w4a4 import w4a4_gemv_kernel
+    from .kernels._common import swizzled_scale_addressing
+    from .kernels.w4a4 import launch_w4a4
 
     nb = k // 16
-    a_blocks = a_bytes.view(torch.int64)  # [L, M, K/16]: one 16-element block per int64
-    b_blocks = b_bytes.view(torch.int64)  # [L, K/16]
-    _, cols_p = layouts.padded_scale_shape(1, nb)
-    row_tile = layouts.ROWS_PER_ATOM * cols_p  # bytes per 128-row tile of swizzled scales
-    grid = (triton.cdiv(m, cfg.rows), l)
-    # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
-    pdl = cfg.pdl and not _interpreting()
-    w4a4_gemv_kernel[grid](
-        a_blocks, b_blocks, sfa, sfb, c_lm,
-        m, nb,
-        a_blocks.stride(0), a_blocks.stride(1),
-        b_blocks.stride(0),
-        sfa.stride(0), row_tile, 16, 4, 512,
-        sfb.stride(0), 512,
-        c_lm.stride(0), c_lm.stride(1),
-        *MAG_TABLE,
-        ROWS=cfg.rows, BLOCKS=cfg.blocks, EVEN_K=(nb % (cfg.blocks * cfg.ksplit) == 0), USE_PTX=use_ptx, KSPLIT=cfg.ksplit,
-        UNROLL=cfg.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(cfg, nb) if pdl else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
+    launch_w4a4(
+        a_bytes.view(torch.int64), sfa, swizzled_scale_addressing(sfa.stride(0), nb),
+        b_bytes.view(torch.int64), sfb, swizzled_scale_addressing(sfb.stride(0), nb),
+        c_lm, config=cfg, use_ptx=use_ptx,
     )

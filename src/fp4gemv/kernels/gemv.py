@@ -21,44 +21,19 @@ The product of the global scales multiplies the result in the epilogue; c is rou
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import layouts
+from ._common import ScaleAddressing, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .gemv_configs import GemvKernelConfig
 
-__all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "gemv_kernel", "launch_gemv"]
+__all__ = ["gemv_kernel", "launch_gemv"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
 _F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
-
-
-class ScaleAddressing(NamedTuple):
-    """Byte strides placing scale ``(l, row, col)`` at ``l * batch + (row // 128) * row_tile``
-    ``+ (row % 32) * r32 + ((row % 128) // 32) * r4 + (col // 4) * col_tile + col % 4``."""
-
-    batch: int
-    row_tile: int
-    r32: int
-    r4: int
-    col_tile: int
-
-
-def linear_scale_addressing(stride_batch: int, stride_row: int) -> ScaleAddressing:
-    """Linear ``[L, rows, cols]`` scales, column stride 1: the formula reduces to ``l * stride_batch``
-    ``+ row * stride_row + col``."""
-    return ScaleAddressing(stride_batch, 128 * stride_row, stride_row, 32 * stride_row, 4)
-
-
-def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
-    """The 128x4 swizzle of ``cols`` scale columns (``layouts.swizzled_offset``): 512-byte atoms of 32 lines x 16."""
-    _, cols_p = layouts.padded_scale_shape(1, cols)
-    return ScaleAddressing(stride_batch, layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
 
 
 @triton.jit
@@ -86,19 +61,6 @@ def _decode_scale(raw, SCALE_BLOCK: tl.constexpr):
         e = raw.to(tl.int32)
         bits = tl.where(e == 0, _E8M0_ZERO_BYTE_BITS, tl.where(e == 255, _F32_QUIET_NAN_BITS, e << 23))
         return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _to_bfloat16(x):
-    """fp32 to bf16, nearest even, by hand: what ``cvt.rn.bf16.f32`` does on the GPU.
-
-    Triton's interpreter truncates fp32 -> bf16 casts (and its RTNE mode does not carry into the exponent),
-    so the plain cast would make the CPU tests check a different rounding than the GPU runs.
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-    rounded = tl.where(x != x, 0x7FC0, rounded)  # keep NaN a NaN (a carry could turn it into infinity)
-    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -189,7 +151,7 @@ def gemv_kernel(
         out = out * tl.load(gsb_ptr)
     c_ptrs = c_ptr + pid_l * c_stride_l + rows.to(tl.int64)[:, None] * c_stride_m + n[None, :] * c_stride_n
     if c_ptr.dtype.element_ty == tl.bfloat16:
-        out = _to_bfloat16(out)
+        out = to_bfloat16_rne(out)
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (n < N)[None, :])
 
 

@@ -7,10 +7,17 @@ swizzle (see ``fp4gemv.layouts``).  Each block's exact integer dot product (``_d
 ``sfa * sfb`` (exact in fp32: 4-bit times 4-bit significands) and accumulated in fp32.
 """
 
+from __future__ import annotations
+
+import os
+
+import torch
 import triton
 import triton.language as tl
 
-from ._decode import activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from ._common import ScaleAddressing, to_bfloat16_rne
+from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from .configs import GemvConfig
 
 
 @triton.jit
@@ -22,7 +29,7 @@ def l2_prefetch(ptrs):
 
 @triton.jit
 def w4a4_gemv_kernel(
-    a_ptr, b_ptr, sfa_ptr, sfb_ptr, c_ptr,
+    a_ptr, b_ptr, sfa_ptr, sfb_ptr, gsa_ptr, gsb_ptr, c_ptr,
     M, NB,
     a_stride_l, a_stride_m,
     b_stride_l,
@@ -34,6 +41,8 @@ def w4a4_gemv_kernel(
     BLOCKS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
+    HAS_GSA: tl.constexpr = False,
+    HAS_GSB: tl.constexpr = False,
     KSPLIT: tl.constexpr = 1,
     UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
@@ -101,6 +110,63 @@ def w4a4_gemv_kernel(
         else:
             block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
         acc += block * scale
-    # Block sums carry a factor 4 from the doubled operands.
+    # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=2), axis=1) * 0.25
-    tl.store(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out.to(tl.float16), mask=rows < M)
+    if HAS_GSA:
+        out = out * tl.load(gsa_ptr)
+    if HAS_GSB:
+        out = out * tl.load(gsb_ptr)
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        out = to_bfloat16_rne(out)
+    tl.store(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out.to(c_ptr.dtype.element_ty), mask=rows < M)
+
+
+def launch_w4a4(
+    a_blocks: torch.Tensor,
+    sfa: torch.Tensor,
+    sfa_addressing: ScaleAddressing,
+    b_blocks: torch.Tensor,
+    sfb: torch.Tensor,
+    sfb_addressing: ScaleAddressing,
+    c: torch.Tensor,
+    *,
+    config: GemvConfig,
+    use_ptx: bool,
+    global_scale_a: torch.Tensor | None = None,
+    global_scale_b: torch.Tensor | None = None,
+) -> None:
+    """Launch :func:`w4a4_gemv_kernel`; nothing is validated here (``ops.task_gemv`` and ``fp4gemv.gemv`` do).
+
+    a_blocks: int64 ``[L, M, K/16]``, stride 1 along K/16 (batch stride may be 0).
+    b_blocks: int64 ``[L, K/16]``, the one activation row, stride 1 along K/16.
+    sfa, sfb: uint8 scale bytes addressed by ``*_addressing`` from their data pointers (sfb: the row of b).
+    c: ``[L, M]`` float16, bfloat16 or float32, any strides; written.
+    global_scale_a, global_scale_b: one-element float32 tensors or None.
+    """
+    batch, m, nb = a_blocks.shape
+    # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
+    pdl = config.pdl and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
+        a_blocks, b_blocks, sfa, sfb,
+        sfa if global_scale_a is None else global_scale_a,
+        sfa if global_scale_b is None else global_scale_b,
+        c,
+        m, nb,
+        a_blocks.stride(0), a_blocks.stride(1),
+        b_blocks.stride(0),
+        *sfa_addressing,
+        sfb_addressing.batch, sfb_addressing.col_tile,
+        c.stride(0), c.stride(1),
+        *MAG_TABLE,
+        ROWS=config.rows, BLOCKS=config.blocks, EVEN_K=(nb % (config.blocks * config.ksplit) == 0),
+        USE_PTX=use_ptx, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
+        KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
+    )
+
+
+def _prefetch_blocks(config: GemvConfig, nb: int) -> int:
+    """Blocks per row to prefetch into L2 under PDL: a power of two >= 16 (one 128-byte line), at most K/16."""
+    if config.prefetch < 16 or nb < 16:
+        return 0
+    return 1 << (min(config.prefetch, nb).bit_length() - 1)

@@ -1,0 +1,48 @@
+"""Pieces every GEMV kernel shares: how scales are addressed, and the bf16 output rounding."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from .. import layouts
+
+__all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "to_bfloat16_rne"]
+
+
+class ScaleAddressing(NamedTuple):
+    """Byte strides placing scale ``(l, row, col)`` at ``l * batch + (row // 128) * row_tile``
+    ``+ (row % 32) * r32 + ((row % 128) // 32) * r4 + (col // 4) * col_tile + col % 4``."""
+
+    batch: int
+    row_tile: int
+    r32: int
+    r4: int
+    col_tile: int
+
+
+def linear_scale_addressing(stride_batch: int, stride_row: int) -> ScaleAddressing:
+    """Linear ``[L, rows, cols]`` scales, column stride 1: the formula reduces to ``l * stride_batch``
+    ``+ row * stride_row + col``."""
+    return ScaleAddressing(stride_batch, 128 * stride_row, stride_row, 32 * stride_row, 4)
+
+
+def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
+    """The 128x4 swizzle of ``cols`` scale columns (``layouts.swizzled_offset``): 512-byte atoms of 32 lines x 16."""
+    _, cols_p = layouts.padded_scale_shape(1, cols)
+    return ScaleAddressing(stride_batch, layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
+
+
+@triton.jit
+def to_bfloat16_rne(x):
+    """fp32 to bf16, nearest even, by hand: what ``cvt.rn.bf16.f32`` does on the GPU.
+
+    Triton's interpreter truncates fp32 -> bf16 casts (and its RTNE mode does not carry into the exponent),
+    so the plain cast would make the CPU tests check a different rounding than the GPU runs.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)  # keep NaN a NaN (a carry could turn it into infinity)
+    return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
