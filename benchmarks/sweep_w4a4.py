@@ -21,8 +21,8 @@ from fp4gemv.kernels.configs import GemvConfig, w4a4_config
 
 SHAPES = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4),
           (4096, 4096, 1), (14336, 4096, 1), (4096, 14336, 1), (28672, 8192, 1)]
-CHECK_CONFIGS = [None, GemvConfig(32, 16, 4, unroll=2), GemvConfig(4, 16, 4, ksplit=4, pdl=True, prefetch=64),
-                 GemvConfig(8, 32, 8, ksplit=4, unroll=2, pdl=True, prefetch=16)]
+CHECK_CONFIGS = [None, GemvConfig(16, 16, 4, ksplit=4, unroll=2), GemvConfig(32, 16, 8, ksplit=8, pdl=True, prefetch=64),
+                 GemvConfig(8, 32, 4, ksplit=8, unroll=2, pdl=True, prefetch=16), GemvConfig(8, 128, 4)]
 
 
 def check():
@@ -58,13 +58,15 @@ def measure(m, k, l, cfg, inputs, backend="triton-ptx"):
 
 
 def candidates(m, k, l, quick):
-    for blocks, rows, ksplit, nw, un in itertools.product([16, 32], [4, 8, 16, 32, 64], [1, 2, 4], [4, 8], [1, 2]):
-        lane_rows = 64 // blocks  # a warp covers lane_rows rows x blocks blocks (two per lane)
-        per_thread = rows * ksplit * blocks // (32 * nw)
-        if (blocks * ksplit > k // 16 or rows * ksplit < lane_rows * nw or not 2 <= per_thread <= 16
-                or (quick and (nw, un) != (4, 1))):
+    """Tiles [lane_rows, ksplit, rows_per_thread, blocks] (kernels/w4a4.py): lanes along K and rows, warps along K."""
+    for blocks, rpt, nw, kmul, un in itertools.product([16, 32], [1, 2, 4, 8], [4, 8], [1, 2], [1, 2]):
+        lane_rows = 64 // blocks
+        ksplit = nw * kmul
+        if blocks * ksplit > k // 16 or (quick and (nw, un, kmul) != (4, 1, 1)):
             continue
-        yield GemvConfig(rows, blocks, nw, ksplit=ksplit, unroll=un)
+        yield GemvConfig(lane_rows * rpt, blocks, nw, ksplit=ksplit, unroll=un)
+    for rows in (8, 16):  # the v1 shape: one row across a warp's lanes
+        yield GemvConfig(rows, 128, 4)
 
 
 def _short(c):

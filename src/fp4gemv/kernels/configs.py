@@ -10,8 +10,10 @@ from typing import NamedTuple
 
 
 class GemvConfig(NamedTuple):
-    """One launch: ``rows`` outputs per program, ``blocks`` 16-element K-blocks per loop step.
+    """One launch: ``rows`` outputs per program, ``blocks`` 16-element K-blocks per warp and loop step.
 
+    The kernel (``kernels/w4a4.py``) puts 64 / blocks of the rows side by side in a warp and the rest in each
+    thread's registers.
     ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
     ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
     kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
@@ -31,20 +33,20 @@ class GemvConfig(NamedTuple):
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
     """The configuration for an ``m x k`` GEMV over ``l`` batches (W4A4, N = 1).
 
-    Chosen by the number of output rows ``m * l`` (sweep 5 in docs/performance.md, v5 kernel on the H200):
-    with many rows, 64-row programs amortise the activation over 8 rows per thread; with fewer, smaller
-    programs keep enough loads in flight (about 500 or more programs for 132 SMs).  PDL with a 32-block L2
-    prefetch was 0.4-0.9 us faster on every configuration it was measured on except the 8 x 128 one.
+    Chosen by the number of output rows ``m * l`` (sweep 7 in docs/performance.md, v6 kernel on the H200).
+    Many rows: 64-row programs, 8 rows per thread sharing one activation decode.  Fewer rows: 16-row programs
+    with 8 warps side by side along K, so enough loads are in flight.  Few rows: small programs, warps along K.
+    PDL (with an L2 prefetch of the first blocks of each row) was faster on each of these except 4096 x 14336.
     """
     rows_total = m * l
     if rows_total >= 28672:
         cfg = GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32)
-    elif rows_total >= 14336:
-        cfg = GemvConfig(64, 32, 8, ksplit=2, unroll=2, pdl=True, prefetch=32)
     elif rows_total >= 7168:
-        cfg = GemvConfig(8, 128, 4)
+        cfg = GemvConfig(16, 16, 8, ksplit=8, pdl=True, prefetch=32)
+    elif k >= 8192:
+        cfg = GemvConfig(4, 32, 4, ksplit=4, unroll=2)
     else:
-        cfg = GemvConfig(8, 32, 8, ksplit=4, unroll=2, pdl=True, prefetch=32)
+        cfg = GemvConfig(8, 32, 4, ksplit=8, unroll=2, pdl=True, prefetch=128)
     return fit_to_k(cfg, k)
 
 

@@ -28,6 +28,48 @@ def l2_prefetch(ptrs):
 
 
 @triton.jit
+def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile, sfb_stride_col_tile,
+               EVEN_K: tl.constexpr):
+    """Weights, weight scales, activation and activation scales of the K step starting at block ``j0``."""
+    j = j0 + cols
+    # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks (one
+    # 16-byte weight load) need two of them.
+    sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
+    sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
+    # The activation is addressed per row as well: loads of the full tile shape get the weights' layout (a
+    # smaller load would get its own and a shared-memory conversion per step), and a thread's rows share one
+    # load of each address.
+    a_ptrs = a_rows + j
+    b_ptrs = tl.broadcast_to(b_row + j, a_ptrs.shape)
+    sfb_ptrs = tl.broadcast_to(sfb_row + sfb_col, a_ptrs.shape)
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        sfa = tl.load(sfa_rows + sfa_col)
+        b = tl.load(b_ptrs)
+        sfb = tl.load(sfb_ptrs)
+    else:
+        k_ok = j < NB
+        a = tl.load(a_ptrs, mask=k_ok, other=0)
+        sfa = tl.load(sfa_rows + sfa_col, mask=k_ok, other=0)
+        b = tl.load(b_ptrs, mask=k_ok, other=0)
+        sfb = tl.load(sfb_ptrs, mask=k_ok, other=0)
+    return a, sfa, b, sfb
+
+
+@triton.jit
+def _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX: tl.constexpr):
+    """4 * (block dot product) * sfa * sfb for every block of the step (the factor 4: doubled operands)."""
+    scale = (sfa.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+             * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+    if USE_PTX:
+        b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
+        block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
+    else:
+        block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
+    return block * scale
+
+
+@triton.jit
 def w4a4_gemv_kernel(
     a_ptr, b_ptr, sfa_ptr, sfb_ptr, gsa_ptr, gsb_ptr, c_ptr,
     M, NB,
@@ -37,7 +79,8 @@ def w4a4_gemv_kernel(
     sfb_stride_l, sfb_stride_col_tile,
     c_stride_l, c_stride_m,
     mag_lo, mag_hi,
-    ROWS: tl.constexpr,
+    LANE_ROWS: tl.constexpr,
+    ROWS_PER_THREAD: tl.constexpr,
     BLOCKS: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
@@ -48,25 +91,29 @@ def w4a4_gemv_kernel(
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
 ):
+    # Tiles are [LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS].  Triton lays the last dimension over lanes
+    # (two blocks, one 16-byte load, per lane), then the first (LANE_ROWS = 64 / BLOCKS rows side by side in
+    # a warp), then KSPLIT (warps side by side along K: a step covers KSPLIT * BLOCKS consecutive blocks),
+    # and keeps ROWS_PER_THREAD rows in each thread's registers, which share one activation decode.  A warp's
+    # load then reads LANE_ROWS whole 128-byte lines of weights, and its scale load LANE_ROWS rows of a few
+    # scale lines (rows r..r+3 of a 128x4 atom are 16 bytes apart).
     pid_m = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
-    rows = pid_m * ROWS + tl.arange(0, ROWS)
+    rows = (pid_m * (LANE_ROWS * ROWS_PER_THREAD) + tl.arange(0, LANE_ROWS)[:, None]
+            + (tl.arange(0, ROWS_PER_THREAD) * LANE_ROWS)[None, :])  # [LANE_ROWS, ROWS_PER_THREAD]
     # Tail rows re-read row M-1 instead of masking every load; only the store is masked.
     rows_in = tl.minimum(rows, M - 1)
-    # Tiles are [ROWS, KSPLIT, BLOCKS]: a step covers KSPLIT * BLOCKS consecutive blocks, chunk s of it in
-    # slice s.  Triton lays BLOCKS over lanes (two blocks, one 16-byte load, per lane), then ROWS, then
-    # KSPLIT, so KSPLIT > 1 puts warps side by side along K: more loads in flight per row when rows are few.
-    a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None, None] * a_stride_m
+    a_rows = a_ptr + pid_l * a_stride_l + (rows_in.to(tl.int64) * a_stride_m)[:, None, :, None]
     # Every row's scales start 4-byte aligned in both layouts (K/16 is a multiple of 4); saying so lets the
     # two scale bytes of a lane's two blocks load as one 16-bit word.
     sfa_row_offset = tl.multiple_of((rows_in // 128) * sfa_stride_row_tile + (rows_in % 32) * sfa_stride_r32
-                                    + ((rows_in % 128) // 32) * sfa_stride_r4, 4)
-    sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + sfa_row_offset)[:, None, None]
+                                    + ((rows_in % 128) // 32) * sfa_stride_r4, [4, 4])
+    sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + sfa_row_offset)[:, None, :, None]
     b_row = b_ptr + pid_l * b_stride_l
     sfb_row = sfb_ptr + pid_l * sfb_stride_l
 
-    cols = (tl.arange(0, KSPLIT) * BLOCKS)[None, :, None] + tl.arange(0, BLOCKS)[None, None, :]
-    acc = tl.zeros([ROWS, KSPLIT, BLOCKS], dtype=tl.float32)
+    cols = (tl.arange(0, KSPLIT) * BLOCKS)[None, :, None, None] + tl.arange(0, BLOCKS)[None, None, None, :]
+    acc = tl.zeros([LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS], dtype=tl.float32)
     # The prmt table in per-thread registers: ptxas copies a uniform value into a fresh register before
     # every prmt (+8 instructions per block).  A condition it cannot fold makes the table per thread; it only
     # fails for blocks past K, which are masked to zero anyway.
@@ -78,40 +125,14 @@ def w4a4_gemv_kernel(
         # they carry no data into registers, so nothing stale can be read, and they keep DRAM busy meanwhile.
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH > 0:
-            l2_prefetch(a_rows + (tl.arange(0, PREFETCH // 16) * 16)[None, None, :])
+            l2_prefetch(a_rows + (tl.arange(0, PREFETCH // 16) * 16)[None, None, None, :])
         tl.extra.cuda.gdc_wait()
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
-        j = j0 + cols
-        # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks
-        # (one 16-byte weight load) need two of them.
-        sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, [1, 1, 2]), [1, 1, 2])
-        sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, [1, 1, 2]), [1, 1, 2])
-        # The activation is addressed per row as well: loads of the full tile shape get the weights' layout
-        # (a [1, KSPLIT, BLOCKS] load would get its own and a shared-memory conversion per step), and a
-        # thread's rows share one load of each address.
-        b_ptrs = tl.broadcast_to(b_row + j, [ROWS, KSPLIT, BLOCKS])
-        sfb_ptrs = tl.broadcast_to(sfb_row + sfb_col, [ROWS, KSPLIT, BLOCKS])
-        if EVEN_K:
-            a = tl.load(a_rows + j)
-            sfa = tl.load(sfa_rows + sfa_col)
-            b = tl.load(b_ptrs)
-            sfb = tl.load(sfb_ptrs)
-        else:
-            k_ok = j < NB
-            a = tl.load(a_rows + j, mask=k_ok, other=0)
-            sfa = tl.load(sfa_rows + sfa_col, mask=k_ok, other=0)
-            b = tl.load(b_ptrs, mask=k_ok, other=0)
-            sfb = tl.load(sfb_ptrs, mask=k_ok, other=0)
-        scale = (sfa.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                 * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32))
-        if USE_PTX:
-            b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
-            block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
-        else:
-            block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
-        acc += block * scale
+        a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
+                                    sfb_stride_col_tile, EVEN_K)
+        acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
-    out = tl.sum(tl.sum(acc, axis=2), axis=1) * 0.25
+    out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
     if HAS_GSA:
         out = out * tl.load(gsa_ptr)
     if HAS_GSB:
@@ -144,6 +165,7 @@ def launch_w4a4(
     global_scale_a, global_scale_b: one-element float32 tensors or None.
     """
     batch, m, nb = a_blocks.shape
+    lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
     pdl = config.pdl and os.environ.get("TRITON_INTERPRET", "0") != "1"
     w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
@@ -158,7 +180,7 @@ def launch_w4a4(
         sfb_addressing.batch, sfb_addressing.col_tile,
         c.stride(0), c.stride(1),
         *MAG_TABLE,
-        ROWS=config.rows, BLOCKS=config.blocks, EVEN_K=(nb % (config.blocks * config.ksplit) == 0),
+        LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks, EVEN_K=(nb % (config.blocks * config.ksplit) == 0),
         USE_PTX=use_ptx, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
         KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
