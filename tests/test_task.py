@@ -290,3 +290,9 @@ def test_cli_rejects_unknown_commands_and_bad_counts():
         cli.main(["task", "nonsense"])
     with pytest.raises(SystemExit):
         cli.main(["task", "benchmark", "--repeats", "0"])
+
+
+@pytest.mark.parametrize("n_arg", ["0", "17", "1,x"])
+def test_cli_bench_rejects_bad_n(capsys, n_arg):
+    assert cli.main(["bench", "--n", n_arg]) == 2
+    assert "--n" in capsys.readouterr().err

@@ -43,6 +43,18 @@ class Shape:
     n: int = 1
 
 
+# Activation kinds of ``fp4gemv bench --act``: an FP4 activation in the weights' format, or a float dtype.
+ACTIVATIONS = {"fp4": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def case_bytes(shape: Shape, fmt: str = "nvfp4", act: str = "fp4") -> int:
+    """Bytes a GEMV must move: weights + scales, the activation (FP4 + scales, or 2 bytes per element), fp16 out."""
+    block = formats.FORMATS[fmt].block_size
+    m, k, l, n = shape.m, shape.k, shape.l, shape.n
+    act_per_element = 0.5 + 1 / block if act == "fp4" else 2
+    return int(l * (m * k // 2 + m * k // block) + l * n * k * act_per_element + l * m * n * 2)
+
+
 def task_bytes(m: int, k: int, l: int = 1, act_bytes: float = 0.5 + 1 / 16) -> int:  # noqa: E741
     """Bytes a W4A4 GEMV must move: weights + scales, plus the activation and the fp16 output."""
     return int(l * (m * k // 2 + m * k // 16) + l * k * act_bytes + l * m * 2)
@@ -100,6 +112,28 @@ def stream_read_time_us(nbytes: int, pdl: bool = False) -> list[float]:
             for _ in range(input_count(nbytes))]
     out = torch.empty(stream_read_programs(nbytes), dtype=torch.int64, device="cuda")
     return device_time_us(lambda x: stream_read(x, out, pdl), bufs)
+
+
+def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device: str = "cuda"):
+    """``(a, b, out)`` for ``fp4gemv.gemv``: random FP4 weights (all codes, swizzled scales, powers of two in
+    2^-4 .. 2^3), an FP4 or float activation ``[L, N, K]`` and the fp16 output.  For timing only."""
+    from .tensor import FP4Tensor
+
+    f = formats.FORMATS[fmt]
+    g = torch.Generator(device=device).manual_seed(seed)
+    m, k, l, n = shape.m, shape.k, shape.l, shape.n
+
+    def fp4(rows):
+        data = torch.randint(0, 256, (l, rows, k // 2), dtype=torch.uint8, device=device, generator=g)
+        rows_p, cols_p = layouts.padded_scale_shape(rows, k // f.block_size)
+        exponent = torch.randint(-4, 4, (l, rows_p * cols_p), device=device, generator=g)
+        # e4m3: exponent field e + 7, mantissa 0; e8m0: e + 127.
+        scales = ((exponent + 7) << 3 if f.block_size == 16 else exponent + 127).to(torch.uint8)
+        return FP4Tensor(data, scales, fmt, "swizzled")
+
+    dtype = ACTIVATIONS[act]
+    b = fp4(n) if dtype is None else torch.randn((l, n, k), generator=g, device=device).to(dtype)
+    return fp4(m), b, torch.empty((l, m, n), dtype=torch.float16, device=device)
 
 
 def random_task_operands(m: int, k: int, l: int, seed: int, device: str = "cuda"):  # noqa: E741
@@ -193,19 +227,52 @@ def bench_shape(shape: Shape, compile_baseline: bool = True) -> dict:
     return row
 
 
+def bench_case(shape: Shape, fmt: str, act: str, compile_baseline: bool = True) -> dict:
+    """The same measurements as ``bench_shape`` for ``fp4gemv.gemv`` on any format, activation and N."""
+    from .gemv import gemv
+
+    nbytes = case_bytes(shape, fmt, act)
+    count = input_count(nbytes)
+    inputs = [random_gemv_operands(shape, fmt, act, seed=i) for i in range(count)]
+    row = {"m": shape.m, "k": shape.k, "l": shape.l, "n": shape.n, "fmt": fmt, "act": act, "bytes": nbytes,
+           "floor_us": floor_us(nbytes), "inputs": count}
+    row["kernel"] = summarize(device_time_us(lambda x: gemv(x[0], x[1], out=x[2]), inputs))
+    a, b, out = inputs[0]
+    row["host_us_per_call"] = host_overhead_us(lambda: gemv(a, b, out=out))
+    row["stream_read"] = summarize(stream_read_time_us(nbytes))
+
+    def eager(a=a, b=b):
+        b_val = b.dequantize(torch.float32) if act == "fp4" else b.float()
+        return torch.matmul(a.dequantize(torch.float32), b_val.transpose(-1, -2)).to(torch.float16)
+
+    row["eager_us"] = _event_time_us(eager)
+    if compile_baseline:
+        compiled = torch.compile(eager, dynamic=False)
+        row["compile_us"] = _event_time_us(compiled)
+    inputs.clear()
+    return row
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    head = (f"{'M':>6} {'K':>6} {'L':>2} {'MB':>7} {'floor us':>8} {'kernel us':>9} {'TB/s':>5} {'%floor':>6} "
+    head = (f"{'fmt':>5} {'act':>4} {'N':>2} {'M':>6} {'K':>6} {'L':>2} {'MB':>7} {'floor us':>8} {'kernel us':>9} {'TB/s':>5} {'%floor':>6} "
             f"{'stream us':>9} {'host us':>7} {'eager us':>9} {'x eager':>7} {'compile us':>10} {'x comp':>6}")
     lines = [head]
     for r in rows:
         t = r["kernel"]["median_us"]
         comp = r.get("compile_us")
         lines.append(
+            f"{r.get('fmt', 'nvfp4'):>5} {r.get('act', 'fp4'):>4} {r.get('n', 1):>2} "
             f"{r['m']:>6} {r['k']:>6} {r['l']:>2} {r['bytes'] / 1e6:>7.1f} {r['floor_us']:>8.2f} {t:>9.2f} "
             f"{r['bytes'] / t / 1e6:>5.2f} {100 * r['floor_us'] / t:>5.0f}% {r['stream_read']['median_us']:>9.2f} "
             f"{r['host_us_per_call']:>7.1f} {r['eager_us']:>9.1f} {r['eager_us'] / t:>7.1f} "
             f"{comp if comp is not None else float('nan'):>10.1f} {(comp or float('nan')) / t:>6.1f}")
     return "\n".join(lines)
+
+
+def _case_label(r: dict) -> str:
+    """Empty for the task's case (NVFP4 W4A4, N = 1), else e.g. ``\nmxfp4 bf16 N=4``."""
+    fmt, act, n = r.get("fmt", "nvfp4"), r.get("act", "fp4"), r.get("n", 1)
+    return "" if (fmt, act, n) == ("nvfp4", "fp4", 1) else f"\n{fmt} {act} N={n}"
 
 
 def plot(rows: Sequence[dict], path: str) -> bool:
@@ -217,12 +284,12 @@ def plot(rows: Sequence[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    labels = [f"{r['m']}x{r['k']}x{r['l']}" for r in rows]
+    labels = [f"{r['m']}x{r['k']}x{r['l']}" + _case_label(r) for r in rows]
     kern = [r["bytes"] / r["kernel"]["median_us"] / 1e6 for r in rows]
     stream = [r["bytes"] / r["stream_read"]["median_us"] / 1e6 for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(1.4 * len(rows) + 2, 4))
-    ax.bar([i - 0.2 for i in x], kern, 0.4, label="fp4gemv W4A4 kernel")
+    ax.bar([i - 0.2 for i in x], kern, 0.4, label="fp4gemv kernel")
     ax.bar([i + 0.2 for i in x], stream, 0.4, label="stream read, same bytes")
     ax.axhline(PEAK_READ_TBPS, color="k", ls="--", lw=1, label=f"{PEAK_READ_TBPS} TB/s floor")
     ax.set_xticks(list(x), labels, rotation=20)
@@ -233,15 +300,25 @@ def plot(rows: Sequence[dict], path: str) -> bool:
     return True
 
 
-def run(shapes: Sequence[Shape], out_dir: str, compile_baseline: bool = True) -> list[dict]:
-    """Measure every shape, write ``bench.json`` and ``bench.png`` to ``out_dir``, print the table last."""
+def run(shapes: Sequence[Shape], out_dir: str, compile_baseline: bool = True, fmt: str = "nvfp4",
+        act: str = "fp4", ns: Sequence[int] = (1,)) -> list[dict]:
+    """Measure every shape (for each N), write ``bench.json`` and ``bench.png`` to ``out_dir``, print the table.
+
+    NVFP4 x FP4 with N = 1 is the task's case, timed through ``ops.task_gemv`` on the task's layouts; every
+    other case goes through ``fp4gemv.gemv`` with swizzled scales.
+    """
     import json
     import os
 
     rows = []
     for s in shapes:
-        print(f"measuring {s.m}x{s.k}x{s.l} ...", flush=True)
-        rows.append(bench_shape(s, compile_baseline))
+        for n in ns:
+            case = Shape(s.m, s.k, s.l, n)
+            print(f"measuring {case.m}x{case.k}x{case.l} {fmt} {act} N={n} ...", flush=True)
+            if (fmt, act, n) == ("nvfp4", "fp4", 1):
+                rows.append(bench_shape(case, compile_baseline))
+            else:
+                rows.append(bench_case(case, fmt, act, compile_baseline))
     os.makedirs(out_dir, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "peak_read_tbps": PEAK_READ_TBPS}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:

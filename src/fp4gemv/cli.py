@@ -2,7 +2,8 @@
 
     fp4gemv task test       [--device cpu|cuda] [--seed N] [--full-range]
     fp4gemv task benchmark  [--device cpu|cuda] [--seed N] [--repeats N] [--inputs N]
-    fp4gemv bench           [--shapes task|decode|all] [--out DIR] [--no-compile]   (GPU only)
+    fp4gemv bench           [--shapes task|decode|all] [--format nvfp4|mxfp4] [--act fp4|fp16|bf16] [--n N,N,..]
+                            [--out DIR] [--no-compile]   (GPU only)
 
 Each top-level command is one ``_add_<command>_parser`` function listed in ``_COMMANDS``; it adds its
 sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and returns as the exit code.
@@ -188,6 +189,14 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    try:
+        ns = [int(v) for v in args.n.split(",")]
+    except ValueError:
+        print(f"error: --n: expected comma-separated integers, got {args.n!r}", file=sys.stderr)
+        return 2
+    if not all(1 <= v <= 16 for v in ns):
+        print(f"error: --n: expected values from 1 to 16, got {args.n!r}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
         return 2
@@ -195,14 +204,18 @@ def _run_bench(args: argparse.Namespace) -> int:
 
     shapes = {"task": bench.TASK_SHAPES, "decode": bench.DECODE_SHAPES,
               "all": bench.TASK_SHAPES + bench.DECODE_SHAPES}[args.shapes]
-    bench.run(shapes, args.out, compile_baseline=not args.no_compile)
+    bench.run(shapes, args.out, compile_baseline=not args.no_compile, fmt=args.format, act=args.act, ns=ns)
     return 0
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("bench", help="time the W4A4 kernel against a stream read and PyTorch baselines (GPU)")
+    p = commands.add_parser("bench", help="time the kernels against a stream read and PyTorch baselines (GPU)")
     p.add_argument("--shapes", choices=("task", "decode", "all"), default="all")
     p.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    p.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4", help="weight (and FP4 activation) format")
+    p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default="fp4",
+                   help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
+    p.add_argument("--n", default="1", help="activation rows (decode batch), comma-separated, each 1..16")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.set_defaults(func=_run_bench)
 
