@@ -245,12 +245,17 @@ def _task_operands(m, k, L, seed, device):
 
 
 @pytest.mark.parametrize("m, k, L, rows, blocks", [(128, 192, 2, 16, 8), (256, 512, 1, 8, 16)])
-def test_w4a4_case_is_bitwise_the_w4a4_kernel(m, k, L, rows, blocks):
+def test_w4a4_case_runs_the_task_kernel(m, k, L, rows, blocks):
+    """NVFP4 x NVFP4, N = 1 goes to kernels/w4a4.py: bit for bit what ops.task_gemv computes."""
     data, a, b = _task_operands(m, k, L, seed=m + k, device=DEVICE)
     c = data[6].fill_(float("nan"))
-    ops.task_gemv(data[0], data[1], data[4], data[5], c, backend="triton", config=GemvConfig(rows, blocks, 4, 1))
-    ours = gemv(a, b, backend="triton", config=GemvKernelConfig(rows, blocks, 4))
+    cfg = GemvConfig(rows, blocks, 4)
+    ops.task_gemv(data[0], data[1], data[4], data[5], c, backend="triton", config=cfg)
+    ours = gemv(a, b, backend="triton", config=cfg)
     assert torch.equal(ours.view(torch.int16), c.permute(2, 0, 1).view(torch.int16))
+    # The general kernel, forced by its own config type, computes the same product (other summation order).
+    general = gemv(a, b, backend="triton", config=GemvKernelConfig(rows, blocks, 4))
+    assert_matches_exact(general.to("cpu"), a.to("cpu"), b.to("cpu"), torch.float16)
 
 
 # --- configurations -------------------------------------------------------------------------------------
@@ -332,15 +337,15 @@ def test_ptx_and_triton_decodes_agree_bitwise(fmt, n, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, L", [(128, 256, 1), (2432, 4608, 2), (7168, 2048, 4), (200, 192, 3)])
-def test_w4a4_case_is_bitwise_the_w4a4_kernel_on_gpu(m, k, L):
+def test_w4a4_case_runs_the_task_kernel_on_gpu(m, k, L):
     data, a, b = _task_operands(m, k, L, seed=1, device="cuda")
     for backend in ("triton-ptx", "triton"):
-        cfg = gemv_config(m, k, L, 1, fp4_activation=True)
         c = data[6].fill_(float("nan"))
-        ops.task_gemv(data[0], data[1], data[4], data[5], c, backend=backend,
-                      config=GemvConfig(cfg.rows, cfg.blocks, cfg.num_warps, 1))
-        ours = gemv(a, b, backend=backend, config=cfg)
+        ops.task_gemv(data[0], data[1], data[4], data[5], c, backend=backend)
+        ours = gemv(a, b, backend=backend)
         assert torch.equal(ours.view(torch.int16), c.permute(2, 0, 1).view(torch.int16)), backend
+        general = gemv(a, b, backend=backend, config=gemv_config(m, k, L, 1, fp4_activation=True))
+        assert_matches_exact(general.cpu(), a.to("cpu"), b.to("cpu"), torch.float16)
 
 
 @pytest.mark.gpu
