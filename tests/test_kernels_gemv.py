@@ -336,8 +336,8 @@ def test_ptx_and_triton_decodes_agree_bitwise(fmt, n, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m, k, L", [(128, 256, 1), (2432, 4608, 2), (7168, 2048, 4), (200, 192, 3)])
-def test_w4a4_case_runs_the_task_kernel_on_gpu(m, k, L):
+@pytest.mark.parametrize("m, k, L", [(128, 256, 1), (2432, 4608, 2), (7168, 2048, 4), (384, 192, 3)])
+def test_w4a4_case_runs_the_task_kernel_on_gpu(m, k, L):  # (the task's generator needs M % 128 == 0)
     data, a, b = _task_operands(m, k, L, seed=1, device="cuda")
     for backend in ("triton-ptx", "triton"):
         c = data[6].fill_(float("nan"))
