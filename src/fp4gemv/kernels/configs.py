@@ -17,8 +17,7 @@ class GemvConfig(NamedTuple):
     ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
     ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
     kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
-    many 16-element blocks of each row to prefetch into L2 while waiting.  ``weight_cache``: the PTX cache
-    operator of the weight loads ("" = default, ".cg" = L2 only: weights are read once).
+    many 16-element blocks of each row to prefetch into L2 while waiting.
     """
 
     rows: int
@@ -29,7 +28,6 @@ class GemvConfig(NamedTuple):
     unroll: int = 1
     pdl: bool = False
     prefetch: int = 0
-    weight_cache: str = ""
 
 
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741

@@ -29,7 +29,7 @@ def l2_prefetch(ptrs):
 
 @triton.jit
 def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile, sfb_stride_col_tile,
-               EVEN_K: tl.constexpr, WEIGHT_CACHE: tl.constexpr):
+               EVEN_K: tl.constexpr):
     """Weights, weight scales, activation and activation scales of the K step starting at block ``j0``."""
     j = j0 + cols
     # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks (one
@@ -43,13 +43,13 @@ def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_ti
     b_ptrs = tl.broadcast_to(b_row + j, a_ptrs.shape)
     sfb_ptrs = tl.broadcast_to(sfb_row + sfb_col, a_ptrs.shape)
     if EVEN_K:
-        a = tl.load(a_ptrs, cache_modifier=WEIGHT_CACHE)
+        a = tl.load(a_ptrs)
         sfa = tl.load(sfa_rows + sfa_col)
         b = tl.load(b_ptrs)
         sfb = tl.load(sfb_ptrs)
     else:
         k_ok = j < NB
-        a = tl.load(a_ptrs, mask=k_ok, other=0, cache_modifier=WEIGHT_CACHE)
+        a = tl.load(a_ptrs, mask=k_ok, other=0)
         sfa = tl.load(sfa_rows + sfa_col, mask=k_ok, other=0)
         b = tl.load(b_ptrs, mask=k_ok, other=0)
         sfb = tl.load(sfb_ptrs, mask=k_ok, other=0)
@@ -90,7 +90,6 @@ def w4a4_gemv_kernel(
     UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
-    WEIGHT_CACHE: tl.constexpr = "",
 ):
     # Tiles are [LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS].  Triton lays the last dimension over lanes
     # (two blocks, one 16-byte load, per lane), then the first (LANE_ROWS = 64 / BLOCKS rows side by side in
@@ -130,7 +129,7 @@ def w4a4_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
         a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
-                                    sfb_stride_col_tile, EVEN_K, WEIGHT_CACHE)
+                                    sfb_stride_col_tile, EVEN_K)
         acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
@@ -183,7 +182,7 @@ def launch_w4a4(
         *MAG_TABLE,
         LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks, EVEN_K=(nb % (config.blocks * config.ksplit) == 0),
         USE_PTX=use_ptx, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
-        KSPLIT=config.ksplit, UNROLL=config.unroll, WEIGHT_CACHE=config.weight_cache, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
+        KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
 
