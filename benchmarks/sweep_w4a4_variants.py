@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from fp4gemv import bench, ops, task
+from fp4gemv import ops, task
 from fp4gemv.kernels.configs import w4a4_config
 
 from sweep_w4a4 import SHAPES, make_inputs, measure  # noqa: E402  (benchmarks/ is on sys.path when run)
