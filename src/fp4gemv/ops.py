@@ -1,7 +1,8 @@
 """Public operations: validate once at the boundary, pick a kernel configuration, launch.
 
 Validation raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, stride, device) naming the
-argument, what was expected and what was given, before anything is written to the output.
+argument, what was expected and what was given, before anything is written to the output.  Messages are
+built only on failure: this runs on every eager call.
 """
 
 from __future__ import annotations
@@ -26,15 +27,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _require(cond: bool, exc: type[Exception], msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
 def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-    _require(isinstance(t, torch.Tensor), TypeError, f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    _require(t.dtype in allowed, TypeError, f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in allowed:
+        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
 
 
 def _check_task_scales(name: str, sf: torch.Tensor, rows: int, k: int, l: int) -> torch.Tensor:
@@ -42,14 +40,14 @@ def _check_task_scales(name: str, sf: torch.Tensor, rows: int, k: int, l: int) -
     _check_dtype(name, sf, _E4M3_STORAGE)
     rows_p, cols_p = layouts.padded_scale_shape(rows, k // 16)
     expected = (32, 4, rows_p // 128, 4, cols_p // 4, l)
-    _require(tuple(sf.shape) == expected, ValueError,
-             f"{name}: expected shape {expected} for {rows} rows, K = {k}, L = {l}, got {tuple(sf.shape)}")
+    if tuple(sf.shape) != expected:
+        raise ValueError(f"{name}: expected shape {expected} for {rows} rows, K = {k}, L = {l}, got {tuple(sf.shape)}")
     swizzled = layouts.swizzled_from_task_permuted(formats.as_uint8(sf))
     # reshape() copies when the strides are not those of the task's permuted view; a copy per call would
     # hide a slow path, so insist on the layout instead.
-    _require(swizzled.data_ptr() == sf.data_ptr() and swizzled.is_contiguous(), ValueError,
-             f"{name}: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
-             f"(L, rows/128, K/64, 32, 4, 4) tensor, got strides {tuple(sf.stride())}")
+    if not (swizzled.data_ptr() == sf.data_ptr() and swizzled.is_contiguous()):
+        raise ValueError(f"{name}: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
+                         f"(L, rows/128, K/64, 32, 4, 4) tensor, got strides {tuple(sf.stride())}")
     return swizzled
 
 
@@ -78,28 +76,34 @@ def task_gemv(
     _check_dtype("a", a, _FP4_STORAGE)
     _check_dtype("b", b, _FP4_STORAGE)
     _check_dtype("c", c, (torch.float16,))
-    _require(a.dim() == 3, ValueError, f"a: expected 3 dims [M, K/2, L], got shape {tuple(a.shape)}")
+    if a.dim() != 3:
+        raise ValueError(f"a: expected 3 dims [M, K/2, L], got shape {tuple(a.shape)}")
     m, k_half, l = a.shape
     k = 2 * k_half
-    _require(m >= 1 and l >= 1, ValueError, f"a: expected M >= 1 and L >= 1, got shape {tuple(a.shape)}")
-    _require(k > 0 and k % 64 == 0, ValueError, f"a: expected K = 2 * a.shape[1] to be a positive multiple of 64, got K = {k}")
-    _require(a.stride(1) == 1, ValueError, f"a: expected K-major storage (stride 1 along K/2), got strides {tuple(a.stride())}")
-    _require(b.dim() == 3 and b.shape[0] >= 1 and b.shape[1:] == (k_half, l), ValueError,
-             f"b: expected shape [N >= 1, {k_half}, {l}] to match a's K/2 and L, got {tuple(b.shape)}")
-    _require(b.stride(1) == 1, ValueError, f"b: expected K-major storage (stride 1 along K/2), got strides {tuple(b.stride())}")
-    _require(tuple(c.shape) == (m, 1, l), ValueError, f"c: expected shape ({m}, 1, {l}), got {tuple(c.shape)}")
+    if not (m >= 1 and l >= 1):
+        raise ValueError(f"a: expected M >= 1 and L >= 1, got shape {tuple(a.shape)}")
+    if not (k > 0 and k % 64 == 0):
+        raise ValueError(f"a: expected K = 2 * a.shape[1] to be a positive multiple of 64, got K = {k}")
+    if a.stride(1) != 1:
+        raise ValueError(f"a: expected K-major storage (stride 1 along K/2), got strides {tuple(a.stride())}")
+    if not (b.dim() == 3 and b.shape[0] >= 1 and b.shape[1:] == (k_half, l)):
+        raise ValueError(f"b: expected shape [N >= 1, {k_half}, {l}] to match a's K/2 and L, got {tuple(b.shape)}")
+    if b.stride(1) != 1:
+        raise ValueError(f"b: expected K-major storage (stride 1 along K/2), got strides {tuple(b.stride())}")
+    if tuple(c.shape) != (m, 1, l):
+        raise ValueError(f"c: expected shape ({m}, 1, {l}), got {tuple(c.shape)}")
     sfa = _check_task_scales("sfa_permuted", sfa_permuted, m, k, l)
     sfb = _check_task_scales("sfb_permuted", sfb_permuted, b.shape[0], k, l)
     device = a.device
     for name, t in (("b", b), ("sfa_permuted", sfa_permuted), ("sfb_permuted", sfb_permuted), ("c", c)):
-        _require(t.device == device, ValueError, f"{name}: expected device {device} like a, got {t.device}")
-    _require(backend in ("auto", "triton-ptx", "triton", "reference"), ValueError,
-             f"backend: expected 'auto', 'triton-ptx', 'triton' or 'reference', got {backend!r}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device} like a, got {t.device}")
+    if backend not in ("auto", "triton-ptx", "triton", "reference"):
+        raise ValueError(f"backend: expected 'auto', 'triton-ptx', 'triton' or 'reference', got {backend!r}")
     if backend == "auto":
         backend = "triton-ptx" if device.type == "cuda" else "reference"
-    if backend != "reference":
-        _require(device.type == "cuda" or _interpreting(), ValueError,
-                 f"backend: {backend!r} needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+    if backend != "reference" and not (device.type == "cuda" or _interpreting()):
+        raise ValueError(f"backend: {backend!r} needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
 
     a_bytes = formats.as_uint8(a).permute(2, 0, 1)  # [L, M, K/2], K contiguous
     b_bytes = formats.as_uint8(b).permute(2, 0, 1)[:, 0, :]  # [L, K/2]
