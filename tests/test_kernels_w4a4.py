@@ -107,3 +107,33 @@ def test_custom_kernel_on_gpu_full_range(shape):
     data[6].fill_(float("nan"))
     ok, msg = task.check_implementation(data, task.custom_kernel(data))
     assert ok, msg
+
+
+# Compiles the kernel ahead of time for sm_90 down to a cubin (Triton's bundled ptxas) with the shipped
+# configurations: the interpreter never builds the PTX decode, the PDL prologue or the compiled layouts.
+# A fresh interpreter, because TRITON_INTERPRET=1 (conftest) changes what @triton.jit makes.
+_AOT_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp4gemv.kernels.configs import w4a4_config
+from fp4gemv.kernels.w4a4 import kernel_constexprs, w4a4_gemv_kernel
+shapes = [(7168, 16384, 1), (4096, 7168, 8), (14336, 4096, 1), (4096, 14336, 1), (4096, 4096, 1), (128, 192, 3)]
+for (m, k, l), out in zip(shapes, ("fp16", "fp16", "bf16", "fp32", "fp16", "fp16")):
+    cfg = w4a4_config(m, k, l)
+    const = kernel_constexprs(cfg, k // 16, use_ptx=True, pdl=cfg.pdl, has_gsa=out != "fp16")
+    ptrs = dict(a_ptr="*i64", b_ptr="*i64", sfa_ptr="*u8", sfb_ptr="*u8", gsa_ptr="*fp32", gsb_ptr="*fp32",
+                c_ptr="*" + out)
+    sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in w4a4_gemv_kernel.arg_names}
+    kernel = triton.compile(ASTSource(w4a4_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.num_warps, launch_pdl=cfg.pdl))
+    ptx = kernel.asm["ptx"]
+    assert kernel.asm["cubin"] and "dp4a" in ptx and "prmt" in ptx
+    assert ("griddepcontrol.wait" in ptx) == cfg.pdl, (m, k, l)
+    assert ("prefetch.global.L2" in ptx) == (const["PREFETCH"] > 0), (m, k, l)
+print("compiled", len(shapes))
+"""
+
+
+def test_shipped_configs_compile_for_sm90_without_a_gpu(compile_for_sm90):
+    assert "compiled 6" in compile_for_sm90(_AOT_SCRIPT)
