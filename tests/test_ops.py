@@ -97,3 +97,7 @@ def test_unknown_backend(data):
 
 def test_not_a_tensor(data):
     _expect_error(data, 0, [1, 2], TypeError, "a:", "torch.Tensor")
+
+
+def test_ptx_backend_needs_cuda(data):
+    _expect_error(data, 0, data[0], ValueError, "backend:", "'triton-ptx' needs CUDA tensors", backend="triton-ptx")

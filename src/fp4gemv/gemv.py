@@ -7,11 +7,9 @@ Validation happens once, here, before anything is written: TypeError (wrong type
 
 from __future__ import annotations
 
-import os
-from typing import Literal
-
 import torch
 
+from .backends import Backend, resolve_backend
 from .kernels.configs import GemvConfig, w4a4_config
 from .kernels.gemv_configs import GemvKernelConfig, gemv_config
 from .reference import quantized_gemv_reference
@@ -19,8 +17,6 @@ from .tensor import FP4Tensor
 
 __all__ = ["gemv", "Backend", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
-Backend = Literal["auto", "triton-ptx", "triton", "reference"]
-BACKENDS: tuple[str, ...] = ("auto", "triton-ptx", "triton", "reference")
 # Activation rows per launch: the kernel keeps a [rows, N, blocks] accumulator per program.
 MAX_N = 16
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,20 +63,6 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype
         raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
     if out.device != device:
         raise ValueError(f"out: expected device {device} like a, got {out.device}")
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' is the PTX-decode kernel on CUDA and the float64 reference elsewhere; never a silent fallback."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
-    if backend == "auto":
-        return "triton-ptx" if device.type == "cuda" else "reference"
-    if backend == "triton-ptx" and device.type != "cuda":
-        raise ValueError(f"backend: 'triton-ptx' needs CUDA tensors (its decode is PTX), got device {device}")
-    interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if backend == "triton" and device.type != "cuda" and not interpreting:
-        raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
-    return backend
 
 
 def _check_kernel_operand(name: str, t: FP4Tensor) -> None:
@@ -148,7 +130,7 @@ def gemv(
         raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
     if out is not None:
         _check_out(out, shape, out_dtype, device)
-    backend = _resolve_backend(backend, device)
+    backend = resolve_backend(backend, device)
     if backend != "reference":
         _check_kernel_operand("a", a)
         if isinstance(b, FP4Tensor):

@@ -7,24 +7,17 @@ built only on failure: this runs on every eager call.
 
 from __future__ import annotations
 
-import os
-from typing import Literal
-
 import torch
 
 from . import formats, layouts
+from .backends import Backend, resolve_backend
 from .kernels.configs import GemvConfig, w4a4_config
 from .reference import gemv_reference
 
 __all__ = ["task_gemv", "Backend"]
 
-Backend = Literal["auto", "triton-ptx", "triton", "reference"]
 _FP4_STORAGE = (torch.float4_e2m1fn_x2, torch.uint8)
 _E4M3_STORAGE = (torch.float8_e4m3fn, torch.uint8)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
@@ -98,12 +91,7 @@ def task_gemv(
     for name, t in (("b", b), ("sfa_permuted", sfa_permuted), ("sfb_permuted", sfb_permuted), ("c", c)):
         if t.device != device:
             raise ValueError(f"{name}: expected device {device} like a, got {t.device}")
-    if backend not in ("auto", "triton-ptx", "triton", "reference"):
-        raise ValueError(f"backend: expected 'auto', 'triton-ptx', 'triton' or 'reference', got {backend!r}")
-    if backend == "auto":
-        backend = "triton-ptx" if device.type == "cuda" else "reference"
-    if backend != "reference" and not (device.type == "cuda" or _interpreting()):
-        raise ValueError(f"backend: {backend!r} needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+    backend = resolve_backend(backend, device)
 
     a_bytes = formats.as_uint8(a).permute(2, 0, 1)  # [L, M, K/2], K contiguous
     b_bytes = formats.as_uint8(b).permute(2, 0, 1)[:, 0, :]  # [L, K/2]

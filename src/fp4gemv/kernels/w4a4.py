@@ -9,12 +9,11 @@ swizzle (see ``fp4gemv.layouts``).  Each block's exact integer dot product (``_d
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..backends import interpreting
 from ._common import ScaleAddressing, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .configs import GemvConfig
@@ -166,7 +165,7 @@ def launch_w4a4(
     """
     batch, m, nb = a_blocks.shape
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
-    pdl = config.pdl and os.environ.get("TRITON_INTERPRET", "0") != "1"
+    pdl = config.pdl and not interpreting()
     constexprs = kernel_constexprs(config, nb, use_ptx=use_ptx, pdl=pdl, has_gsa=global_scale_a is not None,
                                    has_gsb=global_scale_b is not None)
     w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
