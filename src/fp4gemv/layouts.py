@@ -18,6 +18,7 @@ __all__ = [
     "padded_scale_shape",
     "swizzled_offset",
     "swizzle_scales",
+    "checked_task_scales",
     "unswizzle_scales",
     "task_permuted_view",
     "swizzled_from_task_permuted",
@@ -81,6 +82,30 @@ def task_permuted_view(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Te
     rows_p, cols_p = padded_scale_shape(rows, cols)
     six = swizzled.reshape(L, rows_p // 128, cols_p // 4, 32, 4, 4)
     return six.permute(3, 4, 1, 5, 2, 0)
+
+
+def checked_task_scales(
+    name: str, permuted: torch.Tensor, rows: int, k: int, block_size: int, batch: int
+) -> torch.Tensor:
+    """The swizzled bytes ``[L, rows_p * cols_p]`` behind the task's permuted view of ``rows`` rows of scales.
+
+    ``permuted``: uint8, shaped ``(32, 4, rows_p/128, 4, cols_p/4, L)`` for ``batch`` = L batches of K-element
+    rows with one scale per ``block_size``.  Raises ValueError naming ``name`` for another shape, or when ``permuted`` is not that
+    view of contiguous bytes: the reshape would copy, and a copy per call would hide a slow path.
+    """
+    rows_p, cols_p = padded_scale_shape(rows, -(-k // block_size))
+    expected = (32, 4, rows_p // 128, 4, cols_p // 4, batch)
+    if tuple(permuted.shape) != expected:
+        raise ValueError(
+            f"{name}: expected shape {expected} for {rows} rows, K = {k}, L = {batch}, got {tuple(permuted.shape)}"
+        )
+    swizzled = swizzled_from_task_permuted(permuted)
+    if swizzled.data_ptr() != permuted.data_ptr() or not swizzled.is_contiguous():
+        raise ValueError(
+            f"{name}: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
+            f"(L, rows_p/128, cols_p/4, 32, 4, 4) tensor, got strides {tuple(permuted.stride())}"
+        )
+    return swizzled
 
 
 def swizzled_from_task_permuted(permuted: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 from . import formats, layouts
 from .backends import Backend, resolve_backend
 from .kernels.configs import GemvConfig, w4a4_config
-from .reference import gemv_reference
+from .reference import quantized_gemv_reference
+from .tensor import FP4Tensor
 
 __all__ = ["task_gemv", "Backend"]
 
@@ -31,17 +32,7 @@ def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -
 def _check_task_scales(name: str, sf: torch.Tensor, rows: int, k: int, l: int) -> torch.Tensor:
     """The swizzled bytes ``[L, rows_p * K/16]`` behind a task-permuted scale tensor (a view, never a copy)."""
     _check_dtype(name, sf, _E4M3_STORAGE)
-    rows_p, cols_p = layouts.padded_scale_shape(rows, k // 16)
-    expected = (32, 4, rows_p // 128, 4, cols_p // 4, l)
-    if tuple(sf.shape) != expected:
-        raise ValueError(f"{name}: expected shape {expected} for {rows} rows, K = {k}, L = {l}, got {tuple(sf.shape)}")
-    swizzled = layouts.swizzled_from_task_permuted(formats.as_uint8(sf))
-    # reshape() copies when the strides are not those of the task's permuted view; a copy per call would
-    # hide a slow path, so insist on the layout instead.
-    if not (swizzled.data_ptr() == sf.data_ptr() and swizzled.is_contiguous()):
-        raise ValueError(f"{name}: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
-                         f"(L, rows/128, K/64, 32, 4, 4) tensor, got strides {tuple(sf.stride())}")
-    return swizzled
+    return layouts.checked_task_scales(name, formats.as_uint8(sf), rows, k, 16, l)
 
 
 def task_gemv(
@@ -98,13 +89,9 @@ def task_gemv(
     c_lm = c[:, 0, :].permute(1, 0)  # [L, M]
 
     if backend == "reference":
-        sfa_lin = layouts.unswizzle_scales(sfa, m, k // 16)
-        # Row 0 of b lives in its first 128-row tile of scales.
-        _, cols_p = layouts.padded_scale_shape(1, k // 16)
-        sfb_lin = layouts.unswizzle_scales(sfb[:, :layouts.ROWS_PER_ATOM * cols_p], 1, k // 16)
-        a_val = formats.dequantize(a_bytes, sfa_lin)
-        b_val = formats.dequantize(b_bytes[:, None, :], sfb_lin)
-        c_lm.copy_(gemv_reference(a_val, b_val)[:, :, 0])
+        weights = FP4Tensor(a_bytes, sfa, "nvfp4", "swizzled")
+        activation = FP4Tensor(formats.as_uint8(b).permute(2, 0, 1), sfb, "nvfp4", "swizzled").first_rows(1)
+        c_lm.copy_(quantized_gemv_reference(weights, activation)[:, :, 0])
         return c
 
     cfg = config or w4a4_config(m, k, l)

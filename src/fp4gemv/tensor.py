@@ -230,21 +230,10 @@ class FP4Tensor:
         fmt = _resolve_format(fmt)
         _check_tensor("sf_permuted", sf_permuted, (torch.uint8, fmt.scale_dtype))
         rows, k_half, batch = operand.shape
-        # Ceil: a K that is not a multiple of the block size is reported by the constructor, naming data.
-        rows_p, cols_p = layouts.padded_scale_shape(rows, -(-2 * k_half // fmt.block_size))
-        expected = (32, 4, rows_p // 128, 4, cols_p // 4, batch)
-        if tuple(sf_permuted.shape) != expected:
-            raise ValueError(
-                f"sf_permuted: expected shape {expected} for {rows} rows, K = {2 * k_half}, L = {batch}, "
-                f"got {tuple(sf_permuted.shape)}"
-            )
-        raw = formats.as_uint8(sf_permuted)
-        swizzled = layouts.swizzled_from_task_permuted(raw)
-        if swizzled.data_ptr() != raw.data_ptr() or not swizzled.is_contiguous():
-            raise ValueError(
-                "sf_permuted: expected the permute(3, 4, 1, 5, 2, 0) view of a contiguous "
-                f"(L, R_p/128, C_p/4, 32, 4, 4) tensor, got strides {tuple(sf_permuted.stride())}"
-            )
+        # K need not be a multiple of the block size here: the constructor reports that, naming data.
+        swizzled = layouts.checked_task_scales(
+            "sf_permuted", formats.as_uint8(sf_permuted), rows, 2 * k_half, fmt.block_size, batch
+        )
         return cls(formats.as_uint8(operand).permute(2, 0, 1), swizzled, fmt, "swizzled")
 
     @classmethod
