@@ -75,6 +75,11 @@ def _check_kernel_operand(name: str, t: FP4Tensor) -> None:
         )
 
 
+def _is_w4a4_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
+    """NVFP4 x NVFP4 with one activation row: the case the task's tuned kernel (kernels/w4a4.py) computes."""
+    return isinstance(b, FP4Tensor) and a.fmt.block_size == 16 and b.rows == 1
+
+
 def _check_config(config: GemvKernelConfig | GemvConfig, w4a4_case: bool) -> None:
     if isinstance(config, GemvConfig):
         if not w4a4_case:
@@ -136,8 +141,7 @@ def gemv(
         if isinstance(b, FP4Tensor):
             _check_kernel_operand("b", b)
     if config is not None:
-        w4a4_case = isinstance(b, FP4Tensor) and a.fmt.block_size == 16 and (len(b.shape) < 2 or b.shape[-2] == 1)
-        _check_config(config, w4a4_case)
+        _check_config(config, _is_w4a4_case(a, b))
 
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
@@ -186,7 +190,7 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
     if c.dim() == 2:
         c = c.unsqueeze(0)
     m, n = a.rows, b_values.shape[1]
-    if fp4_activation and n == 1 and a.fmt.block_size == 16 and not isinstance(config, GemvKernelConfig):
+    if _is_w4a4_case(a, b) and not isinstance(config, GemvKernelConfig):
         # NVFP4 x NVFP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
         from .kernels.w4a4 import launch_w4a4
 
