@@ -53,6 +53,11 @@ def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
 def fit_to_k(cfg: GemvConfig, k: int) -> GemvConfig:
     """Shrink a configuration whose K step is longer than K: blocks, then ksplit, to powers of two that fit."""
     nb = k // 16
-    blocks = min(cfg.blocks, 1 << (nb.bit_length() - 1))
-    ksplit = min(cfg.ksplit, max(1, 1 << ((nb // blocks).bit_length() - 1)))
+    blocks = min(cfg.blocks, pow2_at_most(nb))
+    ksplit = min(cfg.ksplit, pow2_at_most(nb // blocks))
     return cfg._replace(blocks=blocks, ksplit=ksplit)
+
+
+def pow2_at_most(x: int) -> int:
+    """The largest power of two <= x (1 for x <= 1)."""
+    return 1 << (max(x, 1).bit_length() - 1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .configs import w4a4_config
+from .configs import pow2_at_most, w4a4_config
 
 __all__ = ["GemvKernelConfig", "gemv_config"]
 
@@ -31,10 +31,6 @@ class GemvKernelConfig(NamedTuple):
     num_warps: int
 
 
-def _pow2_at_most(x: int) -> int:
-    return 1 << (max(x, 1).bit_length() - 1)
-
-
 def gemv_config(m: int, k: int, l: int, n: int, *, fp4_activation: bool) -> GemvKernelConfig:  # noqa: E741
     """The configuration for ``[l, m, k] x [l, n, k]`` (n activation rows, 1..16).
 
@@ -45,7 +41,7 @@ def gemv_config(m: int, k: int, l: int, n: int, *, fp4_activation: bool) -> Gemv
     4096 fp32.  Blocks never exceed K/16.
     """
     nb = k // 16
-    n_pad = _pow2_at_most(2 * n - 1)  # next power of two >= n
+    n_pad = pow2_at_most(2 * n - 1)  # next power of two >= n
     if fp4_activation:
         base = w4a4_config(m, k, l)
         num_warps = base.num_warps
@@ -57,4 +53,4 @@ def gemv_config(m: int, k: int, l: int, n: int, *, fp4_activation: bool) -> Gemv
     else:
         rows, num_warps = _W4A16_ROWS, 4
         blocks = _W4A16_PRODUCT_ELEMENTS // (rows * n_pad * 16)
-    return GemvKernelConfig(rows=rows, blocks=min(_pow2_at_most(blocks), _pow2_at_most(nb)), num_warps=num_warps)
+    return GemvKernelConfig(rows=rows, blocks=min(pow2_at_most(blocks), pow2_at_most(nb)), num_warps=num_warps)

@@ -1,10 +1,12 @@
-"""Batched block-scaled NVFP4 x NVFP4 GEMV: ``c[l, m] = sum_k a[l, m, k] * b[l, 0, k]`` with e4m3 scales.
+"""Batched block-scaled NVFP4 x NVFP4 GEMV: ``c[l, m] = sum_k a[l, m, k] * b[l, 0, k]`` with e4m3 scales,
+optional fp32 global scales, fp16/bf16/fp32 output.
 
-One program computes ``ROWS`` outputs of one batch, walking K in steps of ``BLOCKS`` 16-element blocks.
-Weights are read as int64 (one 16-element block each, 16-byte vector loads for two neighbours); scales
-are addressed through five strides that cover both the linear ``[L, rows, K/16]`` layout and the 128x4
-swizzle (see ``fp4gemv.layouts``).  Each block's exact integer dot product (``_decode``) is scaled by
-``sfa * sfb`` (exact in fp32: 4-bit times 4-bit significands) and accumulated in fp32.
+One program computes ``LANE_ROWS * ROWS_PER_THREAD`` outputs of one batch, walking K in steps of
+``KSPLIT * BLOCKS`` 16-element blocks (the tile is described in the kernel).  Weights are read as int64 (one
+16-element block each, 16-byte vector loads for two neighbours); scales are addressed through five strides
+that cover both the linear ``[L, rows, K/16]`` layout and the 128x4 swizzle (``kernels._common``).  Each
+block's exact integer dot product (``_decode``) is scaled by ``sfa * sfb`` (exact in fp32: 4-bit times 4-bit
+significands) and accumulated in fp32.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import triton.language as tl
 from ..backends import interpreting
 from ._common import ScaleAddressing, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
-from .configs import GemvConfig
+from .configs import GemvConfig, pow2_at_most
 
 
 @triton.jit
@@ -200,4 +202,4 @@ def _prefetch_blocks(config: GemvConfig, nb: int) -> int:
     """Blocks per row to prefetch into L2 under PDL: a power of two >= 16 (one 128-byte line), at most K/16."""
     if config.prefetch < 16 or nb < 16:
         return 0
-    return 1 << (min(config.prefetch, nb).bit_length() - 1)
+    return pow2_at_most(min(config.prefetch, nb))
