@@ -55,9 +55,9 @@ def case_bytes(shape: Shape, fmt: str = "nvfp4", act: str = "fp4") -> int:
     return int(l * (m * k // 2 + m * k // block) + l * n * k * act_per_element + l * m * n * 2)
 
 
-def task_bytes(m: int, k: int, l: int = 1, act_bytes: float = 0.5 + 1 / 16) -> int:  # noqa: E741
-    """Bytes a W4A4 GEMV must move: weights + scales, plus the activation and the fp16 output."""
-    return int(l * (m * k // 2 + m * k // 16) + l * k * act_bytes + l * m * 2)
+def task_bytes(m: int, k: int, l: int = 1) -> int:  # noqa: E741
+    """Bytes of the task's case (NVFP4 x NVFP4, N = 1): ``case_bytes`` of it."""
+    return case_bytes(Shape(m, k, l))
 
 
 def floor_us(nbytes: int, tbps: float = PEAK_READ_TBPS) -> float:
@@ -171,10 +171,13 @@ def stream_read_programs(nbytes: int) -> int:
     return -(-(nbytes // 8) // (1024 * 4))
 
 
-def dequant_matmul_eager(a_bytes, sfa_linear, b_bytes, sfb_linear, dtype=torch.float32):
-    """Baseline: dequantize both operands with PyTorch ops, then one batched matmul (fp32, exact inputs)."""
-    a = formats.dequantize(a_bytes, sfa_linear, dtype=dtype)
-    b = formats.dequantize(b_bytes, sfb_linear, dtype=dtype)
+def dequant_matmul_eager(a_bytes, sfa_linear, b, sfb_linear=None, fmt: formats.FP4Format = formats.NVFP4):
+    """Baseline: dequantize with PyTorch ops (fp32, exact), then one batched matmul, fp16 out.
+
+    b: packed FP4 bytes with linear scales ``sfb_linear``, or a float activation (``sfb_linear=None``).
+    """
+    a = formats.dequantize(a_bytes, sfa_linear, fmt, dtype=torch.float32)
+    b = b.float() if sfb_linear is None else formats.dequantize(b, sfb_linear, fmt, dtype=torch.float32)
     return torch.matmul(a, b.transpose(-1, -2)).to(torch.float16)
 
 
@@ -204,27 +207,18 @@ def _event_time_us(call: Callable[[], object], repeats: int = 10) -> float:
 def bench_shape(shape: Shape, compile_baseline: bool = True) -> dict:
     """Every measurement of one W4A4 task-layout shape: kernel, stream read, baselines, host overhead."""
     from . import ops
+    from .tensor import FP4Tensor
 
     m, k, l = shape.m, shape.k, shape.l
     nbytes = task_bytes(m, k, l)
-    count = input_count(nbytes)
-    inputs = [random_task_operands(m, k, l, seed=i) for i in range(count)]
-    row = {"m": m, "k": k, "l": l, "bytes": nbytes, "floor_us": floor_us(nbytes), "inputs": count}
-    row["kernel"] = summarize(device_time_us(lambda x: ops.task_gemv(*x), inputs))
-    row["host_us_per_call"] = host_overhead_us(lambda: ops.task_gemv(*inputs[0]))
-    row["stream_read"] = summarize(stream_read_time_us(nbytes))
+    inputs = [random_task_operands(m, k, l, seed=i) for i in range(input_count(nbytes))]
     a, b, sfa_p, sfb_p, _ = inputs[0]
-    a_lin = a.view(torch.uint8).permute(2, 0, 1)
-    b_lin = b.view(torch.uint8).permute(2, 0, 1)[:, :1]
-    sfa_lin = layouts.unswizzle_scales(layouts.swizzled_from_task_permuted(sfa_p.view(torch.uint8)), m, k // 16)
-    sfb_lin = layouts.unswizzle_scales(layouts.swizzled_from_task_permuted(sfb_p.view(torch.uint8)), 128, k // 16)[:, :1]
-    eager = lambda: dequant_matmul_eager(a_lin, sfa_lin, b_lin, sfb_lin)  # noqa: E731
-    row["eager_us"] = _event_time_us(eager)
-    if compile_baseline:
-        compiled = torch.compile(dequant_matmul_eager, dynamic=False)
-        row["compile_us"] = _event_time_us(lambda: compiled(a_lin, sfa_lin, b_lin, sfb_lin))
-    inputs.clear()  # free the device buffers before the next shape
-    return row
+    weights = FP4Tensor.from_task(a, sfa_p)
+    activation = FP4Tensor.from_task(b, sfb_p).first_rows(1)
+    row = {"m": m, "k": k, "l": l}
+    return _measure(row, nbytes, lambda x: ops.task_gemv(*x), inputs,
+                    (weights.data, weights.linear_scales(), activation.data, activation.linear_scales()),
+                    compile_baseline)
 
 
 def bench_case(shape: Shape, fmt: str, act: str, compile_baseline: bool = True) -> dict:
@@ -232,24 +226,27 @@ def bench_case(shape: Shape, fmt: str, act: str, compile_baseline: bool = True) 
     from .gemv import gemv
 
     nbytes = case_bytes(shape, fmt, act)
-    count = input_count(nbytes)
-    inputs = [random_gemv_operands(shape, fmt, act, seed=i) for i in range(count)]
-    row = {"m": shape.m, "k": shape.k, "l": shape.l, "n": shape.n, "fmt": fmt, "act": act, "bytes": nbytes,
-           "floor_us": floor_us(nbytes), "inputs": count}
-    row["kernel"] = summarize(device_time_us(lambda x: gemv(x[0], x[1], out=x[2]), inputs))
-    a, b, out = inputs[0]
-    row["host_us_per_call"] = host_overhead_us(lambda: gemv(a, b, out=out))
+    inputs = [random_gemv_operands(shape, fmt, act, seed=i) for i in range(input_count(nbytes))]
+    a, b, _ = inputs[0]
+    b_args = (b.data, b.linear_scales()) if act == "fp4" else (b, None)
+    row = {"m": shape.m, "k": shape.k, "l": shape.l, "n": shape.n, "fmt": fmt, "act": act}
+    return _measure(row, nbytes, lambda x: gemv(x[0], x[1], out=x[2]), inputs,
+                    (a.data, a.linear_scales(), *b_args, a.fmt), compile_baseline)
+
+
+def _measure(row: dict, nbytes: int, launch: Callable[[object], object], inputs: list, eager_args: tuple,
+             compile_baseline: bool) -> dict:
+    """Fill ``row``: the kernel by graph replay over ``inputs``, host overhead, the stream read of ``nbytes``,
+    and ``dequant_matmul_eager(*eager_args)`` eager and compiled (scales already linear, outside the timing)."""
+    row.update(bytes=nbytes, floor_us=floor_us(nbytes), inputs=len(inputs))
+    row["kernel"] = summarize(device_time_us(launch, inputs))
+    row["host_us_per_call"] = host_overhead_us(lambda: launch(inputs[0]))
     row["stream_read"] = summarize(stream_read_time_us(nbytes))
-
-    def eager(a=a, b=b):
-        b_val = b.dequantize(torch.float32) if act == "fp4" else b.float()
-        return torch.matmul(a.dequantize(torch.float32), b_val.transpose(-1, -2)).to(torch.float16)
-
-    row["eager_us"] = _event_time_us(eager)
+    row["eager_us"] = _event_time_us(lambda: dequant_matmul_eager(*eager_args))
     if compile_baseline:
-        compiled = torch.compile(eager, dynamic=False)
-        row["compile_us"] = _event_time_us(compiled)
-    inputs.clear()
+        compiled = torch.compile(dequant_matmul_eager, dynamic=False)
+        row["compile_us"] = _event_time_us(lambda: compiled(*eager_args))
+    inputs.clear()  # free the device buffers before the next shape
     return row
 
 
