@@ -9,7 +9,8 @@ import triton.language as tl
 
 from .. import layouts
 
-__all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "to_bfloat16_rne"]
+__all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "scale_row_offset",
+           "to_bfloat16_rne"]
 
 
 class ScaleAddressing(NamedTuple):
@@ -33,6 +34,12 @@ def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
     """The 128x4 swizzle of ``cols`` scale columns (``layouts.swizzled_offset``): 512-byte atoms of 32 lines x 16."""
     _, cols_p = layouts.padded_scale_shape(1, cols)
     return ScaleAddressing(stride_batch, layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
+
+
+@triton.jit
+def scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4):
+    """Byte offset of each row's scales under :class:`ScaleAddressing` (the row part of its formula)."""
+    return (rows // 128) * stride_row_tile + (rows % 32) * stride_r32 + ((rows % 128) // 32) * stride_r4
 
 
 @triton.jit

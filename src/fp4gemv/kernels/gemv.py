@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ScaleAddressing, to_bfloat16_rne
+from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .gemv_configs import GemvKernelConfig
 
@@ -34,11 +34,6 @@ __all__ = ["gemv_kernel", "launch_gemv"]
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
 _F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
-
-
-@triton.jit
-def _scale_rows(sf_ptr, rows, stride_row_tile, stride_r32, stride_r4):
-    return sf_ptr + (rows // 128) * stride_row_tile + (rows % 32) * stride_r32 + ((rows % 128) // 32) * stride_r4
 
 
 @triton.jit
@@ -100,11 +95,13 @@ def gemv_kernel(
     # load; only the store is masked.
     rows_in = tl.minimum(rows, M - 1)
     a_rows = a_ptr + pid_l * a_stride_l + rows_in.to(tl.int64)[:, None] * a_stride_m
-    sfa_rows = _scale_rows(sfa_ptr + pid_l * sfa_stride_l, rows_in, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4)
+    sfa_rows = sfa_ptr + pid_l * sfa_stride_l + scale_row_offset(rows_in, sfa_stride_row_tile, sfa_stride_r32,
+                                                                 sfa_stride_r4)
     n = tl.arange(0, N_PAD)
     n_in = tl.minimum(n, N - 1)
     b_rows = b_ptr + pid_l * b_stride_l + n_in.to(tl.int64)[:, None] * b_stride_n  # [N_PAD, 1]
-    sfb_rows = _scale_rows(sfb_ptr + pid_l * sfb_stride_l, n_in, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4)
+    sfb_rows = sfb_ptr + pid_l * sfb_stride_l + scale_row_offset(n_in, sfb_stride_row_tile, sfb_stride_r32,
+                                                                 sfb_stride_r4)
 
     cols = tl.arange(0, BLOCKS)
     acc = tl.zeros([ROWS, N_PAD, BLOCKS], dtype=tl.float32)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..backends import interpreting
-from ._common import ScaleAddressing, to_bfloat16_rne
+from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .configs import GemvConfig, pow2_at_most
 
@@ -107,8 +107,8 @@ def w4a4_gemv_kernel(
     a_rows = a_ptr + pid_l * a_stride_l + (rows_in.to(tl.int64) * a_stride_m)[:, None, :, None]
     # Every row's scales start 4-byte aligned in both layouts (K/16 is a multiple of 4); saying so lets the
     # two scale bytes of a lane's two blocks load as one 16-bit word.
-    sfa_row_offset = tl.multiple_of((rows_in // 128) * sfa_stride_row_tile + (rows_in % 32) * sfa_stride_r32
-                                    + ((rows_in % 128) // 32) * sfa_stride_r4, [4, 4])
+    sfa_row_offset = tl.multiple_of(scale_row_offset(rows_in, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4),
+                                    [4, 4])
     sfa_rows = (sfa_ptr + pid_l * sfa_stride_l + sfa_row_offset)[:, None, :, None]
     b_row = b_ptr + pid_l * b_stride_l
     sfb_row = sfb_ptr + pid_l * sfb_stride_l
