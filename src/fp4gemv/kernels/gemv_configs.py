@@ -34,9 +34,9 @@ class GemvKernelConfig(NamedTuple):
 def gemv_config(m: int, k: int, l: int, n: int, *, fp4_activation: bool) -> GemvKernelConfig:  # noqa: E741
     """The configuration for ``[l, m, k] x [l, n, k]`` (n activation rows, 1..16).
 
-    W4A4, n = 1: rows, warps and K-step of ``configs.w4a4_config`` (measured on w4a4.py; that kernel's
-    ``[rows, ksplit, blocks]`` tile becomes ``[rows, 1, ksplit * blocks]`` here, which has no ksplit, unroll or
-    PDL).  W4A4, n > 1: at most 16 rows, blocks such that the accumulator ``[rows, n_pad, blocks]`` stays at
+    W4A4, n = 1 (for callers who want the general kernel for this case; ``gemv`` itself runs w4a4.py):
+    rows, warps and K step (ksplit x blocks) of ``configs.w4a4_config``; this kernel has no ksplit, unroll or
+    PDL.  W4A4, n > 1: at most 16 rows, blocks such that the accumulator ``[rows, n_pad, blocks]`` stays at
     1024 fp32.  W4A16: 8 rows and blocks such that the ``[rows, n_pad, blocks, 16]`` product tile stays at
     4096 fp32.  Blocks never exceed K/16.
     """
