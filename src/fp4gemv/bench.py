@@ -126,9 +126,9 @@ def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device: st
     def fp4(rows):
         data = torch.randint(0, 256, (l, rows, k // 2), dtype=torch.uint8, device=device, generator=g)
         rows_p, cols_p = layouts.padded_scale_shape(rows, k // f.block_size)
-        exponent = torch.randint(-4, 4, (l, rows_p * cols_p), device=device, generator=g)
-        # e4m3: exponent field e + 7, mantissa 0; e8m0: e + 127.
-        scales = ((exponent + 7) << 3 if f.block_size == 16 else exponent + 127).to(torch.uint8)
+        powers = torch.exp2(torch.randint(-4, 4, (l, rows_p * cols_p), device=device, generator=g).float())
+        encode = formats.encode_e4m3 if f.scale_dtype == torch.float8_e4m3fn else formats.encode_e8m0
+        scales = encode(powers)
         return FP4Tensor(data, scales, fmt, "swizzled")
 
     dtype = ACTIVATIONS[act]
