@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, resolve_backend
-from .kernels.configs import GemvConfig, w4a4_config
+from .kernels.configs import GemvConfig, MmaConfig, mma_config, w4a4_config
 from .kernels.gemv_configs import GemvKernelConfig, gemv_config
 from .reference import quantized_gemv_reference
 from .tensor import FP4Tensor
@@ -80,18 +80,37 @@ def _is_w4a4_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
     return isinstance(b, FP4Tensor) and a.fmt.block_size == 16 and b.rows == 1
 
 
-def _check_config(config: GemvKernelConfig | GemvConfig, w4a4_case: bool) -> None:
+def _is_mma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
+    """NVFP4 weights times fp16/bf16 activations, or times NVFP4 activations with N > 1: the tensor-core
+    kernel (kernels/mma_gemv.py).  Its 16-bit operands hold e2m1 x e4m3 exactly; e8m0 scales and fp32
+    activations do not fit them."""
+    if a.fmt.block_size != 16:
+        return False
+    if isinstance(b, FP4Tensor):
+        return b.rows > 1
+    return b.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check_config(config: GemvKernelConfig | GemvConfig | MmaConfig, w4a4_case: bool, mma_case: bool) -> None:
     if isinstance(config, GemvConfig):
         if not w4a4_case:
             raise TypeError("config: a GemvConfig (kernels/w4a4.py) only applies to NVFP4 x NVFP4 with N = 1; "
-                            "expected a GemvKernelConfig")
+                            "expected a GemvKernelConfig" + (" or MmaConfig" if mma_case else ""))
         values = (config.rows, config.blocks, config.ksplit)
+    elif isinstance(config, MmaConfig):
+        if not mma_case:
+            raise TypeError("config: an MmaConfig (kernels/mma_gemv.py) only applies to NVFP4 weights with fp16/bf16 "
+                            "activations or NVFP4 activations with N > 1; expected a GemvKernelConfig"
+                            + (" or GemvConfig" if w4a4_case else ""))
+        if not (16 <= config.rows <= 128 and config.block_k >= 16):
+            raise ValueError(f"config: expected rows from 16 to 128 and block_k >= 16, got {config}")
+        values = (config.rows, config.block_k)
     elif isinstance(config, GemvKernelConfig):
         values = (config.rows, config.blocks)
     else:
-        raise TypeError(f"config: expected a GemvKernelConfig or GemvConfig, got {type(config).__name__}")
+        raise TypeError(f"config: expected a GemvKernelConfig, GemvConfig or MmaConfig, got {type(config).__name__}")
     if any(v < 1 or v & (v - 1) for v in values):
-        raise ValueError(f"config: expected powers of two for rows, blocks (and ksplit), got {config}")
+        raise ValueError(f"config: expected powers of two for rows, blocks / block_k (and ksplit), got {config}")
 
 
 def gemv(
@@ -101,7 +120,7 @@ def gemv(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
     backend: Backend = "auto",
-    config: GemvKernelConfig | GemvConfig | None = None,
+    config: GemvKernelConfig | GemvConfig | MmaConfig | None = None,
 ) -> torch.Tensor:
     """``a @ b^T`` per batch: FP4 weights times FP4 (W4A4) or float (W4A16) activations.
 
@@ -114,14 +133,22 @@ def gemv(
     out_dtype: float16, bfloat16 or float32.
     backend: ``"auto"``: the Triton kernel with PTX decode on CUDA, the float64 reference elsewhere.
         ``"triton"``: pure-Triton decode (on CPU tensors too, under ``TRITON_INTERPRET=1``).
-        ``"triton-ptx"``: PTX decode for W4A4 (CUDA only; W4A16 has no PTX part).  ``"reference"``: float64.
-    config: the launch configuration.  NVFP4 x NVFP4 with N = 1 runs the task's tuned kernel
-        (``kernels/w4a4.py``, ``kernels.configs.w4a4_config`` by default, or a ``GemvConfig``); every other case,
-        or that one given a ``GemvKernelConfig``, runs the general kernel (``kernels.gemv_configs.gemv_config``).
+        ``"triton-ptx"``: PTX decode (CUDA only; the general kernel's W4A16 path has no PTX part).
+        ``"reference"``: float64.
+    config: the launch configuration; which kernel runs depends on the case:
+
+        * NVFP4 x NVFP4 with N = 1: the task's tuned kernel (``kernels/w4a4.py``; ``kernels.configs.w4a4_config``
+          or a ``GemvConfig``);
+        * NVFP4 x fp16/bf16 (any N), NVFP4 x NVFP4 with N > 1: the tensor-core kernel (``kernels/mma_gemv.py``;
+          ``kernels.configs.mma_config`` or an ``MmaConfig``);
+        * MXFP4, fp32 activations, or any case given a ``GemvKernelConfig``: the general kernel
+          (``kernels/gemv.py``; ``kernels.gemv_configs.gemv_config``), which is correct but not tuned
+          (docs/performance.md).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
-    Both operands' global scales multiply the result (their fp32 product).  The kernel accumulates exact
-    16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32 and rounds once to ``out_dtype``.
+    Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
+    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernel
+    multiplies exactly and accumulates every product in fp32.  The result is rounded once to ``out_dtype``.
     """
     if not isinstance(a, FP4Tensor):
         raise TypeError(f"a: expected an FP4Tensor (see FP4Tensor.quantize), got {type(a).__name__}")
@@ -141,7 +168,7 @@ def gemv(
         if isinstance(b, FP4Tensor):
             _check_kernel_operand("b", b)
     if config is not None:
-        _check_config(config, _is_w4a4_case(a, b))
+        _check_config(config, _is_w4a4_case(a, b), _is_mma_case(a, b))
 
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
@@ -198,6 +225,19 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
             a_blocks, sfa, sfa_addressing, b_values[:, 0], sfb, sfb_addressing, c[:, :, 0],
             config=config or w4a4_config(m, a.k, batch), use_ptx=use_ptx,
             global_scale_a=a.global_scale, global_scale_b=b.global_scale,
+        )
+        return
+    if _is_mma_case(a, b) and not isinstance(config, GemvKernelConfig):
+        # NVFP4 weights on the tensor cores: fp16/bf16 activations, or NVFP4 activations with N > 1.
+        from .kernels.mma_gemv import launch_mma_gemv
+
+        words = a.data.view(torch.int16)
+        b_words = b.data.view(torch.int16) if fp4_activation else None
+        launch_mma_gemv(
+            _batched(words, batch, 3), sfa, sfa_addressing,
+            _batched(b_words, batch, 3) if fp4_activation else b_values, sfb, sfb_addressing, c,
+            k=a.k, global_scale_a=a.global_scale, global_scale_b=b.global_scale if fp4_activation else None,
+            config=config or mma_config(m, a.k, batch), use_ptx=use_ptx,
         )
         return
     cfg = config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation)

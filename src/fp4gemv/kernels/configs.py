@@ -61,3 +61,23 @@ def fit_to_k(cfg: GemvConfig, k: int) -> GemvConfig:
 def pow2_at_most(x: int) -> int:
     """The largest power of two <= x (1 for x <= 1)."""
     return 1 << (max(x, 1).bit_length() - 1)
+
+
+class MmaConfig(NamedTuple):
+    """One launch of the tensor-core kernel (``kernels/mma_gemv.py``): ``rows`` outputs per program (16 to
+    128; 64 and up use Hopper's warpgroup MMA), ``block_k`` K-elements per loop step (a power of two >= 16)."""
+
+    rows: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+
+
+def mma_config(m: int, k: int, l: int) -> MmaConfig:  # noqa: E741
+    """The tensor-core kernel's configuration for ``l`` batches of ``m x k`` weights (any N from 1 to 16)."""
+    rows_total = m * l
+    if rows_total >= 28672:
+        cfg = MmaConfig(64, 128, 4)
+    else:
+        cfg = MmaConfig(16, 128, 1)
+    return cfg._replace(block_k=min(cfg.block_k, max(16, pow2_at_most(k))))
