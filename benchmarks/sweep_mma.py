@@ -20,8 +20,11 @@ from fp4gemv.kernels.configs import MmaConfig, mma_config
 from fp4gemv.reference import quantized_gemv_reference
 
 SHAPES = TASK_SHAPES + DECODE_SHAPES
-CONFIGS = [MmaConfig(r, bk, w, s) for (r, w) in ((16, 1), (16, 2), (32, 2), (64, 4), (128, 8))
-           for bk in (128, 256) for s in (1, 3)]
+CONFIGS = [MmaConfig(*c) for c in (
+    (16, 256, 1, 3), (32, 256, 2, 3), (16, 128, 1, 3),  # sweep 9a's best (no ksplit)
+    (16, 64, 4, 1, 4), (16, 128, 4, 1, 4), (32, 64, 4, 1, 4), (32, 128, 4, 1, 4), (64, 64, 4, 1, 4),
+    (32, 64, 8, 1, 8), (16, 64, 8, 1, 8), (16, 128, 8, 1, 8), (32, 64, 4, 3, 4), (16, 64, 4, 3, 4),
+    (16, 128, 4, 3, 4), (64, 64, 8, 1, 8))]
 RESULTS = []
 
 
@@ -32,7 +35,8 @@ def check():
             exact = quantized_gemv_reference(a, b, torch.float64)
             bv = b.dequantize(torch.float64) if act == "fp4" else b.double()
             magnitude = a.dequantize(torch.float64).abs() @ bv.abs().transpose(-1, -2)
-            for cfg in (None, MmaConfig(16, 128, 1), MmaConfig(64, 128, 4), MmaConfig(128, 256, 8, 3)):
+            for cfg in (None, MmaConfig(16, 128, 1), MmaConfig(64, 128, 4), MmaConfig(32, 64, 4, 1, 4),
+                        MmaConfig(16, 64, 8, 3, 8)):
                 ptx = gemv(a, b, out_dtype=torch.float32, backend="triton-ptx", config=cfg)
                 pure = gemv(a, b, out_dtype=torch.float32, backend="triton", config=cfg)
                 same = torch.equal(ptx.view(torch.int32), pure.view(torch.int32))
@@ -70,7 +74,7 @@ def configs_phase(deadline):
         line.sort(key=lambda x: x[0])
         best[(s.m, s.k, s.l)] = [c for _, c in line[:3]]
         print(f"{shape.m}x{shape.k}x{shape.l} fp16 N=1 floor {floor_us(case_bytes(shape, 'nvfp4', 'fp16')):.2f}: "
-              + " | ".join(f"{c.rows}/{c.block_k}/{c.num_warps}/{c.num_stages} {t:.2f}" for t, c in line[:6]),
+              + " | ".join(f"{c.rows}/{c.block_k}/{c.num_warps}/{c.num_stages}/ks{c.ksplit} {t:.2f}" for t, c in line),
               flush=True)
         del inputs
         torch.cuda.empty_cache()
@@ -87,7 +91,7 @@ def cases_phase(best, deadline):
             inputs = inputs_for(shape, act)
             res = [measure(shape, act, cfg, inputs) for cfg in cfgs]
             print(f"{shape.m}x{shape.k}x{shape.l} {act} N={n}: "
-                  + " | ".join(f"{c.rows}/{c.block_k}/{c.num_warps}/{c.num_stages} {r['us']:.2f} ({r['floor_pct']:.0f}%)"
+                  + " | ".join(f"{c.rows}/{c.block_k}/{c.num_warps}/{c.num_stages}/ks{c.ksplit} {r['us']:.2f} ({r['floor_pct']:.0f}%)"
                                for c, r in zip(cfgs, res)), flush=True)
             del inputs
             torch.cuda.empty_cache()

@@ -11,6 +11,8 @@ sum, 1 for the scale product, NB for the K-loop additions plus the final sum ove
 n = NB + 22 >= that depth, the fp32 result s' obeys |s' - s| <= 1.01 * n * u * sum_k |t_k| (gamma_n;
 n * u < 1e-3 here), plus n * 2^-149 for fp32 underflow.  The one rounding to the output dtype adds half an
 ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 * sum_k |t_k|.
+``tensor_cores=True`` switches to the bound of the tensor-core kernel (kernels/mma_gemv.py, derived in
+tests/test_kernels_mma.py): all K products in one fp32 accumulation that may truncate.
 """
 
 import itertools
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
+from fp4gemv.gemv import _is_mma_case
 from fp4gemv.kernels.configs import GemvConfig, w4a4_config
 from fp4gemv.kernels.gemv_configs import GemvKernelConfig, gemv_config
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
@@ -62,14 +65,35 @@ def values(t):
     return t.dequantize(torch.float64) if isinstance(t, FP4Tensor) else t.to(torch.float64)
 
 
-def error_bound(a, b, out_dtype, got):
-    """Largest |got - exact| a correct kernel can produce (module docstring), elementwise."""
+def _fold_exponent(b):
+    """f such that the tensor-core kernel's fp32 accumulator holds the result (before global scales) times
+    2^-f: its 16-bit operands carry 2^-14 per NVFP4 operand in fp16, 2^-7 for bf16 (kernels/mma_gemv.py)."""
+    if isinstance(b, FP4Tensor):
+        return 28
+    return {torch.float16: 14, torch.bfloat16: 7}[b.dtype]
+
+
+def _global_scale(t):
+    return 1.0 if not isinstance(t, FP4Tensor) or t.global_scale is None else abs(float(t.global_scale))
+
+
+def error_bound(a, b, out_dtype, got, tensor_cores=False):
+    """Largest |got - exact| a correct kernel can produce (module docstring), elementwise.
+
+    ``tensor_cores``: the bound of kernels/mma_gemv.py instead (tests/test_kernels_mma.py's docstring):
+    depth K + 24, unit roundoff 2^-23 (truncation), the underflow term scaled up by the epilogue's fold.
+    """
     b_abs = values(b).abs()
     magnitude = gemv_reference(values(a).abs(), b_abs[None, :] if b_abs.dim() == 1 else b_abs, torch.float64)
     if b_abs.dim() == 1:
         magnitude = magnitude[..., 0]
-    n = a.k // 16 + 22
-    fp32 = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
+    if tensor_cores:
+        n = a.k + 24
+        gs = _global_scale(a) * _global_scale(b)
+        fp32 = 1.01 * n * 2.0**-23 * magnitude + n * 2.0**-149 * max(1.0, 2.0 ** _fold_exponent(b) * gs)
+    else:
+        n = a.k // 16 + 22
+        fp32 = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
     oracle = (a.k + 3) * 2.0**-53 * magnitude
     mantissa, exponent = torch.frexp(got.to(torch.float64).abs())
     ulp = torch.exp2((exponent - SIGNIFICAND_BITS[out_dtype]).to(torch.float64))
@@ -77,15 +101,15 @@ def error_bound(a, b, out_dtype, got):
     return fp32 + oracle + ulp / 2
 
 
-def within_bound(got, a, b, out_dtype):
+def within_bound(got, a, b, out_dtype, tensor_cores=False):
     """Elementwise: got is finite and within the derived bound of the exact result of gemv(a, b)."""
     exact = quantized_gemv_reference(a, b, torch.float64)
     got64 = got.to(torch.float64)
-    return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got))
+    return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got, tensor_cores))
 
 
-def assert_matches_exact(got, a, b, out_dtype):
-    ok = within_bound(got, a, b, out_dtype)
+def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False):
+    ok = within_bound(got, a, b, out_dtype, tensor_cores)
     if not ok.all():
         exact = quantized_gemv_reference(a, b, torch.float64)
         bad = (~ok).nonzero()[:5].tolist()
@@ -159,7 +183,8 @@ def test_cases_cover_shapes_and_global_scales_for_every_format_and_activation():
 def test_kernel_with_default_config(fmt, activation, n):
     a, b = build_case(fmt, activation, n, "swizzled", (200, 192, 2), True, seed=5)
     got = gemv(a, b, out=poisoned((2, 200, n), torch.float16), backend="triton")
-    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16)
+    # ("nvfp4", float16, 16) runs the tensor-core kernel (kernels/mma_gemv.py), with its own bound.
+    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=_is_mma_case(a, b))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflows where the GPU gives inf
@@ -347,4 +372,5 @@ def test_fuzz_on_gpu():
         L = int(torch.randint(1, 5, (1,), generator=g))
         a, b = build_case(fmt, activation, n, layout, (m, k, L), bool(i % 2), seed=100 + i)
         got = gemv(a, b, out=poisoned(result_shape(a, b), out_dtype), out_dtype=out_dtype)
-        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype)
+        # The default dispatch sends NVFP4 x fp16/bf16 and NVFP4 x NVFP4 with N > 1 to the tensor-core kernel.
+        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype, tensor_cores=_is_mma_case(a, b))

@@ -65,12 +65,14 @@ def pow2_at_most(x: int) -> int:
 
 class MmaConfig(NamedTuple):
     """One launch of the tensor-core kernel (``kernels/mma_gemv.py``): ``rows`` outputs per program (16 to
-    128; 64 and up use Hopper's warpgroup MMA), ``block_k`` K-elements per loop step (a power of two >= 16)."""
+    128), ``block_k`` K-elements per chunk (a power of two >= 16), ``ksplit`` chunks side by side per loop
+    step (a batched dot: warps along K).  Without ksplit, 64 rows and more use Hopper's warpgroup MMA."""
 
     rows: int
     block_k: int
     num_warps: int
     num_stages: int = 1
+    ksplit: int = 1
 
 
 def mma_config(m: int, k: int, l: int) -> MmaConfig:  # noqa: E741
