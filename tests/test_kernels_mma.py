@@ -14,7 +14,7 @@ activations, 7 for bf16, 28 for NVFP4 activations; ``_fold_exponent``).  Unlike 
 separate 16-element block sums: all K products of an output go through one fp32 accumulation, in an order and
 with an internal alignment the hardware does not document, and possibly truncating rather than rounding.  So
 count every addition: a term passes through at most K of them (K - 1 between the products plus the one into
-the zero accumulator), then the epilogue multiplies by 2^f (exact) and by the global scales (their product
+the zero accumulator; with ``ksplit`` chunks accumulated apart and summed at the end, fewer), then the epilogue multiplies by 2^f (exact) and by the global scales (their product
 and the multiplication: 2 roundings).  n = K + 24 >= K + 2 leaves 22 operations of margin for the tensor
 cores' internal adder.  Each operation's relative error is below one ulp, unit roundoff u = 2^-23 (truncation;
 2^-24 would be rounding to nearest), so |s' - s| <= gamma_n * sum_k |t_k| <= 1.01 * n * u * sum_k |t_k|
@@ -105,6 +105,24 @@ def test_mma_kernel_with_default_config(activation, n):
     assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=True)
 
 
+KSPLIT_SHAPE_CONFIGS = (
+    ((40, 192, 2), MmaConfig(16, 32, 2, ksplit=2)),  # steps of 2 x 32: three full ones
+    ((40, 80, 1), MmaConfig(16, 32, 2, ksplit=2)),  # a partial second step (16 of 64: the second chunk empty)
+    ((24, 192, 1), MmaConfig(16, 64, 4, ksplit=4)),  # one step of 4 x 64 > K: the last chunk empty
+    ((72, 128, 1), MmaConfig(32, 16, 4, ksplit=4)),  # 16-element chunks
+)
+
+
+@pytest.mark.parametrize("shape, config", KSPLIT_SHAPE_CONFIGS, ids=lambda x: "x".join(map(str, x[:3])))
+@pytest.mark.parametrize("activation, n", [("fp4", 3), (torch.float16, 16), (torch.bfloat16, "vector")], ids=_name)
+def test_mma_kernel_with_ksplit(activation, n, shape, config):
+    """``ksplit`` chunks side by side per step (a batched dot), summed at the end."""
+    a, b = build_case("nvfp4", activation, n, "swizzled", shape, True, seed=sum(shape))
+    got = gemv(a, b, out=poisoned(result_shape(a, b), torch.float32), out_dtype=torch.float32, backend="triton",
+               config=config)
+    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float32, tensor_cores=True)
+
+
 def test_mma_kernel_broadcasts_batch_and_handles_strides():
     """A batched a times an unbatched, K-strided activation into a strided out; and the other broadcast."""
     a = random_fp4((2, 40, 192), "nvfp4", "swizzled", seed=6, global_scale=0.5)
@@ -148,7 +166,8 @@ def _one_hot_activation(k, activation):
 
 @pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
 @pytest.mark.parametrize("k, config", [(192, MmaConfig(16, 128, 1)), (64, MmaConfig(16, 32, 1)),
-                                       (128, MmaConfig(32, 64, 2))], ids=["k192-bk128", "k64-bk32", "k128-bk64"])
+                                       (128, MmaConfig(32, 64, 2)), (192, MmaConfig(16, 32, 2, ksplit=2))],
+                         ids=["k192-bk128", "k64-bk32", "k128-bk64", "k192-bk32-ks2"])
 def test_mma_kernel_k_order_matches_the_activation(activation, k, config):
     """One-hot activation rows pick single weights: output (l, m, n) is weight (m, 16 l + n), exactly.
 
@@ -300,16 +319,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fp4gemv.kernels.mma_gemv import mma_gemv_kernel
 STRIDE_K_ONE = {stride_k_one}
-cases = [  # activation, ptx decode, out dtype, global scales, rows, warps, even K
-    (act, ptx, out, gs, rows, warps, even)
+REPORT_PASS_FAILURES = {report}
+cases = [  # activation, ptx decode, out dtype, global scales, rows, warps, ksplit, even K
+    (act, ptx, out, gs, rows, warps, ksplit, even)
     for (act, ptx, out, gs) in {decodes}
-    for rows, warps in {tiles}
+    for rows, warps, ksplit in {tiles}
     for even in {evens}
 ]
-for act, ptx, out, gs, rows, warps, even in cases:
+done = 0
+for act, ptx, out, gs, rows, warps, ksplit, even in cases:
     fp4 = act == "i16"
-    const = dict(ROWS=rows, BLOCK_K=128, N_PAD=16, FP4_ACTIVATION=fp4, HAS_GSA=gs, HAS_GSB=gs and fp4,
-                 EVEN_K=even, USE_PTX=ptx, c_stride_n=1)
+    const = dict(ROWS=rows, BLOCK_K=128 // ksplit, N_PAD=16, FP4_ACTIVATION=fp4, HAS_GSA=gs, HAS_GSB=gs and fp4,
+                 EVEN_K=even, USE_PTX=ptx, KSPLIT=ksplit, c_stride_n=1)
     if STRIDE_K_ONE and not fp4:
         const["b_stride_k"] = 1
     for p in mma_gemv_kernel.params:  # other constexpr parameters at their defaults
@@ -318,47 +339,61 @@ for act, ptx, out, gs, rows, warps, even in cases:
     ptrs = dict(a_ptr="*i16", sfa_ptr="*u8", b_ptr="*" + act, sfb_ptr="*u8", gsa_ptr="*fp32", gsb_ptr="*fp32",
                 c_ptr="*" + out)
     sig = {{a: ptrs.get(a, "constexpr" if a in const else "i32") for a in mma_gemv_kernel.arg_names}}
-    kernel = triton.compile(ASTSource(mma_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=warps, num_stages=1))
+    try:
+        kernel = triton.compile(ASTSource(mma_gemv_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=warps, num_stages=1))
+    except RuntimeError as e:
+        if not REPORT_PASS_FAILURES or "PassManager::run failed" not in str(e):
+            raise
+        print("pass manager failed:", act, rows, warps, ksplit)
+        continue
+    done += 1
     ptx_text = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"\\b(wgmma\\.mma_async|mma\\.sync)\\.", ptx_text)))
     assert kernel.asm["cubin"], (act, rows)
-    # Hopper's warpgroup MMA needs a warpgroup (4 warps) of 64 rows; fewer rows or warps use mma.sync.
-    assert mma == (["wgmma.mma_async"] if rows >= 64 and warps >= 4 else ["mma.sync"]), (act, rows, warps, mma)
+    # Hopper's warpgroup MMA needs a warpgroup (4 warps) of 64 rows and no ksplit (a batched dot); the rest
+    # use mma.sync.
+    wgmma = rows >= 64 and warps >= 4 and ksplit == 1
+    assert mma == (["wgmma.mma_async"] if wgmma else ["mma.sync"]), (act, rows, warps, ksplit, mma)
     # The inline-PTX decode's mask of the two halves' magnitude bits appears only with the PTX decode.
     assert ("0x70007000" in ptx_text) == ptx, (act, ptx)
-print("compiled", len(cases))
+print("compiled", done, "of", len(cases))
 """
 _DECODES = [("fp16", True, "fp16", True), ("bf16", True, "bf16", False), ("i16", True, "fp32", True),
             ("fp16", False, "bf16", True)]
-_TILES = [(16, 1), (64, 4), (128, 8)]
+_TILES = [(16, 1, 1), (64, 4, 1), (128, 8, 1), (16, 4, 4), (64, 8, 8)]  # rows, warps, ksplit
 
 
 def test_mma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
-    script = _AOT_SCRIPT.format(stride_k_one=True, decodes=_DECODES, tiles=_TILES, evens=(True, False))
-    assert f"compiled {len(_DECODES) * len(_TILES) * 2}" in compile_for_sm90(script)
+    script = _AOT_SCRIPT.format(stride_k_one=True, report=False, decodes=_DECODES, tiles=_TILES, evens=(True, False))
+    n = len(_DECODES) * len(_TILES) * 2
+    assert f"compiled {n} of {n}" in compile_for_sm90(script)
 
 
 def test_mma_kernel_compiles_for_sm90_with_a_k_strided_activation_and_few_rows(compile_for_sm90):
     """b_stride_k not 1 (a K-strided activation), tiles on mma.sync."""
-    script = _AOT_SCRIPT.format(stride_k_one=False, decodes=_DECODES[:2], tiles=[(16, 1), (32, 2)], evens=(False,))
-    assert "compiled 4" in compile_for_sm90(script)
+    script = _AOT_SCRIPT.format(stride_k_one=False, report=False, decodes=_DECODES[:2], tiles=[(16, 1, 1), (32, 2, 1), (16, 4, 4)],
+                                evens=(False,))
+    assert "compiled 6 of 6" in compile_for_sm90(script)
 
 
-@pytest.mark.xfail(strict=True, reason="Triton 3.6 aborts ('LLVM ERROR: Illegal shared layout') compiling the "
-                                       "wgmma tile of a float activation whose K stride is not 1")
 def test_mma_kernel_compiles_for_sm90_with_a_k_strided_activation_on_wgmma(compile_for_sm90):
-    script = _AOT_SCRIPT.format(stride_k_one=False, decodes=_DECODES[:1], tiles=[(64, 4)], evens=(True,))
-    assert "compiled 1" in compile_for_sm90(script)
+    """b_stride_k not 1 with 64-row, 4-warp tiles (warpgroup MMA; mma_config's choice for m * l >= 28672)."""
+    script = _AOT_SCRIPT.format(stride_k_one=False, report=True, decodes=_DECODES[:2], tiles=[(64, 4, 1)], evens=(True,))
+    out = compile_for_sm90(script)
+    if "pass manager failed" in out:
+        pytest.xfail("known: Triton 3.6 fails ('Illegal shared layout' in TritonGPUOptimizeDotOperands) to compile "
+                     "the wgmma tile of a float activation whose K stride is not 1: " + out.strip())
+    assert "compiled 2 of 2" in out
 
 
 # --- GPU ------------------------------------------------------------------------------------------------
 
-GPU_CONFIGS = (None, MmaConfig(64, 128, 4), MmaConfig(128, 128, 8))
+GPU_CONFIGS = (None, MmaConfig(64, 128, 4), MmaConfig(128, 128, 8), MmaConfig(32, 64, 4, ksplit=4))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: "default" if c is None else f"r{c.rows}w{c.num_warps}")
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: "default" if c is None else f"r{c.rows}k{c.block_k}w{c.num_warps}s{c.ksplit}")
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.float16, 1), (torch.bfloat16, 5),
                                            ("fp4", 3), ("fp4", 16)], ids=_name)
 def test_mma_ptx_and_triton_decodes_agree_bitwise(activation, n, config):
@@ -375,15 +410,20 @@ def test_mma_ptx_and_triton_decodes_agree_bitwise(activation, n, config):
 @pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
 def test_mma_matches_exact_on_task_shapes(shape, activation):
     """The default dispatch and configuration on the task's shapes, N = 1, 2, 8, 16 (2, 8, 16 for NVFP4)."""
+    m, k, L = shape
+    a = random_fp4((L, m, k), "nvfp4", "swizzled", seed=sum(shape))
     for n in (1, 2, 8, 16) if activation != "fp4" else (2, 8, 16):
-        layout = "linear" if n == 8 else "swizzled"
-        a, b = build_case("nvfp4", activation, n, layout, shape, n % 2 == 0, seed=sum(shape) + n)
+        if activation == "fp4":  # the other scale layout; global scales on both for even n
+            gs = n % 2 == 0
+            b = random_fp4((L, n, k), "nvfp4", "linear", seed=n, global_scale=0.375 if gs else None)
+            a = FP4Tensor(a.data, a.scales, "nvfp4", "swizzled", 1.5 if gs else None)
+        else:
+            b = random_activation((L, n, k), activation, seed=n)
         assert _is_mma_case(a, b)
         for out_dtype in (torch.float32, torch.bfloat16 if activation == torch.bfloat16 else torch.float16):
             got = gemv(a, b, out=poisoned(result_shape(a, b), out_dtype), out_dtype=out_dtype)
+            assert not torch.isnan(got).any()
             assert_matches_exact(got, a, b, out_dtype, tensor_cores=True)
-        del a, b, got
-        torch.cuda.empty_cache()
 
 
 @pytest.mark.gpu

@@ -119,9 +119,9 @@ from triton.compiler import ASTSource
 from fp4gemv.kernels.configs import w4a4_config
 from fp4gemv.kernels.w4a4 import kernel_constexprs, w4a4_gemv_kernel
 shapes = [(7168, 16384, 1), (4096, 7168, 8), (14336, 4096, 1), (4096, 14336, 1), (4096, 4096, 1), (128, 192, 3)]
-for (m, k, l), out in zip(shapes, ("fp16", "fp16", "bf16", "fp32", "fp16", "fp16")):
+for (m, k, l), out, block in zip(shapes, ("fp16", "fp16", "bf16", "fp32", "fp16", "fp16"), (16, 32, 16, 32, 16, 32)):
     cfg = w4a4_config(m, k, l)
-    const = kernel_constexprs(cfg, k // 16, use_ptx=True, pdl=cfg.pdl, has_gsa=out != "fp16")
+    const = kernel_constexprs(cfg, k // 16, use_ptx=True, pdl=cfg.pdl, has_gsa=out != "fp16", scale_block=block)
     ptrs = dict(a_ptr="*i64", b_ptr="*i64", sfa_ptr="*u8", sfb_ptr="*u8", gsa_ptr="*fp32", gsb_ptr="*fp32",
                 c_ptr="*" + out)
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i32") for a in w4a4_gemv_kernel.arg_names}
@@ -137,3 +137,66 @@ print("compiled", len(shapes))
 
 def test_shipped_configs_compile_for_sm90_without_a_gpu(compile_for_sm90):
     assert "compiled 6" in compile_for_sm90(_AOT_SCRIPT)
+
+
+# --- MXFP4 (e8m0 scale per 32 elements) through fp4gemv.gemv, which sends FP4 x FP4 with N = 1 here -------
+
+
+def _mxfp4_case(m, k, L, seed, layout_a, layout_b):
+    from test_kernels_gemv import random_fp4
+
+    a = random_fp4((L, m, k), "mxfp4", layout_a, seed, global_scale=0.75, device=DEVICE)
+    b = random_fp4((L, 1, k), "mxfp4", layout_b, seed + 1, device=DEVICE)
+    return a, b
+
+
+@pytest.mark.parametrize(
+    "m, k, L, cfg, layouts_ab",
+    [
+        (200, 192, 2, GemvConfig(16, 8, 4), ("swizzled", "linear")),  # tail rows, a partial last step
+        (128, 256, 1, GemvConfig(8, 4, 4, ksplit=2, unroll=2), ("linear", "swizzled")),  # K chunks side by side
+        (64, 64, 1, None, ("linear", "linear")),  # the shipped config, shrunk to K = 64
+        (256, 1024, 1, GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32), ("swizzled", "swizzled")),
+    ],
+)
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_mxfp4_matches_exact_result(m, k, L, cfg, layouts_ab, out_dtype):
+    from fp4gemv import gemv
+    from test_kernels_gemv import assert_matches_exact, poisoned
+
+    a, b = _mxfp4_case(m, k, L, m + k, *layouts_ab)
+    got = gemv(a, b, out=poisoned((L, m, 1), out_dtype, device=DEVICE), out_dtype=out_dtype, backend="triton",
+               config=cfg)
+    assert not torch.isnan(got).any(), "some outputs were not written"
+    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype)
+
+
+def test_mxfp4_scale_per_two_blocks_is_read():
+    """Each 32-element block's scale multiplies both of its 16-element halves: doubling the scale of one
+    block changes the result by exactly that block's contribution."""
+    from fp4gemv import FP4Tensor, gemv
+
+    a, b = _mxfp4_case(128, 128, 1, 3, "linear", "linear")
+    base = gemv(a, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
+    scales = a.scales.clone()
+    scales[:, :, 1] += 1  # block 1 (elements 32..63) times 2
+    bumped = FP4Tensor(a.data, scales, "mxfp4", "linear", a.global_scale)
+    got = gemv(bumped, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
+    from fp4gemv.reference import quantized_gemv_reference
+
+    expected = quantized_gemv_reference(bumped.to("cpu"), b.to("cpu"), torch.float64)
+    assert not torch.allclose(base.cpu(), got.cpu())
+    torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k, L", [(2432, 4608, 2), (7168, 2048, 4), (4096, 7168, 8), (200, 192, 3)])
+def test_mxfp4_ptx_and_triton_agree_bitwise(m, k, L):
+    from fp4gemv import gemv
+    from test_kernels_gemv import assert_matches_exact
+
+    a, b = _mxfp4_case(m, k, L, 5, "swizzled", "linear")
+    ptx = gemv(a, b, out_dtype=torch.float32, backend="triton-ptx")
+    pure = gemv(a, b, out_dtype=torch.float32, backend="triton")
+    assert torch.equal(ptx.view(torch.int32), pure.view(torch.int32))
+    assert_matches_exact(ptx.cpu(), a.to("cpu"), b.to("cpu"), torch.float32)

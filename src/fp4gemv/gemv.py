@@ -76,8 +76,8 @@ def _check_kernel_operand(name: str, t: FP4Tensor) -> None:
 
 
 def _is_w4a4_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
-    """NVFP4 x NVFP4 with one activation row: the case the task's tuned kernel (kernels/w4a4.py) computes."""
-    return isinstance(b, FP4Tensor) and a.fmt.block_size == 16 and b.rows == 1
+    """FP4 x FP4 (NVFP4 or MXFP4) with one activation row: the task's tuned kernel (kernels/w4a4.py)."""
+    return isinstance(b, FP4Tensor) and b.rows == 1
 
 
 def _is_mma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
@@ -94,7 +94,7 @@ def _is_mma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
 def _check_config(config: GemvKernelConfig | GemvConfig | MmaConfig, w4a4_case: bool, mma_case: bool) -> None:
     if isinstance(config, GemvConfig):
         if not w4a4_case:
-            raise TypeError("config: a GemvConfig (kernels/w4a4.py) only applies to NVFP4 x NVFP4 with N = 1; "
+            raise TypeError("config: a GemvConfig (kernels/w4a4.py) only applies to FP4 x FP4 with N = 1; "
                             "expected a GemvKernelConfig" + (" or MmaConfig" if mma_case else ""))
         values = (config.rows, config.blocks, config.ksplit)
     elif isinstance(config, MmaConfig):
@@ -137,11 +137,12 @@ def gemv(
         ``"reference"``: float64.
     config: the launch configuration; which kernel runs depends on the case:
 
-        * NVFP4 x NVFP4 with N = 1: the task's tuned kernel (``kernels/w4a4.py``; ``kernels.configs.w4a4_config``
-          or a ``GemvConfig``);
+        * FP4 x FP4 with N = 1 (NVFP4 or MXFP4): the task's tuned kernel (``kernels/w4a4.py``;
+          ``kernels.configs.w4a4_config`` or a ``GemvConfig``);
         * NVFP4 x fp16/bf16 (any N), NVFP4 x NVFP4 with N > 1: the tensor-core kernel (``kernels/mma_gemv.py``;
           ``kernels.configs.mma_config`` or an ``MmaConfig``);
-        * MXFP4, fp32 activations, or any case given a ``GemvKernelConfig``: the general kernel
+        * MXFP4 with float activations or N > 1, fp32 activations, or any case given a
+          ``GemvKernelConfig``: the general kernel
           (``kernels/gemv.py``; ``kernels.gemv_configs.gemv_config``), which is correct but not tuned
           (docs/performance.md).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
@@ -218,13 +219,13 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
         c = c.unsqueeze(0)
     m, n = a.rows, b_values.shape[1]
     if _is_w4a4_case(a, b) and not isinstance(config, GemvKernelConfig):
-        # NVFP4 x NVFP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
+        # FP4 x FP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
         from .kernels.w4a4 import launch_w4a4
 
         launch_w4a4(
             a_blocks, sfa, sfa_addressing, b_values[:, 0], sfb, sfb_addressing, c[:, :, 0],
             config=config or w4a4_config(m, a.k, batch), use_ptx=use_ptx,
-            global_scale_a=a.global_scale, global_scale_b=b.global_scale,
+            global_scale_a=a.global_scale, global_scale_b=b.global_scale, scale_block=a.fmt.block_size,
         )
         return
     if _is_mma_case(a, b) and not isinstance(config, GemvKernelConfig):

@@ -10,7 +10,11 @@ import triton.language as tl
 from .. import layouts
 
 __all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "scale_row_offset",
-           "to_bfloat16_rne"]
+           "decode_scale", "to_bfloat16_rne"]
+
+# e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
+_E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
+_F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
 
 
 class ScaleAddressing(NamedTuple):
@@ -40,6 +44,18 @@ def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
 def scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4):
     """Byte offset of each row's scales under :class:`ScaleAddressing` (the row part of its formula)."""
     return (rows // 128) * stride_row_tile + (rows % 32) * stride_r32 + ((rows % 128) // 32) * stride_r4
+
+
+@triton.jit
+def decode_scale(raw, SCALE_BLOCK: tl.constexpr):
+    """Scale bytes to float32: e4m3 for 16-element blocks (NVFP4), e8m0 (2^(byte - 127), 255 = NaN) for 32
+    (MXFP4)."""
+    if SCALE_BLOCK == 16:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        e = raw.to(tl.int32)
+        bits = tl.where(e == 0, _E8M0_ZERO_BYTE_BITS, tl.where(e == 255, _F32_QUIET_NAN_BITS, e << 23))
+        return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

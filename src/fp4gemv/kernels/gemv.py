@@ -25,16 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
+from ._common import ScaleAddressing, decode_scale, scale_row_offset, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .gemv_configs import GemvKernelConfig
 
 __all__ = ["gemv_kernel", "launch_gemv"]
-
-# e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
-_E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
-_F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
-
 
 @triton.jit
 def _scale_cols(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
@@ -45,17 +40,6 @@ def _scale_cols(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
     else:
         col = j // 2
         return (col // 4) * stride_col_tile + col % 4
-
-
-@triton.jit
-def _decode_scale(raw, SCALE_BLOCK: tl.constexpr):
-    """Scale bytes to float32: e4m3 for 16-element blocks, e8m0 (2^(byte - 127), 255 = NaN) for 32."""
-    if SCALE_BLOCK == 16:
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        e = raw.to(tl.int32)
-        bits = tl.where(e == 0, _E8M0_ZERO_BYTE_BITS, tl.where(e == 255, _F32_QUIET_NAN_BITS, e << 23))
-        return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -115,11 +99,11 @@ def gemv_kernel(
         k_ok = j < NB
         a = _load_k(a_rows + j[None, :], k_ok[None, :], EVEN_K)
         sfa_col = _scale_cols(j, sfa_stride_col_tile, SCALE_BLOCK)
-        sfa = _decode_scale(_load_k(sfa_rows[:, None] + sfa_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
+        sfa = decode_scale(_load_k(sfa_rows[:, None] + sfa_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
         if FP4_ACTIVATION:
             b = _load_k(b_rows + j[None, :], k_ok[None, :], EVEN_K)
             sfb_col = _scale_cols(j, sfb_stride_col_tile, SCALE_BLOCK)
-            sfb = _decode_scale(_load_k(sfb_rows[:, None] + sfb_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
+            sfb = decode_scale(_load_k(sfb_rows[:, None] + sfb_col[None, :], k_ok[None, :], EVEN_K), SCALE_BLOCK)
             scale = sfa[:, None, :] * sfb[None, :, :]
             # [ROWS, 1, BLOCKS] weight blocks against [1, N_PAD, BLOCKS] activation blocks.
             if USE_PTX:

@@ -1,5 +1,5 @@
-"""Batched block-scaled NVFP4 x NVFP4 GEMV: ``c[l, m] = sum_k a[l, m, k] * b[l, 0, k]`` with e4m3 scales,
-optional fp32 global scales, fp16/bf16/fp32 output.
+"""Batched block-scaled FP4 x FP4 GEMV: ``c[l, m] = sum_k a[l, m, k] * b[l, 0, k]`` with e4m3 scales per 16
+elements (NVFP4) or e8m0 scales per 32 (MXFP4), optional fp32 global scales, fp16/bf16/fp32 output.
 
 One program computes ``LANE_ROWS * ROWS_PER_THREAD`` outputs of one batch, walking K in steps of
 ``KSPLIT * BLOCKS`` 16-element blocks (the tile is described in the kernel).  Weights are read as int64 (one
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..backends import interpreting
-from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
+from ._common import ScaleAddressing, decode_scale, scale_row_offset, to_bfloat16_rne
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .configs import GemvConfig, pow2_at_most
 
@@ -29,14 +29,25 @@ def l2_prefetch(ptrs):
 
 
 @triton.jit
+def _scale_col(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
+    """Offsets of the scales of 16-element blocks ``j``: one per block (NVFP4), one per two (MXFP4)."""
+    if SCALE_BLOCK == 16:
+        # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks
+        # (one 16-byte weight load) need two of them.
+        return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
+    else:
+        # A lane's two blocks (j even) share one scale.
+        col = j // 2
+        return (col // 4) * stride_col_tile + col % 4
+
+
+@triton.jit
 def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile, sfb_stride_col_tile,
-               EVEN_K: tl.constexpr):
+               EVEN_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """Weights, weight scales, activation and activation scales of the K step starting at block ``j0``."""
     j = j0 + cols
-    # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks (one
-    # 16-byte weight load) need two of them.
-    sfa_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfa_stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
-    sfb_col = tl.max_contiguous(tl.multiple_of((j // 4) * sfb_stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
+    sfa_col = _scale_col(j, sfa_stride_col_tile, SCALE_BLOCK)
+    sfb_col = _scale_col(j, sfb_stride_col_tile, SCALE_BLOCK)
     # The activation is addressed per row as well: loads of the full tile shape get the weights' layout (a
     # smaller load would get its own and a shared-memory conversion per step), and a thread's rows share one
     # load of each address.
@@ -58,10 +69,9 @@ def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_ti
 
 
 @triton.jit
-def _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX: tl.constexpr):
+def _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     """4 * (block dot product) * sfa * sfb for every block of the step (the factor 4: doubled operands)."""
-    scale = (sfa.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-             * sfb.to(tl.float8e4nv, bitcast=True).to(tl.float32))
+    scale = decode_scale(sfa, SCALE_BLOCK) * decode_scale(sfb, SCALE_BLOCK)
     if USE_PTX:
         b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
         block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
@@ -91,6 +101,7 @@ def w4a4_gemv_kernel(
     UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
+    SCALE_BLOCK: tl.constexpr = 16,
 ):
     # Tiles are [LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS].  Triton lays the last dimension over lanes
     # (two blocks, one 16-byte load, per lane), then the first (LANE_ROWS = 64 / BLOCKS rows side by side in
@@ -130,8 +141,8 @@ def w4a4_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
         a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
-                                    sfb_stride_col_tile, EVEN_K)
-        acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX)
+                                    sfb_stride_col_tile, EVEN_K, SCALE_BLOCK)
+        acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX, SCALE_BLOCK)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
     if HAS_GSA:
@@ -156,6 +167,7 @@ def launch_w4a4(
     use_ptx: bool,
     global_scale_a: torch.Tensor | None = None,
     global_scale_b: torch.Tensor | None = None,
+    scale_block: int = 16,
 ) -> None:
     """Launch :func:`w4a4_gemv_kernel`; nothing is validated here (``ops.task_gemv`` and ``fp4gemv.gemv`` do).
 
@@ -164,12 +176,13 @@ def launch_w4a4(
     sfa, sfb: uint8 scale bytes addressed by ``*_addressing`` from their data pointers (sfb: the row of b).
     c: ``[L, M]`` float16, bfloat16 or float32, any strides; written.
     global_scale_a, global_scale_b: one-element float32 tensors or None.
+    scale_block: 16 (NVFP4: e4m3 scales) or 32 (MXFP4: e8m0 scales, one per two blocks).
     """
     batch, m, nb = a_blocks.shape
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
     pdl = config.pdl and not interpreting()
     constexprs = kernel_constexprs(config, nb, use_ptx=use_ptx, pdl=pdl, has_gsa=global_scale_a is not None,
-                                   has_gsb=global_scale_b is not None)
+                                   has_gsb=global_scale_b is not None, scale_block=scale_block)
     w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
         a_blocks, b_blocks, sfa, sfb,
         sfa if global_scale_a is None else global_scale_a,
@@ -188,13 +201,14 @@ def launch_w4a4(
 
 
 def kernel_constexprs(config: GemvConfig, nb: int, *, use_ptx: bool, pdl: bool, has_gsa: bool = False,
-                      has_gsb: bool = False) -> dict:
+                      has_gsb: bool = False, scale_block: int = 16) -> dict:
     """The compile-time arguments of :func:`w4a4_gemv_kernel` for ``config`` and K/16 = ``nb`` blocks."""
     lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
     return dict(
         LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
         EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=use_ptx, HAS_GSA=has_gsa, HAS_GSB=has_gsb,
         KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
+        SCALE_BLOCK=scale_block,
     )
 
 
