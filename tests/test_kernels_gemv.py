@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
-from fp4gemv.gemv import _is_mma_case
+from fp4gemv.gemv import _is_hmma_case
 from fp4gemv.kernels.configs import GemvConfig, w4a4_config
 from fp4gemv.kernels.gemv_configs import GemvKernelConfig, gemv_config
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
@@ -184,7 +184,7 @@ def test_kernel_with_default_config(fmt, activation, n):
     a, b = build_case(fmt, activation, n, "swizzled", (200, 192, 2), True, seed=5)
     got = gemv(a, b, out=poisoned((2, 200, n), torch.float16), backend="triton")
     # ("nvfp4", float16, 16) runs the tensor-core kernel (kernels/mma_gemv.py), with its own bound.
-    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=_is_mma_case(a, b))
+    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=_is_hmma_case(a, b))
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflows where the GPU gives inf
@@ -373,4 +373,4 @@ def test_fuzz_on_gpu():
         a, b = build_case(fmt, activation, n, layout, (m, k, L), bool(i % 2), seed=100 + i)
         got = gemv(a, b, out=poisoned(result_shape(a, b), out_dtype), out_dtype=out_dtype)
         # The default dispatch sends NVFP4 x fp16/bf16 and NVFP4 x NVFP4 with N > 1 to the tensor-core kernel.
-        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype, tensor_cores=_is_mma_case(a, b))
+        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype, tensor_cores=_is_hmma_case(a, b))

@@ -5,25 +5,30 @@ Its cases: NVFP4 weights times fp16/bf16 activations (N = 1..16) or NVFP4 activa
 Triton's interpreter (conftest sets TRITON_INTERPRET and makes its bf16 dot and multiply compute with numbers),
 which exercises the decode, the K order, both scale layouts, masking (tail rows, a partial last K step, N
 padding) and the epilogue.  The sm_90 compile runs without a GPU; ``gpu`` tests check the PTX decode bit for
-bit against the pure-Triton one, and task-sized shapes against the bound.
+bit against the pure-Triton one, task-sized shapes against the bound, the K order and 16-element K steps
+through the compiled code.
 
 The bound (``tensor_cores=True`` in test_kernels_gemv's ``error_bound``).  The weights (and NVFP4
 activations) are decoded exactly into fp16/bf16 with their scales folded in, and the tensor cores multiply
 exactly, so every term t_k = a_k * b_k enters the fp32 accumulator exactly, scaled by 2^-f (f = 14 for fp16
 activations, 7 for bf16, 28 for NVFP4 activations; ``_fold_exponent``).  Unlike the dp4a kernels there are no
 separate 16-element block sums: all K products of an output go through one fp32 accumulation, in an order and
-with an internal alignment the hardware does not document, and possibly truncating rather than rounding.  So
-count every addition: a term passes through at most K of them (K - 1 between the products plus the one into
-the zero accumulator; with ``ksplit`` chunks accumulated apart and summed at the end, fewer), then the epilogue multiplies by 2^f (exact) and by the global scales (their product
-and the multiplication: 2 roundings).  n = K + 24 >= K + 2 leaves 22 operations of margin for the tensor
-cores' internal adder.  Each operation's relative error is below one ulp, unit roundoff u = 2^-23 (truncation;
-2^-24 would be rounding to nearest), so |s' - s| <= gamma_n * sum_k |t_k| <= 1.01 * n * u * sum_k |t_k|
-(gamma_n = n u / (1 - n u) <= 1.01 n u while n u <= 0.0099, i.e. K up to about 83000).  Underflow: each
-operation may also be off by one fp32 subnormal step 2^-149 in the accumulator's units, which the fold 2^f
-and the global scales' product gs scale to 2^(f - 149) * gs in the result's units (and 2^-149 for the
-epilogue's own roundings): at most n * 2^-149 * max(1, 2^f * gs) in all.  The one rounding to the output dtype
-adds half an ulp of the output, and the float64 oracle is off by at most (K + 3) * 2^-53 * sum_k |t_k|, as in
-test_kernels_gemv.py.
+with an internal alignment the hardware does not document, possibly truncating rather than rounding.  So count
+every addition: a term passes through at most K of them (K - 1 between the products plus the one into the zero
+accumulator; fewer with ``ksplit``, whose chunks accumulate apart and are summed at the end), then the epilogue
+multiplies by 2^f (exact) and by the global scales (their product and the multiplication: 2 roundings).
+n = K + 24 >= K + 2 leaves 22 operations of margin for the tensor cores' internal adder.  Each operation's
+relative error is below one ulp: unit roundoff u = 2^-23 (truncation; 2^-24 would be rounding to nearest), so
+|s' - s| <= gamma_n * sum_k |t_k| <= 1.01 * n * u * sum_k |t_k|  (gamma_n = n u / (1 - n u) <= 1.01 n u while
+n u <= 0.0099, i.e. K up to about 83000).  Underflow: each operation may also be off by one fp32 subnormal step
+2^-149 in the accumulator's units, which the fold 2^f and the global scales' product gs scale to
+2^(f - 149) * gs in the result's units (and 2^-149 for the epilogue's own roundings): at most
+n * 2^-149 * max(1, 2^f * gs) in all.  The one rounding to the output dtype adds half an ulp of the output, and
+the float64 oracle is off by at most (K + 3) * 2^-53 * sum_k |t_k|, as in test_kernels_gemv.py.
+
+This bound is about 2 (K + 24) / (K / 16 + 22) times the dp4a kernels' (10x at K = 128, 31x at K = 16384), so a
+bug confined to one small-scaled block can hide in it; ``test_mma_bound_rejects_plausible_bugs`` uses bugs that
+reach every block, as a K-order bug in this kernel would.
 """
 
 import itertools
@@ -372,14 +377,15 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(compile_for_sm90):
 
 def test_mma_kernel_compiles_for_sm90_with_a_k_strided_activation_and_few_rows(compile_for_sm90):
     """b_stride_k not 1 (a K-strided activation), tiles on mma.sync."""
-    script = _AOT_SCRIPT.format(stride_k_one=False, report=False, decodes=_DECODES[:2], tiles=[(16, 1, 1), (32, 2, 1), (16, 4, 4)],
-                                evens=(False,))
+    script = _AOT_SCRIPT.format(stride_k_one=False, report=False, decodes=_DECODES[:2],
+                                tiles=[(16, 1, 1), (32, 2, 1), (16, 4, 4)], evens=(False,))
     assert "compiled 6 of 6" in compile_for_sm90(script)
 
 
 def test_mma_kernel_compiles_for_sm90_with_a_k_strided_activation_on_wgmma(compile_for_sm90):
     """b_stride_k not 1 with 64-row, 4-warp tiles (warpgroup MMA; mma_config's choice for m * l >= 28672)."""
-    script = _AOT_SCRIPT.format(stride_k_one=False, report=True, decodes=_DECODES[:2], tiles=[(64, 4, 1)], evens=(True,))
+    script = _AOT_SCRIPT.format(stride_k_one=False, report=True, decodes=_DECODES[:2], tiles=[(64, 4, 1)],
+                                evens=(True,))
     out = compile_for_sm90(script)
     if "pass manager failed" in out:
         pytest.xfail("known: Triton 3.6 fails ('Illegal shared layout' in TritonGPUOptimizeDotOperands) to compile "
@@ -393,7 +399,8 @@ GPU_CONFIGS = (None, MmaConfig(64, 128, 4), MmaConfig(128, 128, 8), MmaConfig(32
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda c: "default" if c is None else f"r{c.rows}k{c.block_k}w{c.num_warps}s{c.ksplit}")
+@pytest.mark.parametrize("config", GPU_CONFIGS,
+                         ids=lambda c: "default" if c is None else f"r{c.rows}k{c.block_k}w{c.num_warps}s{c.ksplit}")
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.float16, 1), (torch.bfloat16, 5),
                                            ("fp4", 3), ("fp4", 16)], ids=_name)
 def test_mma_ptx_and_triton_decodes_agree_bitwise(activation, n, config):
@@ -424,6 +431,20 @@ def test_mma_matches_exact_on_task_shapes(shape, activation):
             got = gemv(a, b, out=poisoned(result_shape(a, b), out_dtype), out_dtype=out_dtype)
             assert not torch.isnan(got).any()
             assert_matches_exact(got, a, b, out_dtype, tensor_cores=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.bfloat16, 1), ("fp4", 3)], ids=_name)
+@pytest.mark.parametrize("k, config", [(16, None), (48, None), (128, MmaConfig(16, 16, 1)),
+                                       (256, MmaConfig(32, 16, 4, ksplit=4)), (256, MmaConfig(64, 16, 4))],
+                         ids=["k16-default", "k48-default", "bk16", "bk16-ks4", "bk16-r64"])
+def test_mma_small_k_steps_on_gpu(activation, n, k, config):
+    """16-element K steps, which ``mma_config`` picks for K < 32, on the compiled kernel."""
+    a, b = build_case("nvfp4", activation, n, "swizzled", (256, k, 2), False, seed=k)
+    for backend in ("triton-ptx", "triton"):
+        got = gemv(a, b, out=poisoned(result_shape(a, b), torch.float32), out_dtype=torch.float32, backend=backend,
+                   config=config)
+        assert_matches_exact(got, a, b, torch.float32, tensor_cores=True)
 
 
 @pytest.mark.gpu

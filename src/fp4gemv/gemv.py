@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .backends import Backend, resolve_backend
-from .kernels.configs import GemvConfig, MmaConfig, mma_config, w4a4_config
+from .kernels.configs import GemvConfig, HmmaConfig, hmma_config, w4a4_config
 from .kernels.gemv_configs import GemvKernelConfig, gemv_config
 from .reference import quantized_gemv_reference
 from .tensor import FP4Tensor
@@ -80,37 +80,42 @@ def _is_w4a4_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
     return isinstance(b, FP4Tensor) and b.rows == 1
 
 
-def _is_mma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
+def _is_hmma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
     """NVFP4 weights times fp16/bf16 activations, or times NVFP4 activations with N > 1: the tensor-core
-    kernel (kernels/mma_gemv.py).  Its 16-bit operands hold e2m1 x e4m3 exactly; e8m0 scales and fp32
-    activations do not fit them."""
-    if a.fmt.block_size != 16:
+    kernel (kernels/hmma_gemv.py).  Its 16-bit operands hold e2m1 x e4m3 exactly (e8m0 scales and fp32
+    activations do not fit them); it reads 16-byte rows, so K must be a multiple of 64 and the packed data
+    (of both FP4 operands) 16-byte aligned."""
+    if a.fmt.block_size != 16 or a.k % 64 or not _rows_16_byte_aligned(a.data):
         return False
     if isinstance(b, FP4Tensor):
-        return b.rows > 1
+        return b.rows > 1 and _rows_16_byte_aligned(b.data)
     return b.dtype in (torch.float16, torch.bfloat16)
 
 
-def _check_config(config: GemvKernelConfig | GemvConfig | MmaConfig, w4a4_case: bool, mma_case: bool) -> None:
+def _rows_16_byte_aligned(data: torch.Tensor) -> bool:
+    return data.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in data.stride()[:-1])
+
+
+def _check_config(config: GemvKernelConfig | GemvConfig | HmmaConfig, w4a4_case: bool, hmma_case: bool) -> None:
     if isinstance(config, GemvConfig):
         if not w4a4_case:
             raise TypeError("config: a GemvConfig (kernels/w4a4.py) only applies to FP4 x FP4 with N = 1; "
-                            "expected a GemvKernelConfig" + (" or MmaConfig" if mma_case else ""))
+                            "expected a GemvKernelConfig" + (" or HmmaConfig" if hmma_case else ""))
         values = (config.rows, config.blocks, config.ksplit)
-    elif isinstance(config, MmaConfig):
-        if not mma_case:
-            raise TypeError("config: an MmaConfig (kernels/mma_gemv.py) only applies to NVFP4 weights with fp16/bf16 "
-                            "activations or NVFP4 activations with N > 1; expected a GemvKernelConfig"
-                            + (" or GemvConfig" if w4a4_case else ""))
-        if not (16 <= config.rows <= 128 and config.block_k >= 16):
-            raise ValueError(f"config: expected rows from 16 to 128 and block_k >= 16, got {config}")
-        values = (config.rows, config.block_k)
+    elif isinstance(config, HmmaConfig):
+        if not hmma_case:
+            raise TypeError("config: an HmmaConfig (kernels/hmma_gemv.py) only applies to NVFP4 weights with K a "
+                            "multiple of 64 and 16-byte aligned rows times fp16/bf16 activations or NVFP4 "
+                            "activations with N > 1; expected a GemvKernelConfig" + (" or GemvConfig" if w4a4_case else ""))
+        if not 1 <= config.warps <= 16:
+            raise ValueError(f"config: expected 1 to 16 warps, got {config}")
+        values = (config.warps,)
     elif isinstance(config, GemvKernelConfig):
         values = (config.rows, config.blocks)
     else:
-        raise TypeError(f"config: expected a GemvKernelConfig, GemvConfig or MmaConfig, got {type(config).__name__}")
+        raise TypeError(f"config: expected a GemvKernelConfig, GemvConfig or HmmaConfig, got {type(config).__name__}")
     if any(v < 1 or v & (v - 1) for v in values):
-        raise ValueError(f"config: expected powers of two for rows, blocks / block_k (and ksplit), got {config}")
+        raise ValueError(f"config: expected powers of two for rows, blocks, ksplit or warps, got {config}")
 
 
 def gemv(
@@ -120,7 +125,7 @@ def gemv(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float16,
     backend: Backend = "auto",
-    config: GemvKernelConfig | GemvConfig | MmaConfig | None = None,
+    config: GemvKernelConfig | GemvConfig | HmmaConfig | None = None,
 ) -> torch.Tensor:
     """``a @ b^T`` per batch: FP4 weights times FP4 (W4A4) or float (W4A16) activations.
 
@@ -139,17 +144,20 @@ def gemv(
 
         * FP4 x FP4 with N = 1 (NVFP4 or MXFP4): the task's tuned kernel (``kernels/w4a4.py``;
           ``kernels.configs.w4a4_config`` or a ``GemvConfig``);
-        * NVFP4 x fp16/bf16 (any N), NVFP4 x NVFP4 with N > 1: the tensor-core kernel (``kernels/mma_gemv.py``;
-          ``kernels.configs.mma_config`` or an ``MmaConfig``);
-        * MXFP4 with float activations or N > 1, fp32 activations, or any case given a
-          ``GemvKernelConfig``: the general kernel
+        * NVFP4 x fp16/bf16 (any N), NVFP4 x NVFP4 with N > 1, K a multiple of 64 and 16-byte aligned rows of
+          packed data: the tensor-core kernel (``kernels/hmma_gemv.py``; ``kernels.configs.hmma_config`` or an
+          ``HmmaConfig``).  It reads the float activation as a contiguous copy when b is not contiguous along
+          K with 16-byte aligned rows (N x K x 2 bytes);
+        * everything else (MXFP4 with float activations or N > 1, fp32 activations, K not a multiple of 64,
+          unaligned rows) or any case given a ``GemvKernelConfig``: the general kernel
           (``kernels/gemv.py``; ``kernels.gemv_configs.gemv_config``), which is correct but not tuned
           (docs/performance.md).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
     accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernel
-    multiplies exactly and accumulates every product in fp32.  The result is rounded once to ``out_dtype``.
+    multiplies exactly and accumulates every product in fp32 (on the tensor cores).  The result is rounded once
+    to ``out_dtype``.
     """
     if not isinstance(a, FP4Tensor):
         raise TypeError(f"a: expected an FP4Tensor (see FP4Tensor.quantize), got {type(a).__name__}")
@@ -169,7 +177,7 @@ def gemv(
         if isinstance(b, FP4Tensor):
             _check_kernel_operand("b", b)
     if config is not None:
-        _check_config(config, _is_w4a4_case(a, b), _is_mma_case(a, b))
+        _check_config(config, _is_w4a4_case(a, b), _is_hmma_case(a, b))
 
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
@@ -228,17 +236,20 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
             global_scale_a=a.global_scale, global_scale_b=b.global_scale, scale_block=a.fmt.block_size,
         )
         return
-    if _is_mma_case(a, b) and not isinstance(config, GemvKernelConfig):
-        # NVFP4 weights on the tensor cores: fp16/bf16 activations, or NVFP4 activations with N > 1.
-        from .kernels.mma_gemv import launch_mma_gemv
+    if _is_hmma_case(a, b) and not isinstance(config, GemvKernelConfig):
+        from .kernels.hmma_gemv import launch_hmma_gemv
 
-        words = a.data.view(torch.int16)
-        b_words = b.data.view(torch.int16) if fp4_activation else None
-        launch_mma_gemv(
-            _batched(words, batch, 3), sfa, sfa_addressing,
-            _batched(b_words, batch, 3) if fp4_activation else b_values, sfb, sfb_addressing, c,
-            k=a.k, global_scale_a=a.global_scale, global_scale_b=b.global_scale if fp4_activation else None,
-            config=config or mma_config(m, a.k, batch), use_ptx=use_ptx,
+        if fp4_activation:
+            b_bytes = _batched(b.data, batch, 3)
+        else:
+            if b_values.stride(-1) != 1 or b_values.data_ptr() % 16 or any(s % 8 for s in b_values.stride()[:-1]):
+                b_values = b_values.contiguous()
+            b_bytes = b_values.view(torch.uint8)
+        launch_hmma_gemv(
+            _batched(a.data, batch, 3).view(torch.int32), sfa, sfa_addressing, b_bytes, sfb, sfb_addressing, c,
+            k=a.k, activation_dtype=None if fp4_activation else b.dtype, global_scale_a=a.global_scale,
+            global_scale_b=b.global_scale if fp4_activation else None,
+            config=config or hmma_config(m, a.k, batch), use_ptx=use_ptx,
         )
         return
     cfg = config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation)

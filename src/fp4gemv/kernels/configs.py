@@ -63,23 +63,18 @@ def pow2_at_most(x: int) -> int:
     return 1 << (max(x, 1).bit_length() - 1)
 
 
-class MmaConfig(NamedTuple):
-    """One launch of the tensor-core kernel (``kernels/mma_gemv.py``): ``rows`` outputs per program (16 to
-    128), ``block_k`` K-elements per chunk (a power of two >= 16), ``ksplit`` chunks side by side per loop
-    step (a batched dot: warps along K).  Without ksplit, 64 rows and more use Hopper's warpgroup MMA."""
+class HmmaConfig(NamedTuple):
+    """One launch of the tensor-core kernel (``kernels/hmma_gemv.py``): 16 rows per program, ``warps`` warps
+    side by side along K, each on 128 elements per step (a power of two)."""
 
-    rows: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 1
-    ksplit: int = 1
+    warps: int
 
 
-def mma_config(m: int, k: int, l: int) -> MmaConfig:  # noqa: E741
-    """The tensor-core kernel's configuration for ``l`` batches of ``m x k`` weights (any N from 1 to 16)."""
-    rows_total = m * l
-    if rows_total >= 28672:
-        cfg = MmaConfig(64, 128, 4)
-    else:
-        cfg = MmaConfig(16, 128, 1)
-    return cfg._replace(block_k=min(cfg.block_k, max(16, pow2_at_most(k))))
+def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741
+    """The tensor-core kernel's configuration for ``l`` batches of ``m x k`` weights (any N from 1 to 16).
+
+    Sweep 10 (docs/performance.md): 4 warps along K, except 8 for few rows (M x L < 7168) and long K
+    (>= 8192), where the 16-row programs alone cannot keep the GPU busy; never more than K / 128 warps.
+    """
+    warps = 8 if m * l < 7168 and k >= 8192 else 4
+    return HmmaConfig(min(warps, pow2_at_most(k // 128)))

@@ -1,0 +1,384 @@
+"""NVFP4 GEMV on the tensor cores with warp-level ``mma.sync``: NVFP4 weights times fp16/bf16 activations
+(W4A16) or NVFP4 activations (W4A4), N = 1..16 in one pass over the weights.
+
+Why not ``tl.dot``: a first version with it (docs/performance.md, v7) had Triton stage the operands through
+shared memory with barriers, about 10 instructions per weight byte.  Here each thread decodes the weights it
+holds straight into the registers ``mma.sync.m16n8k16`` reads; nothing moves between threads until the
+final sum over warps.
+
+The tile.  A program computes 16 output rows for all N; its ``WARPS`` warps sit side by side along K, each
+on its own 128-element chunk of a step.  Every per-thread tensor is ``[8, WARPS, 2, 16]``: (g, warp, half,
+word).  Triton lays the weight load of that shape out with lane = 4 * g + word // 4 (4 words = 16 bytes per
+thread), warps along the second dimension and the half in registers (``tests/test_kernels_hmma.py`` checks
+the compiled layout), which is the fragment layout of ``m16n8k16``: thread (g, c) holds rows g and g + 8
+(the two halves) and words 4c..4c+3 of each.  The asm (``pack=8``) receives exactly those 8 words; it loads
+the scales and the activation itself from per-thread base pointers, so that the words are the only loaded
+tensor and fix the layout.
+
+The K order.  The tensor cores sum over K in any order, as long as both operands agree.  A 32-bit word holds
+8 codes e0..e7; ``word << (12 - 4i)`` has codes i and i + 4 at the top of each 16-bit half, so 4 logic
+operations give the 16-bit pair (e_i, e_{i+4}).  The activation pairs are built to match, one ``prmt`` each
+from the 8 activation values of the same word.
+
+Exactness.  An e2m1 value t (a multiple of 1/2, at most 6) put into fp16 bits as ``sign << 15 | code << 9``
+reads as t * 2^-14 (fp16's subnormal range holds code 1, 0.5 * 2^-14, exactly).  Times an e4m3 scale s (a
+multiple of 2^-9, |s| <= 448) the fp16 product t * s * 2^-14 is exact: a multiple of 2^-24 (fp16's
+subnormal step) with at most 2 + 4 significant bits, below 0.17.  For bf16 the code goes to bits 6..8
+(t * 2^-126, bf16's subnormal range holding 0.5 * 2^-126) and the scale is multiplied by 2^119 first (exact,
+below bf16's maximum), so the product t * s * 2^-7 is a normal bf16 with at most 6 significant bits.  The
+tensor cores multiply exactly into fp32 accumulators; the fold (2^14 or 2^7 per FP4 operand) is undone once
+in the epilogue, with the global scales, and c is rounded once to its dtype.  Unlike ``w4a4.py`` the
+16-element block sums are not formed separately: all products of a K step enter one fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
+from .configs import HmmaConfig
+__all__ = ["hmma_gemv_kernel", "launch_hmma_gemv"]
+
+# The module docstring's fold: what the bit placement leaves on a decoded FP4 operand, undone in the epilogue.
+FP16_FOLD = tl.constexpr(2.0**14)
+BF16_FOLD = tl.constexpr(2.0**7)
+_BF16_SCALE_BIAS = 2.0**119
+
+
+def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
+    """The PTX of one thread's step: load scales and activation, decode 2 rows x 4 words, 8 or 16 mma.
+
+    Operands (8 elements each, element e = 4 * half + q): $0-$7 accumulators out, $8-$15 in; $16-$23 weight
+    words; then 8 b64 each: weight-scale pointers (element 0: row g, 4: row g + 8; scale of block 8w + 2c,
+    byte pointers at step 0), activation pointers (element 0: n = g, 4: n = g + 8; the thread's 4 words at
+    step 0), for FP4 activations its scale pointers; then 8 b32 flags (element 0 / 4: activation row n < N,
+    1: words of K left at step 0 from the thread's first word), 8 b32 k0, 8 b32 scale column-tile strides
+    (element 0: weights, 1: activation).  Accumulator element (half h, word q) is C[g + 8h][8(q // 2) + 2c +
+    q % 2].
+    """
+    mag_shift, mul, mma_type = {"f16": (3, "mul.rn.f16x2", "f16"), "bf16": (6, "mul.rn.bf16x2", "bf16")}[dtype]
+    ops = iter(range(24, 200))
+    sfa_p = [f"${next(ops)}" for _ in range(8)]
+    x_p = [f"${next(ops)}" for _ in range(8)]
+    sfb_p = [f"${next(ops)}" for _ in range(8)] if fp4_activation else None
+    flags = [f"${next(ops)}" for _ in range(8)]
+    k0 = [f"${next(ops)}" for _ in range(8)]
+    col_tile = [f"${next(ops)}" for _ in range(8)]
+    bias = struct.pack(">f", _BF16_SCALE_BIAS).hex().upper()
+    lines = [
+        "{",
+        ".reg .pred pk, pn;",
+        ".reg .b32 t, m, kl, st, sraw;",
+        ".reg .b64 ptr, off;",
+        ".reg .b16 h0, h1;",
+        ".reg .f32 f0, f1;",
+        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>;",
+        ".reg .f32 d<8>;",
+        # K left for this thread's words at this step.
+        f"shr.u32 st, {k0[0]}, 3;",
+        f"sub.s32 kl, {flags[1]}, st;",
+        "setp.gt.s32 pk, kl, 0;",
+    ]
+
+    def scale_pairs(pointer: str, tile_stride: str, dst: tuple[str, str]) -> None:
+        """Load the 2 scale bytes (blocks 2c, 2c + 1) at pointer + (k0 / 64) * tile_stride; (s, s) pairs."""
+        lines.extend([
+            f"shr.u32 st, {k0[0]}, 6;",
+            f"mul.wide.u32 off, st, {tile_stride};",
+            f"add.s64 ptr, {pointer}, off;",
+            "mov.b32 sraw, 0;",
+            "@pk ld.global.u16 sraw, [ptr];",
+            "mov.b32 {h0, h1}, sraw;",
+            "cvt.rn.f16x2.e4m3x2 t, h0;",
+        ])
+        if dtype == "bf16":
+            lines.extend(["mov.b32 {h0, h1}, t;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
+                          f"mul.f32 f0, f0, 0f{bias};", f"mul.f32 f1, f1, 0f{bias};", "cvt.rn.bf16x2.f32 t, f1, f0;"])
+        lines.extend([f"prmt.b32 {dst[0]}, t, 0, 0x1010;", f"prmt.b32 {dst[1]}, t, 0, 0x3232;"])
+
+    def decode(word: str, i: int, scale: str, dst: str) -> None:
+        lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
+                      f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
+                      f"{mul} {dst}, t, {scale};"])
+
+    # Weight scales: sa0, sa1 (row g: words 0-1, 2-3), sa2, sa3 (row g + 8).
+    scale_pairs(sfa_p[0], col_tile[0], ("sa0", "sa1"))
+    scale_pairs(sfa_p[4], col_tile[0], ("sa2", "sa3"))
+    # Weight pairs a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its scale.
+    for q in range(4):
+        for i in range(4):
+            for h in range(2):
+                decode(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
+    bytes_per_k = {"fp4": None, "f16": 2, "bf16": 2}["fp4" if fp4_activation else dtype]
+    for tile in range(n_tiles):
+        # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
+        lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
+        if fp4_activation:
+            lines.extend([f"shr.u32 st, {k0[0]}, 1;", "cvt.u64.u32 off, st;", f"add.s64 ptr, {x_p[4 * tile]}, off;",
+                          "mov.b32 xr0, 0;", "mov.b32 xr1, 0;", "mov.b32 xr2, 0;", "mov.b32 xr3, 0;",
+                          "@pn ld.global.v4.b32 {xr0, xr1, xr2, xr3}, [ptr];"])
+            lines.append("mov.pred pk, pn;")  # the activation's scale load, masked like its words
+            scale_pairs(sfb_p[4 * tile], col_tile[1], ("bs0", "bs1"))
+            lines.extend([f"shr.u32 st, {k0[0]}, 3;", f"sub.s32 kl, {flags[1]}, st;", "setp.gt.s32 pk, kl, 0;"])
+            for q in range(4):
+                for i in range(4):
+                    decode(f"xr{q}", i, f"bs{q // 2}", f"b{16 * tile + 4 * q + i}")
+        else:
+            lines.extend([f"mul.wide.u32 off, {k0[0]}, {bytes_per_k};", f"add.s64 ptr, {x_p[4 * tile]}, off;"])
+            lines.extend(f"mov.b32 xr{j}, 0;" for j in range(16))
+            for v in range(4):
+                regs = ", ".join(f"xr{4 * v + j}" for j in range(4))
+                lines.append(f"@pn ld.global.v4.b32 {{{regs}}}, [ptr+{16 * v}];")
+            for q in range(4):
+                for i in range(4):
+                    sel = "0x5410" if i % 2 == 0 else "0x7632"
+                    lines.append(f"prmt.b32 b{16 * tile + 4 * q + i}, xr{4 * q + i // 2}, xr{4 * q + 2 + i // 2}, {sel};")
+    # Accumulators: d[4t + j] is fragment register j of tile t.
+    acc = {0: 0, 1: 1, 2: 4, 3: 5, 4: 2, 5: 3, 6: 6, 7: 7}  # fragment register -> element
+    for r in range(4 * n_tiles):
+        lines.append(f"mov.f32 d{r}, ${8 + acc[r]};")
+    for tile in range(n_tiles):
+        d = ", ".join(f"d{4 * tile + j}" for j in range(4))
+        for q in range(4):
+            for mm in range(2):
+                a = ", ".join(f"a{8 * q + 2 * i + h}" for i, h in ((2 * mm, 0), (2 * mm, 1), (2 * mm + 1, 0),
+                                                                      (2 * mm + 1, 1)))
+                b = f"b{16 * tile + 4 * q + 2 * mm}, b{16 * tile + 4 * q + 2 * mm + 1}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{mma_type}.{mma_type}.f32 "
+                             f"{{{d}}}, {{{a}}}, {{{b}}}, {{{d}}};")
+    for r in range(8):
+        lines.append(f"mov.f32 ${acc[r]}, d{r};" if r < 4 * n_tiles else f"mov.f32 ${acc[r]}, ${8 + acc[r]};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _constraints(fp4_activation: bool) -> str:
+    return ",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 8 + ["l"] * (24 if fp4_activation else 16) + ["r"] * 24)
+
+
+_ASM_F16_1 = tl.constexpr(_hmma_asm("f16", False, 1))
+_ASM_F16_2 = tl.constexpr(_hmma_asm("f16", False, 2))
+_ASM_BF16_1 = tl.constexpr(_hmma_asm("bf16", False, 1))
+_ASM_BF16_2 = tl.constexpr(_hmma_asm("bf16", False, 2))
+_ASM_FP4_1 = tl.constexpr(_hmma_asm("f16", True, 1))
+_ASM_FP4_2 = tl.constexpr(_hmma_asm("f16", True, 2))
+_FLOAT_CONSTRAINTS = tl.constexpr(_constraints(False))
+_FP4_CONSTRAINTS = tl.constexpr(_constraints(True))
+
+
+@triton.jit
+def _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, FP4_ACTIVATION: tl.constexpr,
+              BF16: tl.constexpr, N_TILES: tl.constexpr):
+    """One step of every thread: the asm of ``_hmma_asm`` on 8 elements (2 halves x 4 words) at a time."""
+    if FP4_ACTIVATION:
+        if N_TILES == 1:
+            asm: tl.constexpr = _ASM_FP4_1
+        else:
+            asm: tl.constexpr = _ASM_FP4_2
+        return tl.inline_asm_elementwise(asm, _FP4_CONSTRAINTS, [acc, words, sfa_p.to(tl.int64), x_p.to(tl.int64),
+                                                                 sfb_p.to(tl.int64), flags, k0, col_tiles],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+    else:
+        if BF16:
+            if N_TILES == 1:
+                asm: tl.constexpr = _ASM_BF16_1
+            else:
+                asm: tl.constexpr = _ASM_BF16_2
+        else:
+            if N_TILES == 1:
+                asm: tl.constexpr = _ASM_F16_1
+            else:
+                asm: tl.constexpr = _ASM_F16_2
+        return tl.inline_asm_elementwise(asm, _FLOAT_CONSTRAINTS, [acc, words, sfa_p.to(tl.int64), x_p.to(tl.int64),
+                                                                   flags, k0, col_tiles],
+                                         dtype=tl.float32, is_pure=True, pack=8)
+
+
+@triton.jit
+def _codes_f32(words):
+    """32-bit words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
+    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
+    mag = codes & 7
+    exp = mag >> 1
+    dbl = tl.where(exp == 0, mag & 1, (2 + (mag & 1)) << tl.maximum(exp - 1, 0))
+    return tl.where((codes & 8) != 0, -dbl, dbl).to(tl.float32) * 0.5
+
+
+@triton.jit
+def _thread_value(t, Q: tl.constexpr, WARPS: tl.constexpr):
+    """Element q = Q of each thread's 4 words of ``t`` ``[8, WARPS, 2, 16]``, for all 4 of them."""
+    t = tl.reshape(t, [8, WARPS, 2, 4, 4])
+    v = tl.sum(tl.where(tl.arange(0, 4) == Q, t, 0), axis=4)
+    return tl.reshape(tl.broadcast_to(v[:, :, :, :, None], [8, WARPS, 2, 4, 4]), [8, WARPS, 2, 16])
+
+
+@triton.jit
+def _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS: tl.constexpr,
+                 FP4_ACTIVATION: tl.constexpr, BF16: tl.constexpr):
+    """``_step_ptx`` in plain Triton, from the same operands: the same products into the same accumulator
+    elements, summed by ``tl.dot`` in fp32 (another order than the tensor cores': equal within rounding)."""
+    q = tl.arange(0, 16)[None, None, None, :] % 4
+    k_ok = (_thread_value(flags, 1, WARPS) - k0 // 8) > 0
+    n_ok = _thread_value(flags, 0, WARPS) != 0  # per half = activation tile
+    step_a = (k0 // 64) * _thread_value(col_tiles, 0, WARPS)
+    step_b = (k0 // 64) * _thread_value(col_tiles, 1, WARPS)
+    # Weights [g, warp, half, word, e], rows g + 8 * half; word q's block is 2c + q // 2.
+    sfa = tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    a = _codes_f32(words) * sfa[:, :, :, :, None]
+    a = tl.reshape(tl.permute(a, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, row, k = 8 * word + e]
+    # Activation [g, warp, tile, word, e] for n = g + 8 * tile (the halves of the pointer tensors).
+    x_ok = k_ok & n_ok
+    if FP4_ACTIVATION:
+        x_words = tl.load((x_p + k0 // 2 + 4 * q).to(tl.pointer_type(tl.int32)), mask=x_ok, other=0)
+        sfb = tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        x = _codes_f32(x_words) * sfb[:, :, :, :, None]
+    else:
+        e = tl.arange(0, 8)[None, None, None, None, :]
+        x_ptrs = x_p[:, :, :, :, None] + 2 * k0 + 16 * q[:, :, :, :, None] + 2 * e
+        if BF16:
+            x = tl.load(x_ptrs.to(tl.pointer_type(tl.bfloat16)), mask=x_ok[:, :, :, :, None], other=0).to(tl.float32)
+        else:
+            x = tl.load(x_ptrs.to(tl.pointer_type(tl.float16)), mask=x_ok[:, :, :, :, None], other=0).to(tl.float32)
+    x = tl.reshape(tl.permute(x, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, n = 8 * tile + g, k]
+    c = tl.dot(a, tl.trans(x, (0, 2, 1)), input_precision="ieee")  # [warp, row, n]
+    # acc[g, warp, half, 4c + 2t + p] = C[warp][g + 8 * half][8t + 2c + p]
+    c = tl.reshape(c, [WARPS, 2, 8, 2, 4, 2])  # [warp, half, g, t, c, p]
+    c = tl.reshape(tl.permute(c, (2, 0, 1, 4, 3, 5)), [8, WARPS, 2, 16])
+    return acc + c
+
+
+@triton.jit
+def hmma_gemv_kernel(
+    a_ptr, sfa_ptr, b_ptr, sfb_ptr, gsa_ptr, gsb_ptr, c_ptr,
+    M, N, K,
+    a_stride_l, a_stride_m,
+    sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4, sfa_stride_col_tile,
+    b_stride_l, b_stride_n,
+    sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4, sfb_stride_col_tile,
+    c_stride_l, c_stride_m, c_stride_n,
+    WARPS: tl.constexpr,
+    FP4_ACTIVATION: tl.constexpr,
+    BF16: tl.constexpr,
+    N_TILES: tl.constexpr,
+    HAS_GSA: tl.constexpr,
+    HAS_GSB: tl.constexpr,
+    USE_PTX: tl.constexpr,
+):
+    # a: int32 words of 8 codes, strides in words.  b: bytes (FP4 words or fp16/bf16), strides in bytes.
+    pid_m = tl.program_id(0)
+    pid_l = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, 8)[:, None, None, None]
+    warp = tl.arange(0, WARPS)[None, :, None, None]
+    half = tl.arange(0, 2)[None, None, :, None]
+    w = tl.arange(0, 16)[None, None, None, :]
+    q = w % 4
+    c = w // 4
+    word = warp * 16 + w  # within a step
+    rows_in = tl.minimum(pid_m * 16 + g + 8 * half, M - 1)  # tail rows re-read row M-1; only the store is masked
+    # Rows start 16-byte aligned (K is a multiple of 64: K/8 words, a multiple of 8, per row); written as
+    # multiples of 4 words so Triton can prove it for any K, which keeps the 16-byte loads, and with them
+    # the layout the asm relies on (without the proof Triton loads one word per thread).
+    a_rows = a_ptr + (pid_l * (a_stride_l // 4) + rows_in.to(tl.int64) * (a_stride_m // 4)) * 4
+    # Per-thread bases at step 0 (every word q of a thread gets its thread's value).
+    blk = warp * 8 + 2 * c  # the thread's first 16-element block in a step
+    sfa_p = (sfa_ptr + pid_l * sfa_stride_l + scale_row_offset(rows_in, sfa_stride_row_tile, sfa_stride_r32,
+                                                               sfa_stride_r4)
+             + (blk // 4) * sfa_stride_col_tile + blk % 4)
+    n = g + 8 * half  # activation row of the thread's half (tile)
+    n_in = tl.minimum(n, N - 1)
+    if FP4_ACTIVATION:
+        x_p = b_ptr + pid_l * b_stride_l + n_in.to(tl.int64) * b_stride_n + 4 * (warp * 16 + 4 * c)
+        sfb_p = (sfb_ptr + pid_l * sfb_stride_l + scale_row_offset(n_in, sfb_stride_row_tile, sfb_stride_r32,
+                                                                   sfb_stride_r4)
+                 + (blk // 4) * sfb_stride_col_tile + blk % 4)
+    else:
+        x_p = b_ptr + pid_l * b_stride_l + n_in.to(tl.int64) * b_stride_n + 2 * (warp * 128 + 32 * c)
+        sfb_p = sfa_p
+    zero = tl.zeros([8, WARPS, 2, 16], dtype=tl.int32)
+    flags = tl.where(q == 0, (n < N).to(tl.int32), tl.where(q == 1, K // 8 - (warp * 16 + 4 * c), 0)) + zero
+    col_tiles = tl.where(q == 0, sfa_stride_col_tile, sfb_stride_col_tile) + zero
+    x_p = x_p + zero
+    sfa_p = sfa_p + zero
+    sfb_p = sfb_p + zero
+    acc = tl.zeros([8, WARPS, 2, 16], dtype=tl.float32)
+    for k0 in range(0, K, WARPS * 128):
+        kw = k0 // 8 + word
+        words = tl.load(a_rows + kw, mask=kw * 8 < K, other=0)
+        if USE_PTX:
+            acc = _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0 + zero, col_tiles, FP4_ACTIVATION, BF16,
+                            N_TILES)
+        else:
+            acc = _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS, FP4_ACTIVATION, BF16)
+    out = tl.sum(acc, axis=1)  # [g, half, word]: C[g + 8 * half][n(word)]
+    if USE_PTX:
+        if FP4_ACTIVATION:
+            out = out * (FP16_FOLD * FP16_FOLD)
+        elif BF16:
+            out = out * BF16_FOLD
+        else:
+            out = out * FP16_FOLD
+    if HAS_GSA and HAS_GSB:
+        out = out * (tl.load(gsa_ptr) * tl.load(gsb_ptr))
+    elif HAS_GSA:
+        out = out * tl.load(gsa_ptr)
+    elif HAS_GSB:
+        out = out * tl.load(gsb_ptr)
+    ww = tl.arange(0, 16)[None, None, :]
+    n_out = 8 * ((ww % 4) // 2) + 2 * (ww // 4) + ww % 2
+    out_rows = pid_m * 16 + tl.arange(0, 8)[:, None, None] + 8 * tl.arange(0, 2)[None, :, None]
+    c_ptrs = c_ptr + pid_l * c_stride_l + out_rows.to(tl.int64) * c_stride_m + n_out * c_stride_n
+    if c_ptr.dtype.element_ty == tl.bfloat16:
+        out = to_bfloat16_rne(out)
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(out_rows < M) & (n_out < N))
+
+
+def launch_hmma_gemv(
+    a_words: torch.Tensor,
+    sfa: torch.Tensor,
+    sfa_addressing: ScaleAddressing,
+    b_bytes: torch.Tensor,
+    sfb: torch.Tensor | None,
+    sfb_addressing: ScaleAddressing | None,
+    c: torch.Tensor,
+    *,
+    k: int,
+    activation_dtype: torch.dtype | None,
+    global_scale_a: torch.Tensor | None,
+    global_scale_b: torch.Tensor | None,
+    config: HmmaConfig,
+    use_ptx: bool,
+) -> None:
+    """Launch :func:`hmma_gemv_kernel`; nothing is validated here (``fp4gemv.gemv`` does that).
+
+    a_words: int32 ``[L, M, K/8]`` (NVFP4 data, 8 codes per word), stride 1 along K/8 (batch stride may be 0).
+    sfa: e4m3 scale bytes (uint8) of a, addressed by ``sfa_addressing`` from ``sfa.data_ptr()``.
+    b_bytes: uint8 ``[L, N, bytes per row]``, contiguous along K, rows 16-byte aligned: NVFP4 data with scale
+        bytes ``sfb`` / ``sfb_addressing`` (W4A4), or the fp16/bf16 activation (``activation_dtype``) with
+        ``sfb = sfb_addressing = None``.  1 <= N <= 16.
+    c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
+    K must be a multiple of 64.
+    """
+    batch, m, _ = a_words.shape
+    n = b_bytes.shape[1]
+    fp4_activation = sfb is not None
+    if not fp4_activation:
+        sfb, sfb_addressing = sfa, ScaleAddressing(0, 0, 0, 0, 0)  # never read
+    hmma_gemv_kernel[(triton.cdiv(m, 16), batch)](
+        a_words, sfa, b_bytes, sfb,
+        sfa if global_scale_a is None else global_scale_a,
+        sfa if global_scale_b is None else global_scale_b,
+        c,
+        m, n, k,
+        a_words.stride(0), a_words.stride(1),
+        *sfa_addressing,
+        b_bytes.stride(0), b_bytes.stride(1),
+        *sfb_addressing,
+        *c.stride(),
+        WARPS=config.warps, FP4_ACTIVATION=fp4_activation, BF16=activation_dtype == torch.bfloat16,
+        N_TILES=1 if n <= 8 else 2, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
+        USE_PTX=use_ptx, num_warps=config.warps, num_stages=1,
+    )
