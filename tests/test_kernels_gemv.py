@@ -11,8 +11,8 @@ sum, 1 for the scale product, NB for the K-loop additions plus the final sum ove
 n = NB + 22 >= that depth, the fp32 result s' obeys |s' - s| <= 1.01 * n * u * sum_k |t_k| (gamma_n;
 n * u < 1e-3 here), plus n * 2^-149 for fp32 underflow.  The one rounding to the output dtype adds half an
 ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 * sum_k |t_k|.
-``tensor_cores=True`` switches to the bound of the tensor-core kernel (kernels/mma_gemv.py, derived in
-tests/test_kernels_mma.py): all K products in one fp32 accumulation that may truncate.
+``tensor_cores=True`` switches to the bound of the tensor-core kernel (kernels/hmma_gemv.py, derived in
+tests/test_kernels_hmma.py): all K products in one fp32 accumulation that may truncate.
 """
 
 import itertools
@@ -67,7 +67,7 @@ def values(t):
 
 def _fold_exponent(b):
     """f such that the tensor-core kernel's fp32 accumulator holds the result (before global scales) times
-    2^-f: its 16-bit operands carry 2^-14 per NVFP4 operand in fp16, 2^-7 for bf16 (kernels/mma_gemv.py)."""
+    2^-f: its 16-bit operands carry 2^-14 per NVFP4 operand in fp16, 2^-7 for bf16 (kernels/hmma_gemv.py)."""
     if isinstance(b, FP4Tensor):
         return 28
     return {torch.float16: 14, torch.bfloat16: 7}[b.dtype]
@@ -80,7 +80,7 @@ def _global_scale(t):
 def error_bound(a, b, out_dtype, got, tensor_cores=False):
     """Largest |got - exact| a correct kernel can produce (module docstring), elementwise.
 
-    ``tensor_cores``: the bound of kernels/mma_gemv.py instead (tests/test_kernels_mma.py's docstring):
+    ``tensor_cores``: the bound of kernels/hmma_gemv.py instead (tests/test_kernels_hmma.py's docstring):
     depth K + 24, unit roundoff 2^-23 (truncation), the underflow term scaled up by the epilogue's fold.
     """
     b_abs = values(b).abs()
@@ -183,7 +183,7 @@ def test_cases_cover_shapes_and_global_scales_for_every_format_and_activation():
 def test_kernel_with_default_config(fmt, activation, n):
     a, b = build_case(fmt, activation, n, "swizzled", (200, 192, 2), True, seed=5)
     got = gemv(a, b, out=poisoned((2, 200, n), torch.float16), backend="triton")
-    # ("nvfp4", float16, 16) runs the tensor-core kernel (kernels/mma_gemv.py), with its own bound.
+    # ("nvfp4", float16, 16) runs the tensor-core kernel (kernels/hmma_gemv.py), with its own bound.
     assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=_is_hmma_case(a, b))
 
 
