@@ -83,17 +83,20 @@ def _is_w4a4_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
 def _is_hmma_case(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> bool:
     """NVFP4 weights times fp16/bf16 activations, or times NVFP4 activations with N > 1: the tensor-core
     kernel (kernels/hmma_gemv.py).  Its 16-bit operands hold e2m1 x e4m3 exactly (e8m0 scales and fp32
-    activations do not fit them); it reads 16-byte rows, so K must be a multiple of 64 and the packed data
-    (of both FP4 operands) 16-byte aligned."""
-    if a.fmt.block_size != 16 or a.k % 64 or not _rows_16_byte_aligned(a.data):
+    activations do not fit them); it reads 16-byte rows, so K must be a multiple of 64, the packed data (of
+    both FP4 operands) 16-byte aligned and their scale rows 2-byte aligned."""
+    if a.fmt.block_size != 16 or a.k % 64 or not _aligned(a):
         return False
     if isinstance(b, FP4Tensor):
-        return b.rows > 1 and _rows_16_byte_aligned(b.data)
+        return b.rows > 1 and _aligned(b)
     return b.dtype in (torch.float16, torch.bfloat16)
 
 
-def _rows_16_byte_aligned(data: torch.Tensor) -> bool:
-    return data.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in data.stride()[:-1])
+def _aligned(t: FP4Tensor) -> bool:
+    """Packed rows 16-byte aligned (16-byte loads) and scale rows 2-byte aligned (two blocks' scales per load)."""
+    data, scales = t.data, t.scales
+    return (data.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in data.stride()[:-1])
+            and scales.data_ptr() % 2 == 0 and all(s % 2 == 0 for s in scales.stride()[:-1]))
 
 
 def _check_config(config: GemvKernelConfig | GemvConfig | HmmaConfig, w4a4_case: bool, hmma_case: bool) -> None:
