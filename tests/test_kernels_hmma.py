@@ -378,7 +378,8 @@ def test_hmma_config_for_another_case_is_a_type_error(launches, kind, n, k):
     assert not launches
 
 
-@pytest.mark.parametrize("config", [HmmaConfig(3), HmmaConfig(0), HmmaConfig(32), HmmaConfig(6), HmmaConfig(-1)],
+@pytest.mark.parametrize("config", [HmmaConfig(3), HmmaConfig(0), HmmaConfig(16), HmmaConfig(32), HmmaConfig(6),
+                                    HmmaConfig(-1)],
                          ids=str)
 def test_hmma_config_out_of_range_is_a_value_error(launches, config):
     a, b = _operands("nv-f16")
@@ -387,7 +388,7 @@ def test_hmma_config_out_of_range_is_a_value_error(launches, config):
     assert not launches
 
 
-@pytest.mark.parametrize("warps", (1, 2, 4, 8, 16))
+@pytest.mark.parametrize("warps", (1, 2, 4, 8))
 def test_hmma_config_in_range_is_accepted(launches, warps):
     a, b = _operands("nv-bf16", 5)
     gemv(a, b, backend="triton", config=HmmaConfig(warps))
@@ -522,9 +523,9 @@ def _aot_variants_script(variants):
 
 @pytest.mark.parametrize("activation", ("fp16", "bf16", "fp4"))
 def test_hmma_kernel_compiles_for_sm90_with_the_fragment_layout(compile_for_sm90, activation):
-    """Every PTX variant (N_TILES 1 / 2, 1 / 2 / 4 / 8 / 16 warps), with and without divisibility: a cubin,
+    """Every PTX variant (N_TILES 1 / 2, 1 / 2 / 4 / 8 warps), with and without divisibility: a cubin,
     m16n8k16 mma.sync, no local memory, and the asm's operands in exactly the fragment layout."""
-    variants = [(activation, n_tiles, warps, True) for n_tiles in (1, 2) for warps in (1, 2, 4, 8, 16)]
+    variants = [(activation, n_tiles, warps, True) for n_tiles in (1, 2) for warps in (1, 2, 4, 8)]
     out = compile_for_sm90(_aot_variants_script(variants))
     assert "FAIL" not in out, out
     assert f"compiled {2 * len(variants)}" in out, out
@@ -624,7 +625,7 @@ def test_hmma_kernel_compiles_with_the_jits_specialization(compile_for_sm90):
 
 # --- GPU ------------------------------------------------------------------------------------------------
 
-GPU_CONFIGS = (None, HmmaConfig(1), HmmaConfig(2), HmmaConfig(4), HmmaConfig(8), HmmaConfig(16))
+GPU_CONFIGS = (None, HmmaConfig(1), HmmaConfig(2), HmmaConfig(4), HmmaConfig(8))
 
 
 def _config_id(c):

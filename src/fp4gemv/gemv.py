@@ -110,8 +110,9 @@ def _check_config(config: GemvKernelConfig | GemvConfig | HmmaConfig, w4a4_case:
             raise TypeError("config: an HmmaConfig (kernels/hmma_gemv.py) only applies to NVFP4 weights with K a "
                             "multiple of 64 and 16-byte aligned rows times fp16/bf16 activations or NVFP4 "
                             "activations with N > 1; expected a GemvKernelConfig" + (" or GemvConfig" if w4a4_case else ""))
-        if not 1 <= config.warps <= 16:
-            raise ValueError(f"config: expected 1 to 16 warps, got {config}")
+        # 16 warps gave wrong results on the H200 (GPU tests, not investigated); 8 is the most any shape uses.
+        if not 1 <= config.warps <= 8:
+            raise ValueError(f"config: expected 1 to 8 warps, got {config}")
         values = (config.warps,)
     elif isinstance(config, GemvKernelConfig):
         values = (config.rows, config.blocks)

@@ -65,7 +65,7 @@ def pow2_at_most(x: int) -> int:
 
 class HmmaConfig(NamedTuple):
     """One launch of the tensor-core kernel (``kernels/hmma_gemv.py``): 16 rows per program, ``warps`` warps
-    side by side along K, each on 128 elements per step (a power of two)."""
+    side by side along K, each on 128 elements per step (a power of two, at most 8)."""
 
     warps: int
 
