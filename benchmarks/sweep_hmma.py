@@ -1,6 +1,7 @@
 """Device script: the warp-level tensor-core kernel (kernels/hmma_gemv.py) checked and timed (sweep 10).
 
-PYTHONPATH=src python benchmarks/check_hmma.py   -> correctness lines, then one timing line per case.
+PYTHONPATH=src python benchmarks/sweep_hmma.py [check] [time]   -> correctness lines, then one timing line per case
+(4 and 8 warps; the PTX path and the pure-Triton twin against the exact oracle, outputs poisoned).
 """
 
 import sys
