@@ -9,7 +9,7 @@ import sys
 import torch
 
 from fp4gemv.bench import Shape, case_bytes, device_time_us, floor_us, input_count, random_gemv_operands, summarize
-from fp4gemv.kernels._common import linear_scale_addressing, swizzled_scale_addressing
+from fp4gemv.kernels._common import GemvOperands, linear_scale_addressing, swizzled_scale_addressing
 from fp4gemv.kernels.configs import HmmaConfig
 from fp4gemv.kernels.hmma_gemv import launch_hmma_gemv
 from fp4gemv.reference import quantized_gemv_reference
@@ -23,10 +23,9 @@ def addressing(t):
 
 def launch(a, b, c, warps, ptx=True):
     fp4 = not isinstance(b, torch.Tensor)
-    launch_hmma_gemv(a.data.view(torch.int32), a.scales, addressing(a), b.data if fp4 else b.view(torch.uint8),
-                     b.scales if fp4 else None, addressing(b) if fp4 else None, c, k=a.k,
-                     activation_dtype=None if fp4 else b.dtype, global_scale_a=None, global_scale_b=None,
-                     config=HmmaConfig(warps), use_ptx=ptx)
+    ops = GemvOperands(a.data.view(torch.int32), a.scales, addressing(a), b.data if fp4 else b.view(torch.uint8),
+                       b.scales if fp4 else None, addressing(b) if fp4 else None, c)
+    launch_hmma_gemv(ops, k=a.k, activation_dtype=None if fp4 else b.dtype, config=HmmaConfig(warps), use_ptx=ptx)
 
 
 def check():

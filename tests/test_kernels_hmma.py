@@ -355,7 +355,7 @@ def test_aligned_strided_activation_is_not_copied(launches):
                         (random_activation((128, 3), torch.float16, seed=4).t(), False)):
         launches.args.clear()
         gemv(a, x, backend="triton")
-        b_bytes = launches.args[0][3]
+        b_bytes = launches.args[0][0].b
         assert b_bytes.dtype == torch.uint8 and b_bytes.shape[1:] == (3, 256)
         assert (b_bytes.data_ptr() == x.data_ptr()) == in_place, (x.stride(), x.storage_offset())
         assert b_bytes.data_ptr() % 16 == 0 and b_bytes.stride(1) % 16 == 0 and b_bytes.stride(2) == 1

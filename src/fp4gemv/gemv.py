@@ -212,6 +212,7 @@ def _scale_operand(t: FP4Tensor, batch: int):
 
 def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config, use_ptx: bool) -> None:
     # Imported here so that building tensors and the reference never needs Triton.
+    from .kernels._common import GemvOperands
     from .kernels.gemv import launch_gemv
 
     batch = _batch(a) or _batch(b) or 1
@@ -230,6 +231,7 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
     if c.dim() == 2:
         c = c.unsqueeze(0)
     m, n = a.rows, b_values.shape[1]
+    global_scale_b = b.global_scale if fp4_activation else None
     if _is_w4a4_case(a, b) and not isinstance(config, GemvKernelConfig):
         # FP4 x FP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
         from .kernels.w4a4 import launch_w4a4
@@ -249,17 +251,12 @@ def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config
             if b_values.stride(-1) != 1 or b_values.data_ptr() % 16 or any(s % 8 for s in b_values.stride()[:-1]):
                 b_values = b_values.contiguous()
             b_bytes = b_values.view(torch.uint8)
-        launch_hmma_gemv(
-            _batched(a.data, batch, 3).view(torch.int32), sfa, sfa_addressing, b_bytes, sfb, sfb_addressing, c,
-            k=a.k, activation_dtype=None if fp4_activation else b.dtype, global_scale_a=a.global_scale,
-            global_scale_b=b.global_scale if fp4_activation else None,
-            config=config or hmma_config(m, a.k, batch), use_ptx=use_ptx,
-        )
+        ops = GemvOperands(_batched(a.data, batch, 3).view(torch.int32), sfa, sfa_addressing, b_bytes, sfb,
+                           sfb_addressing, c, a.global_scale, global_scale_b)
+        launch_hmma_gemv(ops, k=a.k, activation_dtype=None if fp4_activation else b.dtype,
+                         config=config or hmma_config(m, a.k, batch), use_ptx=use_ptx)
         return
-    cfg = config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation)
-    launch_gemv(
-        a_blocks, sfa, sfa_addressing, b_values, sfb, sfb_addressing, c,
-        scale_block=a.fmt.block_size, global_scale_a=a.global_scale,
-        global_scale_b=b.global_scale if fp4_activation else None,
-        config=cfg, use_ptx=use_ptx,
-    )
+    ops = GemvOperands(a_blocks, sfa, sfa_addressing, b_values, sfb, sfb_addressing, c, a.global_scale,
+                       global_scale_b)
+    launch_gemv(ops, scale_block=a.fmt.block_size,
+                config=config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation), use_ptx=use_ptx)

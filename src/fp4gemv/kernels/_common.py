@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
 from .. import layouts
 
 __all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "scale_row_offset",
-           "decode_scale", "to_bfloat16_rne"]
+           "decode_scale", "to_bfloat16_rne", "GemvOperands", "apply_global_scales", "store_rounded"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
@@ -69,3 +70,48 @@ def to_bfloat16_rne(x):
     rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
     rounded = tl.where(x != x, 0x7FC0, rounded)  # keep NaN a NaN (a carry could turn it into infinity)
     return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+class GemvOperands(NamedTuple):
+    """The tensors of one ``fp4gemv.gemv`` launch, prepared by ``gemv`` (each launcher documents the views it
+    expects): weights ``a`` and their scale bytes, activation ``b`` (FP4 with scale bytes, or float with
+    ``sfb = sfb_addressing = None``), output ``c`` ``[L, M, N]``, optional one-element fp32 global scales."""
+
+    a: torch.Tensor
+    sfa: torch.Tensor
+    sfa_addressing: ScaleAddressing
+    b: torch.Tensor
+    sfb: torch.Tensor | None
+    sfb_addressing: ScaleAddressing | None
+    c: torch.Tensor
+    global_scale_a: torch.Tensor | None = None
+    global_scale_b: torch.Tensor | None = None
+
+    def optional_pointer_args(self) -> tuple:
+        """(sfb, sfb addressing, global scale a, global scale b) as kernel arguments: a tensor that is never
+        read (a's scales) where one is absent."""
+        sfb, sfb_addressing = self.sfb, self.sfb_addressing
+        if sfb is None:
+            sfb, sfb_addressing = self.sfa, ScaleAddressing(0, 0, 0, 0, 0)
+        return (sfb, sfb_addressing, self.sfa if self.global_scale_a is None else self.global_scale_a,
+                self.sfa if self.global_scale_b is None else self.global_scale_b)
+
+
+@triton.jit
+def apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA: tl.constexpr, HAS_GSB: tl.constexpr):
+    """``out`` times the product of the global scales present (one fp32 rounding of the product)."""
+    if HAS_GSA and HAS_GSB:
+        out = out * (tl.load(gsa_ptr) * tl.load(gsb_ptr))
+    elif HAS_GSA:
+        out = out * tl.load(gsa_ptr)
+    elif HAS_GSB:
+        out = out * tl.load(gsb_ptr)
+    return out
+
+
+@triton.jit
+def store_rounded(c_ptrs, out, mask):
+    """Round the fp32 results once to c's dtype (bf16 nearest even, as on the GPU) and store them."""
+    if c_ptrs.dtype.element_ty == tl.bfloat16:
+        out = to_bfloat16_rne(out)
+    tl.store(c_ptrs, out.to(c_ptrs.dtype.element_ty), mask=mask)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ScaleAddressing, decode_scale, scale_row_offset, to_bfloat16_rne
+from ._common import GemvOperands, apply_global_scales, decode_scale, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .gemv_configs import GemvKernelConfig
 
@@ -127,64 +127,39 @@ def gemv_kernel(
         out = tl.sum(acc, axis=2) * 0.25
     else:
         out = tl.sum(acc, axis=2) * 0.5
-    if HAS_GSA and HAS_GSB:
-        out = out * (tl.load(gsa_ptr) * tl.load(gsb_ptr))
-    elif HAS_GSA:
-        out = out * tl.load(gsa_ptr)
-    elif HAS_GSB:
-        out = out * tl.load(gsb_ptr)
+    out = apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA, HAS_GSB)
     c_ptrs = c_ptr + pid_l * c_stride_l + rows.to(tl.int64)[:, None] * c_stride_m + n[None, :] * c_stride_n
-    if c_ptr.dtype.element_ty == tl.bfloat16:
-        out = to_bfloat16_rne(out)
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(rows < M)[:, None] & (n < N)[None, :])
+    store_rounded(c_ptrs, out, (rows < M)[:, None] & (n < N)[None, :])
 
 
-def launch_gemv(
-    a: torch.Tensor,
-    sfa: torch.Tensor,
-    sfa_addressing: ScaleAddressing,
-    b: torch.Tensor,
-    sfb: torch.Tensor | None,
-    sfb_addressing: ScaleAddressing | None,
-    c: torch.Tensor,
-    *,
-    scale_block: int,
-    global_scale_a: torch.Tensor | None,
-    global_scale_b: torch.Tensor | None,
-    config: GemvKernelConfig,
-    use_ptx: bool,
-) -> None:
+def launch_gemv(ops: GemvOperands, *, scale_block: int, config: GemvKernelConfig, use_ptx: bool) -> None:
     """Launch :func:`gemv_kernel`; nothing is validated here (``fp4gemv.gemv`` does that).
 
-    a: int64 ``[L, M, K/16]``, one 16-element block per element, stride 1 along K/16 (batch stride may be 0).
-    sfa: scale bytes (uint8) of a, addressed by ``sfa_addressing`` from ``sfa.data_ptr()``.
-    b: int64 ``[L, N, K/16]`` with uint8 scales ``sfb`` / ``sfb_addressing`` (W4A4, same format as a), or
-        float16/bfloat16/float32 ``[L, N, K]`` with ``sfb = sfb_addressing = None`` (W4A16); any strides.
-    c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
+    ops.a: int64 ``[L, M, K/16]``, one 16-element block per element, stride 1 along K/16 (batch stride may
+        be 0); ops.sfa: its scale bytes (uint8), addressed by ``ops.sfa_addressing`` from their data pointer.
+    ops.b: int64 ``[L, N, K/16]`` with uint8 scales ``ops.sfb`` (W4A4, same format as a), or
+        float16/bfloat16/float32 ``[L, N, K]`` (W4A16); any strides.
+    ops.c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
     scale_block: 16 (NVFP4: e4m3 scales) or 32 (MXFP4: e8m0 scales).
-    global_scale_a, global_scale_b: one-element float32 tensors or None.
     """
+    a, b, c = ops.a, ops.b, ops.c
     batch, m, nb = a.shape
     n = b.shape[1]
-    fp4_activation = sfb is not None
-    if not fp4_activation:
-        sfb, sfb_addressing = sfa, ScaleAddressing(0, 0, 0, 0, 0)  # never read
+    fp4_activation = ops.sfb is not None
+    sfb, sfb_addressing, gsa, gsb = ops.optional_pointer_args()
     b_strides = (b.stride(0), b.stride(1), 1) if fp4_activation else b.stride()
     grid = (triton.cdiv(m, config.rows), batch)
     gemv_kernel[grid](
-        a, sfa, b, sfb,
-        sfa if global_scale_a is None else global_scale_a,
-        sfa if global_scale_b is None else global_scale_b,
-        c,
+        a, ops.sfa, b, sfb, gsa, gsb, c,
         m, nb,
         a.stride(0), a.stride(1),
-        *sfa_addressing,
+        *ops.sfa_addressing,
         *b_strides,
         *sfb_addressing,
         *c.stride(),
         *MAG_TABLE,
         N=n, N_PAD=triton.next_power_of_2(n), ROWS=config.rows, BLOCKS=config.blocks, SCALE_BLOCK=scale_block,
-        FP4_ACTIVATION=fp4_activation, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
-        EVEN_K=(nb % config.blocks == 0), USE_PTX=use_ptx,
+        FP4_ACTIVATION=fp4_activation, HAS_GSA=ops.global_scale_a is not None,
+        HAS_GSB=ops.global_scale_b is not None, EVEN_K=(nb % config.blocks == 0), USE_PTX=use_ptx,
         num_warps=config.num_warps,
     )

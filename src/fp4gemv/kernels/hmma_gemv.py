@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import ScaleAddressing, scale_row_offset, to_bfloat16_rne
+from ._common import GemvOperands, apply_global_scales, scale_row_offset, store_rounded
 from .configs import HmmaConfig
 __all__ = ["hmma_gemv_kernel", "launch_hmma_gemv"]
 
@@ -321,64 +321,39 @@ def hmma_gemv_kernel(
             out = out * BF16_FOLD
         else:
             out = out * FP16_FOLD
-    if HAS_GSA and HAS_GSB:
-        out = out * (tl.load(gsa_ptr) * tl.load(gsb_ptr))
-    elif HAS_GSA:
-        out = out * tl.load(gsa_ptr)
-    elif HAS_GSB:
-        out = out * tl.load(gsb_ptr)
+    out = apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA, HAS_GSB)
     ww = tl.arange(0, 16)[None, None, :]
     n_out = 8 * ((ww % 4) // 2) + 2 * (ww // 4) + ww % 2
     out_rows = pid_m * 16 + tl.arange(0, 8)[:, None, None] + 8 * tl.arange(0, 2)[None, :, None]
     c_ptrs = c_ptr + pid_l * c_stride_l + out_rows.to(tl.int64) * c_stride_m + n_out * c_stride_n
-    if c_ptr.dtype.element_ty == tl.bfloat16:
-        out = to_bfloat16_rne(out)
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=(out_rows < M) & (n_out < N))
+    store_rounded(c_ptrs, out, (out_rows < M) & (n_out < N))
 
 
-def launch_hmma_gemv(
-    a_words: torch.Tensor,
-    sfa: torch.Tensor,
-    sfa_addressing: ScaleAddressing,
-    b_bytes: torch.Tensor,
-    sfb: torch.Tensor | None,
-    sfb_addressing: ScaleAddressing | None,
-    c: torch.Tensor,
-    *,
-    k: int,
-    activation_dtype: torch.dtype | None,
-    global_scale_a: torch.Tensor | None,
-    global_scale_b: torch.Tensor | None,
-    config: HmmaConfig,
-    use_ptx: bool,
-) -> None:
+def launch_hmma_gemv(ops: GemvOperands, *, k: int, activation_dtype: torch.dtype | None, config: HmmaConfig,
+                     use_ptx: bool) -> None:
     """Launch :func:`hmma_gemv_kernel`; nothing is validated here (``fp4gemv.gemv`` does that).
 
-    a_words: int32 ``[L, M, K/8]`` (NVFP4 data, 8 codes per word), stride 1 along K/8 (batch stride may be 0).
-    sfa: e4m3 scale bytes (uint8) of a, addressed by ``sfa_addressing`` from ``sfa.data_ptr()``.
-    b_bytes: uint8 ``[L, N, bytes per row]``, contiguous along K, rows 16-byte aligned: NVFP4 data with scale
-        bytes ``sfb`` / ``sfb_addressing`` (W4A4), or the fp16/bf16 activation (``activation_dtype``) with
-        ``sfb = sfb_addressing = None``.  1 <= N <= 16.
-    c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
+    ops.a: int32 ``[L, M, K/8]`` (NVFP4 data, 8 codes per word), stride 1 along K/8, rows 16-byte aligned
+        (batch stride may be 0); ops.sfa: its e4m3 scale bytes, rows 2-byte aligned, addressed by
+        ``ops.sfa_addressing`` from their data pointer.
+    ops.b: uint8 ``[L, N, bytes per row]``, contiguous along K, rows 16-byte aligned: NVFP4 data with scale
+        bytes ``ops.sfb`` (W4A4), or the fp16/bf16 activation (``activation_dtype``).  1 <= N <= 16.
+    ops.c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
     K must be a multiple of 64.
     """
-    batch, m, _ = a_words.shape
-    n = b_bytes.shape[1]
-    fp4_activation = sfb is not None
-    if not fp4_activation:
-        sfb, sfb_addressing = sfa, ScaleAddressing(0, 0, 0, 0, 0)  # never read
+    a, b, c = ops.a, ops.b, ops.c
+    batch, m, _ = a.shape
+    n = b.shape[1]
+    sfb, sfb_addressing, gsa, gsb = ops.optional_pointer_args()
     hmma_gemv_kernel[(triton.cdiv(m, 16), batch)](
-        a_words, sfa, b_bytes, sfb,
-        sfa if global_scale_a is None else global_scale_a,
-        sfa if global_scale_b is None else global_scale_b,
-        c,
+        a, ops.sfa, b, sfb, gsa, gsb, c,
         m, n, k,
-        a_words.stride(0), a_words.stride(1),
-        *sfa_addressing,
-        b_bytes.stride(0), b_bytes.stride(1),
+        a.stride(0), a.stride(1),
+        *ops.sfa_addressing,
+        b.stride(0), b.stride(1),
         *sfb_addressing,
         *c.stride(),
-        WARPS=config.warps, FP4_ACTIVATION=fp4_activation, BF16=activation_dtype == torch.bfloat16,
-        N_TILES=1 if n <= 8 else 2, HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
+        WARPS=config.warps, FP4_ACTIVATION=ops.sfb is not None, BF16=activation_dtype == torch.bfloat16,
+        N_TILES=1 if n <= 8 else 2, HAS_GSA=ops.global_scale_a is not None, HAS_GSB=ops.global_scale_b is not None,
         USE_PTX=use_ptx, num_warps=config.warps, num_stages=1,
     )
