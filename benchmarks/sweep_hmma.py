@@ -58,7 +58,7 @@ def timing():
             inputs = [random_gemv_operands(shape, "nvfp4", act, seed=i) for i in range(input_count(nbytes))]
             line = []
             for warps in (4, 8):
-                t = summarize(device_time_us(lambda x: launch(x[0], x[1], x[2], warps), inputs))["median_us"]
+                t = summarize(device_time_us(lambda x, w=warps: launch(x[0], x[1], x[2], w), inputs))["median_us"]
                 line.append(f"w{warps} {t:.2f} ({100 * floor_us(nbytes) / t:.0f}%)")
             print(f"time {s.m}x{s.k}x{s.l} {act} N={n} floor {floor_us(nbytes):.2f}: " + " | ".join(line), flush=True)
             del inputs

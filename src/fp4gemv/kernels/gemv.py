@@ -24,7 +24,6 @@ The product of the global scales multiplies the result in the epilogue; c is rou
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
