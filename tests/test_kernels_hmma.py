@@ -580,7 +580,7 @@ for label, m, k, L, act, n in CALLS:
         b = torch.randn((k,) if n == "vector" else (n, k)).to(dtype)
     out = torch.empty(gemv_module._result_shape(a, b), dtype=torch.float16)
     calls = []
-    gemv_module._launch(a, b, out, None, use_ptx=True)
+    gemv_module._launch(a, b, out, "hmma", None, use_ptx=True)
     (args, kw), = calls
     sig, const, marked = {}, {}, []
     for j, (name, value) in enumerate(zip(NAMES, args)):

@@ -180,15 +180,21 @@ def gemv(
         _check_kernel_operand("a", a)
         if isinstance(b, FP4Tensor):
             _check_kernel_operand("b", b)
+    w4a4_case, hmma_case = _is_w4a4_case(a, b), _is_hmma_case(a, b)
     if config is not None:
-        _check_config(config, _is_w4a4_case(a, b), _is_hmma_case(a, b))
+        _check_config(config, w4a4_case, hmma_case)
 
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     if backend == "reference":
         out.copy_(quantized_gemv_reference(a, b, out_dtype))
     else:
-        _launch(a, b, out, config, use_ptx=(backend == "triton-ptx"))
+        # A GemvKernelConfig asks for the general kernel in every case.
+        if isinstance(config, GemvKernelConfig):
+            kernel = "general"
+        else:
+            kernel = "w4a4" if w4a4_case else "hmma" if hmma_case else "general"
+        _launch(a, b, out, kernel, config, use_ptx=(backend == "triton-ptx"))
     return out
 
 
@@ -210,53 +216,55 @@ def _scale_operand(t: FP4Tensor, batch: int):
     return scales, swizzled_scale_addressing(scales.stride(0), t.k // t.fmt.block_size)
 
 
-def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, config, use_ptx: bool) -> None:
+def _launch(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor, kernel: str, config,
+            use_ptx: bool) -> None:
+    """Launch ``kernel`` ("w4a4", "hmma" or "general", chosen by ``gemv``) on views of the operands."""
     # Imported here so that building tensors and the reference never needs Triton.
     from .kernels._common import GemvOperands
-    from .kernels.gemv import launch_gemv
 
     batch = _batch(a) or _batch(b) or 1
-    a_blocks = _batched(a.data, batch, 3).view(torch.int64)
+    a_data = _batched(a.data, batch, 3)  # packed bytes; each kernel reads them in its own word size
     sfa, sfa_addressing = _scale_operand(a, batch)
     fp4_activation = isinstance(b, FP4Tensor)
     if fp4_activation:
-        b_values = _batched(b.data, batch, 3).view(torch.int64)
+        b_data = _batched(b.data, batch, 3)
         sfb, sfb_addressing = _scale_operand(b, batch)
+        global_scale_b = b.global_scale
     else:
-        b_values, sfb, sfb_addressing = _batched(b, batch, 3), None, None
+        b_data, sfb, sfb_addressing, global_scale_b = _batched(b, batch, 3), None, None, None
     # out as [L, M, N]: size-1 dimensions for what the result shape leaves out.
     c = out
     if len(b.shape) == 1:
         c = c.unsqueeze(-1)
     if c.dim() == 2:
         c = c.unsqueeze(0)
-    m, n = a.rows, b_values.shape[1]
-    global_scale_b = b.global_scale if fp4_activation else None
-    if _is_w4a4_case(a, b) and not isinstance(config, GemvKernelConfig):
+    m, n = a.rows, b_data.shape[1]
+    if kernel == "w4a4":
         # FP4 x FP4 with one activation row: the tuned kernel of the task (kernels/w4a4.py).
         from .kernels.w4a4 import launch_w4a4
 
         launch_w4a4(
-            a_blocks, sfa, sfa_addressing, b_values[:, 0], sfb, sfb_addressing, c[:, :, 0],
-            config=config or w4a4_config(m, a.k, batch), use_ptx=use_ptx,
-            global_scale_a=a.global_scale, global_scale_b=b.global_scale, scale_block=a.fmt.block_size,
+            a_data.view(torch.int64), sfa, sfa_addressing, b_data.view(torch.int64)[:, 0], sfb, sfb_addressing,
+            c[:, :, 0], config=config or w4a4_config(m, a.k, batch), use_ptx=use_ptx,
+            global_scale_a=a.global_scale, global_scale_b=global_scale_b, scale_block=a.fmt.block_size,
         )
-        return
-    if _is_hmma_case(a, b) and not isinstance(config, GemvKernelConfig):
+    elif kernel == "hmma":
         from .kernels.hmma_gemv import launch_hmma_gemv
 
-        if fp4_activation:
-            b_bytes = _batched(b.data, batch, 3)
-        else:
-            if b_values.stride(-1) != 1 or b_values.data_ptr() % 16 or any(s % 8 for s in b_values.stride()[:-1]):
-                b_values = b_values.contiguous()
-            b_bytes = b_values.view(torch.uint8)
-        ops = GemvOperands(_batched(a.data, batch, 3).view(torch.int32), sfa, sfa_addressing, b_bytes, sfb,
-                           sfb_addressing, c, a.global_scale, global_scale_b)
+        if not fp4_activation:
+            if b_data.stride(-1) != 1 or b_data.data_ptr() % 16 or any(s % 8 for s in b_data.stride()[:-1]):
+                b_data = b_data.contiguous()
+            b_data = b_data.view(torch.uint8)
+        ops = GemvOperands(a_data.view(torch.int32), sfa, sfa_addressing, b_data, sfb, sfb_addressing, c,
+                           a.global_scale, global_scale_b)
         launch_hmma_gemv(ops, k=a.k, activation_dtype=None if fp4_activation else b.dtype,
                          config=config or hmma_config(m, a.k, batch), use_ptx=use_ptx)
-        return
-    ops = GemvOperands(a_blocks, sfa, sfa_addressing, b_values, sfb, sfb_addressing, c, a.global_scale,
-                       global_scale_b)
-    launch_gemv(ops, scale_block=a.fmt.block_size,
-                config=config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation), use_ptx=use_ptx)
+    else:
+        from .kernels.gemv import launch_gemv
+
+        b_values = b_data.view(torch.int64) if fp4_activation else b_data
+        ops = GemvOperands(a_data.view(torch.int64), sfa, sfa_addressing, b_values, sfb, sfb_addressing, c,
+                           a.global_scale, global_scale_b)
+        launch_gemv(ops, scale_block=a.fmt.block_size,
+                    config=config or gemv_config(m, a.k, batch, n, fp4_activation=fp4_activation),
+                    use_ptx=use_ptx)

@@ -39,8 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GemvOperands, apply_global_scales, scale_row_offset, store_rounded
+from ._common import GemvOperands, apply_global_scales, decode_scale, scale_row_offset, store_rounded
+from ._decode import doubled_e2m1
 from .configs import HmmaConfig
+
 __all__ = ["hmma_gemv_kernel", "launch_hmma_gemv"]
 
 # The module docstring's fold: what the bit placement leaves on a decoded FP4 operand, undone in the epilogue.
@@ -113,7 +115,6 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
         for i in range(4):
             for h in range(2):
                 decode(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
-    bytes_per_k = {"fp4": None, "f16": 2, "bf16": 2}["fp4" if fp4_activation else dtype]
     for tile in range(n_tiles):
         # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
         lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
@@ -128,7 +129,8 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
                 for i in range(4):
                     decode(f"xr{q}", i, f"bs{q // 2}", f"b{16 * tile + 4 * q + i}")
         else:
-            lines.extend([f"mul.wide.u32 off, {k0[0]}, {bytes_per_k};", f"add.s64 ptr, {x_p[4 * tile]}, off;"])
+            # fp16 and bf16: 2 bytes per element of k0.
+            lines.extend([f"mul.wide.u32 off, {k0[0]}, 2;", f"add.s64 ptr, {x_p[4 * tile]}, off;"])
             lines.extend(f"mov.b32 xr{j}, 0;" for j in range(16))
             for v in range(4):
                 regs = ", ".join(f"xr{4 * v + j}" for j in range(4))
@@ -202,10 +204,7 @@ def _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, FP4_ACTIVATIO
 def _codes_f32(words):
     """32-bit words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
     codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
-    mag = codes & 7
-    exp = mag >> 1
-    dbl = tl.where(exp == 0, mag & 1, (2 + (mag & 1)) << tl.maximum(exp - 1, 0))
-    return tl.where((codes & 8) != 0, -dbl, dbl).to(tl.float32) * 0.5
+    return doubled_e2m1(codes).to(tl.float32) * 0.5
 
 
 @triton.jit
@@ -227,14 +226,14 @@ def _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS: tl.
     step_a = (k0 // 64) * _thread_value(col_tiles, 0, WARPS)
     step_b = (k0 // 64) * _thread_value(col_tiles, 1, WARPS)
     # Weights [g, warp, half, word, e], rows g + 8 * half; word q's block is 2c + q // 2.
-    sfa = tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    sfa = decode_scale(tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0), 16)
     a = _codes_f32(words) * sfa[:, :, :, :, None]
     a = tl.reshape(tl.permute(a, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, row, k = 8 * word + e]
     # Activation [g, warp, tile, word, e] for n = g + 8 * tile (the halves of the pointer tensors).
     x_ok = k_ok & n_ok
     if FP4_ACTIVATION:
         x_words = tl.load((x_p + k0 // 2 + 4 * q).to(tl.pointer_type(tl.int32)), mask=x_ok, other=0)
-        sfb = tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sfb = decode_scale(tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0), 16)
         x = _codes_f32(x_words) * sfb[:, :, :, :, None]
     else:
         e = tl.arange(0, 8)[None, None, None, None, :]
