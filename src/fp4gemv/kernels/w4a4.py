@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..backends import interpreting
-from ._common import ScaleAddressing, decode_scale, scale_row_offset, to_bfloat16_rne
+from ._common import ScaleAddressing, decode_scale, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .configs import GemvConfig, pow2_at_most
 
@@ -149,9 +149,7 @@ def w4a4_gemv_kernel(
         out = out * tl.load(gsa_ptr)
     if HAS_GSB:
         out = out * tl.load(gsb_ptr)
-    if c_ptr.dtype.element_ty == tl.bfloat16:
-        out = to_bfloat16_rne(out)
-    tl.store(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out.to(c_ptr.dtype.element_ty), mask=rows < M)
+    store_rounded(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out, rows < M)
 
 
 def launch_w4a4(
