@@ -433,7 +433,7 @@ CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 
 def asm_layout(ttgir):
     """(shape, layout definition) of the inline asm's result in the TTGIR."""
-    lines = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line]
+    lines = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and "mma.sync" in line]
     assert len(lines) == 1, len(lines)
     result = lines[0].rsplit("->", 1)[1]
     m = re.match(r"\s*tensor<(\w+?)xf32, (#[\w.]+)>", result)
@@ -485,7 +485,7 @@ def check(kernel, label, warps, n_tiles, ptx):
             bad.append("%d mma.sync.aligned.m16n8k16" % mma)
         bad += local_memory(kernel)
     else:  # the reference twin may use local memory (it does: a stack for its 5-d reshapes); only reported
-        if "0x70007000" in text or "tt.elementwise_inline_asm" in kernel.asm["ttgir"]:
+        if "0x70007000" in text or "mma.sync" in kernel.asm["ttgir"]:
             bad.append("the asm in the Triton variant")
         print("local memory of %s: %s" % (label, local_memory(kernel) or "none"))
     return ["FAIL %s: %s" % (label, b) for b in bad]
@@ -499,7 +499,7 @@ for i, (act, n_tiles, warps, ptx) in enumerate(VARIANTS):
     out = ("fp16", "bf16", "fp32")[i % 3]
     gs = i % 2 == 0
     const = dict(WARPS=warps, FP4_ACTIVATION=fp4, BF16=act == "bf16", N_TILES=n_tiles, HAS_GSA=gs,
-                 HAS_GSB=gs and fp4, USE_PTX=ptx)
+                 HAS_GSB=gs and fp4, USE_PTX=ptx, AHEAD=4 * (i % 2), PDL=i % 4 == 1)
     assert set(const) == {p.name for p in hmma_gemv_kernel.params if p.is_constexpr}
     ptrs = dict(POINTERS, c_ptr="*" + out)
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i64" if a.endswith("_stride_l") else "i32") for a in NAMES}
@@ -511,6 +511,10 @@ for i, (act, n_tiles, warps, ptx) in enumerate(VARIANTS):
         kernel = compile_kernel(sig, const, attrs, warps)
         label = "%s n_tiles=%d warps=%d ptx=%s out=%s divisible=%s" % (act, n_tiles, warps, ptx, out, divisible)
         failures += check(kernel, label, warps, n_tiles, ptx)
+        if ("cp.async.bulk.prefetch.L2" in kernel.asm["ptx"]) != (const["AHEAD"] > 0):
+            failures.append("FAIL %s: L2 prefetch with AHEAD=%d" % (label, const["AHEAD"]))
+        if ("griddepcontrol.wait" in kernel.asm["ptx"]) != const["PDL"]:
+            failures.append("FAIL %s: griddepcontrol with PDL=%s" % (label, const["PDL"]))
         done += 1
 print("\n".join(failures))
 print("compiled", done)

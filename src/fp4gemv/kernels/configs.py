@@ -17,7 +17,8 @@ class GemvConfig(NamedTuple):
     ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
     ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
     kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
-    many 16-element blocks of each row to prefetch into L2 while waiting.
+    many 16-element blocks of each row to prefetch into L2 while waiting.  ``ahead``: keep the weights of the
+    next ``ahead`` steps prefetched into L2 (0: off).
     """
 
     rows: int
@@ -28,6 +29,7 @@ class GemvConfig(NamedTuple):
     unroll: int = 1
     pdl: bool = False
     prefetch: int = 0
+    ahead: int = 0
 
 
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
@@ -65,9 +67,12 @@ def pow2_at_most(x: int) -> int:
 
 class HmmaConfig(NamedTuple):
     """One launch of the tensor-core kernel (``kernels/hmma_gemv.py``): 16 rows per program, ``warps`` warps
-    side by side along K, each on 128 elements per step (a power of two, at most 8)."""
+    side by side along K, each on 128 elements per step (a power of two, at most 8).  ``ahead``: keep the
+    weights of the next ``ahead`` steps prefetched into L2 (0: off); ``pdl``: programmatic dependent launch."""
 
     warps: int
+    ahead: int = 0
+    pdl: bool = False
 
 
 def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741

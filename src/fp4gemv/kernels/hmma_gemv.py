@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import GemvOperands, apply_global_scales, decode_scale, scale_row_offset, store_rounded
+from ..backends import interpreting
+from ._common import GemvOperands, apply_global_scales, decode_scale, l2_prefetch_rows, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
 from .configs import HmmaConfig
 
@@ -266,6 +267,8 @@ def hmma_gemv_kernel(
     HAS_GSA: tl.constexpr,
     HAS_GSB: tl.constexpr,
     USE_PTX: tl.constexpr,
+    AHEAD: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     # a: int32 words of 8 codes, strides in words.  b: bytes (FP4 words or fp16/bf16), strides in bytes.
     pid_m = tl.program_id(0)
@@ -304,7 +307,20 @@ def hmma_gemv_kernel(
     sfa_p = sfa_p + zero
     sfb_p = sfb_p + zero
     acc = tl.zeros([8, WARPS, 2, 16], dtype=tl.float32)
+    # AHEAD > 0: the weights of the steps AHEAD on are prefetched into L2 (one bulk prefetch per row), so DRAM
+    # has more in flight than the loads' registers allow.  PDL: programmatic dependent launch; only those
+    # prefetches happen before the previous kernel has finished.
+    a_base = a_ptr + pid_l * a_stride_l
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if AHEAD > 0:
+        l2_prefetch_rows(a_base, a_stride_m * 4, pid_m * 16, M, 0, K // 2, 16, AHEAD * WARPS * 64, 32 * WARPS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, K, WARPS * 128):
+        if AHEAD > 0:
+            l2_prefetch_rows(a_base, a_stride_m * 4, pid_m * 16, M, (k0 + AHEAD * WARPS * 128) // 2, K // 2, 16,
+                             WARPS * 64, 32 * WARPS)
         kw = k0 // 8 + word
         words = tl.load(a_rows + kw, mask=kw * 8 < K, other=0)
         if USE_PTX:
@@ -354,5 +370,6 @@ def launch_hmma_gemv(ops: GemvOperands, *, k: int, activation_dtype: torch.dtype
         *c.stride(),
         WARPS=config.warps, FP4_ACTIVATION=ops.sfb is not None, BF16=activation_dtype == torch.bfloat16,
         N_TILES=1 if n <= 8 else 2, HAS_GSA=ops.global_scale_a is not None, HAS_GSB=ops.global_scale_b is not None,
-        USE_PTX=use_ptx, num_warps=config.warps, num_stages=1,
+        USE_PTX=use_ptx, AHEAD=0 if interpreting() else config.ahead, PDL=config.pdl and not interpreting(),
+        num_warps=config.warps, num_stages=1, launch_pdl=config.pdl and not interpreting(),
     )
