@@ -436,7 +436,7 @@ def asm_layout(ttgir):
     lines = [line for line in ttgir.splitlines() if "tt.elementwise_inline_asm" in line and "mma.sync" in line]
     assert len(lines) == 1, len(lines)
     result = lines[0].rsplit("->", 1)[1]
-    m = re.match(r"\s*tensor<(\w+?)xf32, (#[\w.]+)>", result)
+    m = re.match(r"\s*\(?tensor<(\w+?)xf32, (#[\w.]+)>", result)  # (acc, ...) when pipelined
     assert m, result
     aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
     return m.group(1), aliases.get(m.group(2))
@@ -499,7 +499,8 @@ for i, (act, n_tiles, warps, ptx) in enumerate(VARIANTS):
     out = ("fp16", "bf16", "fp32")[i % 3]
     gs = i % 2 == 0
     const = dict(WARPS=warps, FP4_ACTIVATION=fp4, BF16=act == "bf16", N_TILES=n_tiles, HAS_GSA=gs,
-                 HAS_GSB=gs and fp4, USE_PTX=ptx, AHEAD=4 * (i % 2), PDL=i % 4 == 1)
+                 HAS_GSB=gs and fp4, USE_PTX=ptx, AHEAD=4 * (i % 2), PDL=i % 4 == 1,
+                 DEPTH=(i % 3) if ptx else 0)
     assert set(const) == {p.name for p in hmma_gemv_kernel.params if p.is_constexpr}
     ptrs = dict(POINTERS, c_ptr="*" + out)
     sig = {a: ptrs.get(a, "constexpr" if a in const else "i64" if a.endswith("_stride_l") else "i32") for a in NAMES}
@@ -511,7 +512,7 @@ for i, (act, n_tiles, warps, ptx) in enumerate(VARIANTS):
         kernel = compile_kernel(sig, const, attrs, warps)
         label = "%s n_tiles=%d warps=%d ptx=%s out=%s divisible=%s" % (act, n_tiles, warps, ptx, out, divisible)
         failures += check(kernel, label, warps, n_tiles, ptx)
-        if ("cp.async.bulk.prefetch.L2" in kernel.asm["ptx"]) != (const["AHEAD"] > 0):
+        if ("cp.async.bulk.prefetch.L2" in kernel.asm["ptx"]) != (const["AHEAD"] > 0 and not const["DEPTH"]):
             failures.append("FAIL %s: L2 prefetch with AHEAD=%d" % (label, const["AHEAD"]))
         if ("griddepcontrol.wait" in kernel.asm["ptx"]) != const["PDL"]:
             failures.append("FAIL %s: griddepcontrol with PDL=%s" % (label, const["PDL"]))

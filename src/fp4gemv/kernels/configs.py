@@ -68,11 +68,13 @@ def pow2_at_most(x: int) -> int:
 class HmmaConfig(NamedTuple):
     """One launch of the tensor-core kernel (``kernels/hmma_gemv.py``): 16 rows per program, ``warps`` warps
     side by side along K, each on 128 elements per step (a power of two, at most 8).  ``ahead``: keep the
-    weights of the next ``ahead`` steps prefetched into L2 (0: off); ``pdl``: programmatic dependent launch."""
+    weights of the next ``ahead`` steps prefetched into L2 (0: off); ``pdl``: programmatic dependent launch;
+    ``depth``: load the weights ``depth`` steps (1 or 2) and their scales one step ahead into registers (0: off)."""
 
     warps: int
     ahead: int = 0
     pdl: bool = False
+    depth: int = 0
 
 
 def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741
