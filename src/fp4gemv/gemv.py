@@ -120,9 +120,6 @@ def _check_config(config: GemvKernelConfig | GemvConfig | HmmaConfig, w4a4_case:
         raise TypeError(f"config: expected a GemvKernelConfig, GemvConfig or HmmaConfig, got {type(config).__name__}")
     if any(v < 1 or v & (v - 1) for v in values):
         raise ValueError(f"config: expected powers of two for rows, blocks, ksplit or warps, got {config}")
-    ahead = getattr(config, "ahead", 0)
-    if not isinstance(ahead, int) or not 0 <= ahead <= 64:
-        raise ValueError(f"config: expected ahead (steps prefetched into L2) from 0 to 64, got {config}")
 
 
 def gemv(

@@ -11,8 +11,7 @@ import triton.language as tl
 from .. import layouts
 
 __all__ = ["ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "scale_row_offset",
-           "decode_scale", "to_bfloat16_rne", "GemvOperands", "apply_global_scales", "store_rounded",
-           "l2_prefetch_rows"]
+           "decode_scale", "to_bfloat16_rne", "GemvOperands", "apply_global_scales", "store_rounded"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
@@ -116,27 +115,3 @@ def store_rounded(c_ptrs, out, mask):
     if c_ptrs.dtype.element_ty == tl.bfloat16:
         out = to_bfloat16_rne(out)
     tl.store(c_ptrs, out.to(c_ptrs.dtype.element_ty), mask=mask)
-
-
-# One bulk L2 prefetch (sm_90) per element whose flag is set; nothing is loaded into registers and nothing waits.
-_BULK_PREFETCH_ASM = tl.constexpr(
-    "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
-
-
-@triton.jit
-def l2_prefetch_rows(rows_base, row_stride_bytes, first_row, M, offset_bytes, row_bytes,
-                     ROWS: tl.constexpr, SPAN_BYTES: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for bytes ``[offset, offset + SPAN)`` (cut at ``row_bytes``) of rows ``first_row ..
-    first_row + ROWS - 1`` (clamped to ``M - 1``) of the matrix at ``rows_base``: one bulk prefetch per row,
-    issued by one of ``LANES >= ROWS`` lanes (``LANES`` a power of two, e.g. the program's thread count).
-
-    Why: a streaming kernel keeps only its registers' worth of loads in flight; prefetching a few steps
-    ahead keeps DRAM busy without registers.  Safe before ``gdc_wait``: L2 is where global memory is
-    coherent, so a prefetch can never make a later load see stale data.  GPU only (inline PTX)."""
-    i = tl.arange(0, LANES)
-    row = tl.minimum(first_row + i, M - 1).to(tl.int64)
-    ptrs = rows_base.to(tl.pointer_type(tl.uint8)) + row * row_stride_bytes + offset_bytes
-    nbytes = tl.minimum(row_bytes - offset_bytes, SPAN_BYTES) + i * 0
-    issue = ((i < ROWS) & (nbytes > 0)).to(tl.int32)
-    tl.inline_asm_elementwise(_BULK_PREFETCH_ASM, "=r,l,r,r", [ptrs, nbytes, issue], dtype=tl.int32,
-                              is_pure=False, pack=1)

@@ -17,8 +17,7 @@ class GemvConfig(NamedTuple):
     ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
     ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
     kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
-    many 16-element blocks of each row to prefetch into L2 while waiting.  ``ahead``: keep the weights of the
-    next ``ahead`` steps prefetched into L2 (0: off).
+    many 16-element blocks of each row to prefetch into L2 while waiting.
     """
 
     rows: int
@@ -29,7 +28,6 @@ class GemvConfig(NamedTuple):
     unroll: int = 1
     pdl: bool = False
     prefetch: int = 0
-    ahead: int = 0
 
 
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741
@@ -67,14 +65,9 @@ def pow2_at_most(x: int) -> int:
 
 class HmmaConfig(NamedTuple):
     """One launch of the tensor-core kernel (``kernels/hmma_gemv.py``): 16 rows per program, ``warps`` warps
-    side by side along K, each on 128 elements per step (a power of two, at most 8).  ``ahead``: keep the
-    weights of the next ``ahead`` steps prefetched into L2 (0: off); ``pdl``: programmatic dependent launch;
-    ``depth``: load the weights ``depth`` steps (1 or 2) and their scales one step ahead into registers (0: off)."""
+    side by side along K, each on 128 elements per step (a power of two, at most 8)."""
 
     warps: int
-    ahead: int = 0
-    pdl: bool = False
-    depth: int = 0
 
 
 def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741

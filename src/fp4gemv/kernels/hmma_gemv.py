@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends import interpreting
-from ._common import GemvOperands, apply_global_scales, decode_scale, l2_prefetch_rows, scale_row_offset, store_rounded
+from ._common import GemvOperands, apply_global_scales, decode_scale, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
 from .configs import HmmaConfig
 
@@ -52,7 +51,7 @@ BF16_FOLD = tl.constexpr(2.0**7)
 _BF16_SCALE_BIAS = 2.0**119
 
 
-def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int, pipelined: bool = False) -> str:
+def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
     """The PTX of one thread's step: load scales and activation, decode 2 rows x 4 words, 8 or 16 mma.
 
     Operands (8 elements each, element e = 4 * half + q): $0-$7 accumulators out, $8-$15 in; $16-$23 weight
@@ -62,26 +61,14 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int, pipelined: bool = 
     1: words of K left at step 0 from the thread's first word), 8 b32 k0, 8 b32 scale column-tile strides
     (element 0: weights, 1: activation).  Accumulator element (half h, word q) is C[g + 8h][8(q // 2) + 2c +
     q % 2].
-
-    ``pipelined``: the weight scales are loaded one step ahead, here (the kernel loads the next step's words
-    before the asm), so that their DRAM latency overlaps a whole step of work.  Operands then: $0-$7
-    accumulators out, $8-$15 the next step's raw scale pairs out (elements 0 and 4: 16 bits of row g, g + 8);
-    $16-$23 accumulators in, $24-$31 words, $32-$39 raw scales of this step; then as above, with 8 b32
-    next-step k0 after k0.
     """
     mag_shift, mul, mma_type = {"f16": (3, "mul.rn.f16x2", "f16"), "bf16": (6, "mul.rn.bf16x2", "bf16")}[dtype]
-    if pipelined:
-        acc_in, words_in, raw_in = 16, 24, 32
-        ops = iter(range(40, 250))
-    else:
-        acc_in, words_in = 8, 16
-        ops = iter(range(24, 200))
+    ops = iter(range(24, 200))
     sfa_p = [f"${next(ops)}" for _ in range(8)]
     x_p = [f"${next(ops)}" for _ in range(8)]
     sfb_p = [f"${next(ops)}" for _ in range(8)] if fp4_activation else None
     flags = [f"${next(ops)}" for _ in range(8)]
     k0 = [f"${next(ops)}" for _ in range(8)]
-    k0_next = [f"${next(ops)}" for _ in range(8)] if pipelined else None
     col_tile = [f"${next(ops)}" for _ in range(8)]
     bias = struct.pack(">f", _BF16_SCALE_BIAS).hex().upper()
     lines = [
@@ -122,28 +109,16 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int, pipelined: bool = 
                       f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
                       f"{mul} {dst}, t, {scale};"])
 
-    if pipelined:
-        # The next step's scales first (into registers of this block, copied to the outputs at the end, so no
-        # output can overwrite an input still to be read): nothing below waits for them.
-        lines.append(".reg .b32 ns<2>;")
-        k_left(k0_next[0])
-        scale_load(sfa_p[0], col_tile[0], k0_next[0], "ns0")
-        scale_load(sfa_p[4], col_tile[0], k0_next[0], "ns1")
-        k_left(k0[0])
-        # Weight scales: sa0, sa1 (row g: words 0-1, 2-3), sa2, sa3 (row g + 8), loaded a step earlier.
-        scale_pairs(f"${raw_in}", ("sa0", "sa1"))
-        scale_pairs(f"${raw_in + 4}", ("sa2", "sa3"))
-    else:
-        k_left(k0[0])
-        scale_load(sfa_p[0], col_tile[0], k0[0], "sraw")
-        scale_pairs("sraw", ("sa0", "sa1"))
-        scale_load(sfa_p[4], col_tile[0], k0[0], "sraw")
-        scale_pairs("sraw", ("sa2", "sa3"))
+    k_left(k0[0])
+    scale_load(sfa_p[0], col_tile[0], k0[0], "sraw")
+    scale_pairs("sraw", ("sa0", "sa1"))
+    scale_load(sfa_p[4], col_tile[0], k0[0], "sraw")
+    scale_pairs("sraw", ("sa2", "sa3"))
     # Weight pairs a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its scale.
     for q in range(4):
         for i in range(4):
             for h in range(2):
-                decode(f"${words_in + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
+                decode(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
     for tile in range(n_tiles):
         # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
         lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
@@ -172,7 +147,7 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int, pipelined: bool = 
     # Accumulators: d[4t + j] is fragment register j of tile t.
     acc = {0: 0, 1: 1, 2: 4, 3: 5, 4: 2, 5: 3, 6: 6, 7: 7}  # fragment register -> element
     for r in range(4 * n_tiles):
-        lines.append(f"mov.f32 d{r}, ${acc_in + acc[r]};")
+        lines.append(f"mov.f32 d{r}, ${8 + acc[r]};")
     for tile in range(n_tiles):
         d = ", ".join(f"d{4 * tile + j}" for j in range(4))
         for q in range(4):
@@ -183,17 +158,12 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int, pipelined: bool = 
                 lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{mma_type}.{mma_type}.f32 "
                              f"{{{d}}}, {{{a}}}, {{{b}}}, {{{d}}};")
     for r in range(8):
-        lines.append(f"mov.f32 ${acc[r]}, d{r};" if r < 4 * n_tiles else f"mov.f32 ${acc[r]}, ${acc_in + acc[r]};")
-    if pipelined:
-        lines.extend(f"mov.b32 ${8 + e}, {'ns0' if e == 0 else 'ns1' if e == 4 else 0};" for e in range(8))
+        lines.append(f"mov.f32 ${acc[r]}, d{r};" if r < 4 * n_tiles else f"mov.f32 ${acc[r]}, ${8 + acc[r]};")
     lines.append("}")
     return "\n".join(lines)
 
 
-def _constraints(fp4_activation: bool, pipelined: bool = False) -> str:
-    if pipelined:
-        return ",".join(["=f"] * 8 + ["=r"] * 8 + ["f"] * 8 + ["r"] * 16 + ["l"] * (24 if fp4_activation else 16)
-                        + ["r"] * 32)
+def _constraints(fp4_activation: bool) -> str:
     return ",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 8 + ["l"] * (24 if fp4_activation else 16) + ["r"] * 24)
 
 
@@ -205,44 +175,6 @@ _ASM_FP4_1 = tl.constexpr(_hmma_asm("f16", True, 1))
 _ASM_FP4_2 = tl.constexpr(_hmma_asm("f16", True, 2))
 _FLOAT_CONSTRAINTS = tl.constexpr(_constraints(False))
 _FP4_CONSTRAINTS = tl.constexpr(_constraints(True))
-_PIPE_F16_1 = tl.constexpr(_hmma_asm("f16", False, 1, True))
-_PIPE_F16_2 = tl.constexpr(_hmma_asm("f16", False, 2, True))
-_PIPE_BF16_1 = tl.constexpr(_hmma_asm("bf16", False, 1, True))
-_PIPE_BF16_2 = tl.constexpr(_hmma_asm("bf16", False, 2, True))
-_PIPE_FP4_1 = tl.constexpr(_hmma_asm("f16", True, 1, True))
-_PIPE_FP4_2 = tl.constexpr(_hmma_asm("f16", True, 2, True))
-_PIPE_FLOAT_CONSTRAINTS = tl.constexpr(_constraints(False, True))
-_PIPE_FP4_CONSTRAINTS = tl.constexpr(_constraints(True, True))
-
-
-@triton.jit
-def _step_ptx_pipelined(acc, words, raw_scales, sfa_p, x_p, sfb_p, flags, k0, k0_next, col_tiles,
-                        FP4_ACTIVATION: tl.constexpr, BF16: tl.constexpr, N_TILES: tl.constexpr):
-    """``_step_ptx`` on this step's raw weight scales, that also loads the next step's (returned with ``acc``)."""
-    if FP4_ACTIVATION:
-        if N_TILES == 1:
-            asm: tl.constexpr = _PIPE_FP4_1
-        else:
-            asm: tl.constexpr = _PIPE_FP4_2
-        return tl.inline_asm_elementwise(asm, _PIPE_FP4_CONSTRAINTS,
-                                         [acc, words, raw_scales, sfa_p.to(tl.int64),
-                                          x_p.to(tl.int64), sfb_p.to(tl.int64), flags, k0, k0_next, col_tiles],
-                                         dtype=(tl.float32, tl.int32), is_pure=True, pack=8)
-    else:
-        if BF16:
-            if N_TILES == 1:
-                asm: tl.constexpr = _PIPE_BF16_1
-            else:
-                asm: tl.constexpr = _PIPE_BF16_2
-        else:
-            if N_TILES == 1:
-                asm: tl.constexpr = _PIPE_F16_1
-            else:
-                asm: tl.constexpr = _PIPE_F16_2
-        return tl.inline_asm_elementwise(asm, _PIPE_FLOAT_CONSTRAINTS,
-                                         [acc, words, raw_scales, sfa_p.to(tl.int64),
-                                          x_p.to(tl.int64), flags, k0, k0_next, col_tiles],
-                                         dtype=(tl.float32, tl.int32), is_pure=True, pack=8)
 
 
 @triton.jit
@@ -339,9 +271,6 @@ def hmma_gemv_kernel(
     HAS_GSA: tl.constexpr,
     HAS_GSB: tl.constexpr,
     USE_PTX: tl.constexpr,
-    AHEAD: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 0,
 ):
     # a: int32 words of 8 codes, strides in words.  b: bytes (FP4 words or fp16/bf16), strides in bytes.
     pid_m = tl.program_id(0)
@@ -374,56 +303,22 @@ def hmma_gemv_kernel(
         x_p = b_ptr + pid_l * b_stride_l + n_in.to(tl.int64) * b_stride_n + 2 * (warp * 128 + 32 * c)
         sfb_p = sfa_p
     zero = tl.zeros([8, WARPS, 2, 16], dtype=tl.int32)
-    # Word masks are per 4-word chunk (a thread's 16 bytes, all in K or all out since K is a multiple of 64):
-    # a mask that can change within the chunk would split each 16-byte load into four 4-byte loads.
     flags = tl.where(q == 0, (n < N).to(tl.int32), tl.where(q == 1, K // 8 - (warp * 16 + 4 * c), 0)) + zero
     col_tiles = tl.where(q == 0, sfa_stride_col_tile, sfb_stride_col_tile) + zero
     x_p = x_p + zero
     sfa_p = sfa_p + zero
     sfb_p = sfb_p + zero
     acc = tl.zeros([8, WARPS, 2, 16], dtype=tl.float32)
-    # AHEAD > 0: the weights of the steps AHEAD on are prefetched into L2 (one bulk prefetch per row), so DRAM
-    # has more in flight than the loads' registers allow.  PDL: programmatic dependent launch; only those
-    # prefetches happen before the previous kernel has finished.
-    a_base = a_ptr + pid_l * a_stride_l
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    if AHEAD > 0:
-        l2_prefetch_rows(a_base, a_stride_m * 4, pid_m * 16, M, 0, K // 2, 16, AHEAD * WARPS * 64, 32 * WARPS)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    if DEPTH > 0:
-        # Loads ahead: the words DEPTH steps on (Triton's load, which also fixes the layout the asm relies on;
-        # ptxas places it late in the loop body, so DEPTH = 2 keeps a whole step between load and use), the
-        # next step's scales in the asm; the first steps' before the loop.  A thread's scale pair is 2-byte
-        # aligned (even block, even row offsets: gemv checks the scale strides).
-        first_ok = (K // 8 - (warp * 16 + 4 * c)) > 0
-        words = tl.load(a_rows + word, mask=first_ok, other=0)
-        raw_scales = tl.load(sfa_p.to(tl.pointer_type(tl.uint16)), mask=first_ok & (q == 0), other=0).to(tl.int32)
-        if DEPTH > 1:
-            words_1 = tl.load(a_rows + WARPS * 16 + word, mask=(WARPS * 16 + warp * 16 + 4 * c) * 8 < K, other=0)
-        for k0 in range(0, K, WARPS * 128):
-            ahead = k0 // 8 + DEPTH * WARPS * 16  # the words DEPTH steps on (k0 // 8 first: provably aligned)
-            next_words = tl.load(a_rows + ahead + word, mask=(ahead + warp * 16 + 4 * c) * 8 < K, other=0)
-            acc, raw_scales = _step_ptx_pipelined(acc, words, raw_scales, sfa_p, x_p, sfb_p, flags, k0 + zero,
-                                                  k0 + WARPS * 128 + zero, col_tiles, FP4_ACTIVATION, BF16, N_TILES)
-            if DEPTH > 1:
-                words = words_1
-                words_1 = next_words
-            else:
-                words = next_words
-    else:
-        for k0 in range(0, K, WARPS * 128):
-            if AHEAD > 0:
-                l2_prefetch_rows(a_base, a_stride_m * 4, pid_m * 16, M, (k0 + AHEAD * WARPS * 128) // 2, K // 2, 16,
-                                 WARPS * 64, 32 * WARPS)
-            kw = k0 // 8 + word
-            words = tl.load(a_rows + kw, mask=(k0 // 8 + warp * 16 + 4 * c) * 8 < K, other=0)
-            if USE_PTX:
-                acc = _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0 + zero, col_tiles, FP4_ACTIVATION, BF16,
-                                N_TILES)
-            else:
-                acc = _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS, FP4_ACTIVATION, BF16)
+    for k0 in range(0, K, WARPS * 128):
+        # The mask is per thread's 4-word chunk (all in K or all out: K is a multiple of 64); a mask that could
+        # change within the chunk made Triton split each 16-byte load into four 4-byte loads.
+        kw = k0 // 8 + word
+        words = tl.load(a_rows + kw, mask=(k0 // 8 + warp * 16 + 4 * c) * 8 < K, other=0)
+        if USE_PTX:
+            acc = _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0 + zero, col_tiles, FP4_ACTIVATION, BF16,
+                            N_TILES)
+        else:
+            acc = _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS, FP4_ACTIVATION, BF16)
     out = tl.sum(acc, axis=1)  # [g, half, word]: C[g + 8 * half][n(word)]
     if USE_PTX:
         if FP4_ACTIVATION:
@@ -466,7 +361,5 @@ def launch_hmma_gemv(ops: GemvOperands, *, k: int, activation_dtype: torch.dtype
         *c.stride(),
         WARPS=config.warps, FP4_ACTIVATION=ops.sfb is not None, BF16=activation_dtype == torch.bfloat16,
         N_TILES=1 if n <= 8 else 2, HAS_GSA=ops.global_scale_a is not None, HAS_GSB=ops.global_scale_b is not None,
-        USE_PTX=use_ptx, AHEAD=0 if interpreting() else config.ahead, PDL=config.pdl and not interpreting(),
-        DEPTH=config.depth if use_ptx else 0,
-        num_warps=config.warps, num_stages=1, launch_pdl=config.pdl and not interpreting(),
+        USE_PTX=use_ptx, num_warps=config.warps, num_stages=1,
     )

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..backends import interpreting
-from ._common import ScaleAddressing, decode_scale, l2_prefetch_rows, scale_row_offset, store_rounded
+from ._common import ScaleAddressing, decode_scale, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .configs import GemvConfig, pow2_at_most
 
@@ -102,9 +102,7 @@ def w4a4_gemv_kernel(
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
     SCALE_BLOCK: tl.constexpr = 16,
-    AHEAD: tl.constexpr = 0,
     SCALE_ROWS_EVEN: tl.constexpr = False,
-    PREFETCH_LANES: tl.constexpr = 128,
 ):
     # Tiles are [LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS].  Triton lays the last dimension over lanes
     # (two blocks, one 16-byte load, per lane), then the first (LANE_ROWS = 64 / BLOCKS rows side by side in
@@ -137,11 +135,6 @@ def w4a4_gemv_kernel(
     # fails for blocks past K, which are masked to zero anyway.
     tab_lo = tl.where(cols < NB, mag_lo, 0)
     tab_hi = tl.where(cols < NB, mag_hi, 0)
-    # With AHEAD > 0 the weights of the steps AHEAD on are prefetched into L2 (bulk, one row per lane), so
-    # DRAM has more in flight than the loads' registers allow.
-    ROWS: tl.constexpr = LANE_ROWS * ROWS_PER_THREAD
-    STEP: tl.constexpr = KSPLIT * BLOCKS
-    a_base = a_ptr + pid_l * a_stride_l
     if PDL:
         # Programmatic dependent launch: let the next kernel in the stream start its programs now.  Until the
         # previous kernel has finished (it may write b or read c) only L2 prefetches of the weights are issued:
@@ -149,14 +142,8 @@ def w4a4_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         if PREFETCH > 0:
             l2_prefetch(a_rows + (tl.arange(0, PREFETCH // 16) * 16)[None, None, None, :])
-    if AHEAD > 0:
-        l2_prefetch_rows(a_base, a_stride_m * 8, pid_m * ROWS, M, 0, NB * 8, ROWS, AHEAD * STEP * 8, PREFETCH_LANES)
-    if PDL:
         tl.extra.cuda.gdc_wait()
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
-        if AHEAD > 0:
-            l2_prefetch_rows(a_base, a_stride_m * 8, pid_m * ROWS, M, (j0 + AHEAD * STEP) * 8, NB * 8, ROWS,
-                             STEP * 8, PREFETCH_LANES)
         a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
                                     sfb_stride_col_tile, EVEN_K, SCALE_BLOCK)
         acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX, SCALE_BLOCK)
@@ -196,8 +183,6 @@ def launch_w4a4(
     batch, m, nb = a_blocks.shape
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
     pdl = config.pdl and not interpreting()
-    if interpreting():  # the L2 prefetch is PTX too, and only a hint
-        config = config._replace(ahead=0)
     constexprs = kernel_constexprs(config, nb, use_ptx=use_ptx, pdl=pdl, has_gsa=global_scale_a is not None,
                                    has_gsb=global_scale_b is not None, scale_block=scale_block,
                                    scale_rows_even=scale_rows_even(sfa, sfa_addressing))
@@ -226,8 +211,7 @@ def kernel_constexprs(config: GemvConfig, nb: int, *, use_ptx: bool, pdl: bool, 
         LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
         EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=use_ptx, HAS_GSA=has_gsa, HAS_GSB=has_gsb,
         KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
-        SCALE_BLOCK=scale_block, AHEAD=config.ahead, SCALE_ROWS_EVEN=scale_rows_even,
-        PREFETCH_LANES=max(32 * config.num_warps, 1 << (max(config.rows, 1) - 1).bit_length()),
+        SCALE_BLOCK=scale_block, SCALE_ROWS_EVEN=scale_rows_even,
     )
 
 
