@@ -412,6 +412,51 @@ def test_w4a4_configs_are_not_hmma_configs():
         gemv(a, b, backend="triton", config=GemvConfig(16, 8, 4))
 
 
+# --- the fp16 decode's PTX, emulated -------------------------------------------------------------------
+
+def _emulate(lines, regs):
+    """Run the integer PTX that decode_word_f16 emits (shl, shr, and, or, prmt on .b32) on ``regs``."""
+    def value(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    for line in lines:
+        op, args = line.rstrip(";").split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        v = [value(a) for a in src]
+        if op == "shl.b32":
+            regs[dst] = (v[0] << v[1]) & 0xFFFFFFFF
+        elif op == "shr.b32":
+            regs[dst] = v[0] >> v[1]
+        elif op == "and.b32":
+            regs[dst] = v[0] & v[1]
+        elif op == "or.b32":
+            regs[dst] = v[0] | v[1]
+        elif op == "prmt.b32":  # bytes of {b, a}, selected by the four low nibbles of c (no sign mode used)
+            pool = (v[1] << 32 | v[0]).to_bytes(8, "little")
+            assert all((v[2] >> (4 * i)) & 8 == 0 for i in range(4))
+            regs[dst] = int.from_bytes(bytes(pool[(v[2] >> (4 * i)) & 7] for i in range(4)), "little")
+        else:
+            raise AssertionError(op)
+    return regs
+
+
+def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
+    """decode_word_f16 on words covering every code in every position: pair i of a word is (e_i, e_{i+4}),
+    each half the fp16 of the e2m1 value times 2^-14 (what the exactness argument and the K order rely on)."""
+    g = torch.Generator().manual_seed(0)
+    words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31, (200,), generator=g)]
+    words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]  # every code in every position
+    words += [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
+    for w in words:
+        regs = _emulate(hmma_gemv.decode_word_f16("w", "p0", "p1"), {"w": w})
+        for i, reg in enumerate(("p0", "p1", "xe", "xo")):
+            halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
+            got = halves.view(torch.float16).double()
+            codes = [(w >> (4 * i)) & 15, (w >> (4 * (i + 4))) & 15]
+            expected = formats.decode_e2m1(torch.tensor(codes)).double() * 2.0**-14
+            assert torch.equal(got, expected), (hex(w), i, got, expected)
+
+
 # --- compiled for the GPU without one ------------------------------------------------------------------
 
 # Compiles hmma_gemv_kernel ahead of time for sm_90 down to a cubin (Triton's bundled ptxas) in a fresh

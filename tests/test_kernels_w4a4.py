@@ -164,8 +164,9 @@ for args, kw in calls:
     assert ("griddepcontrol.wait" in ptx) == kw["launch_pdl"], label
     assert ("prefetch.global.L2" in ptx) == (const["PREFETCH"] > 0), label
     byte_loads = len(re.findall(r"ld\.global(\.nc)?\.[bu]8", ptx))
-    if const["SCALE_BLOCK"] == 16 and const["SCALE_ROWS_EVEN"] and const["EVEN_K"]:
-        # each lane's two scale bytes (weights and activation) as one 16-bit load (masked K tails may not be)
+    if const["SCALE_ROWS_EVEN"] and const["EVEN_K"]:
+        # each lane's two scale bytes (weights and activation; for MXFP4 the column pair holding the lane's
+        # scale) as one 16-bit load (masked K tails may not be)
         assert byte_loads == 0 and "ld.global.b16" in ptx, (label, byte_loads)
     print("compiled", label, "byte loads", byte_loads)
 print("compiled", len(calls))
@@ -173,7 +174,7 @@ print("compiled", len(calls))
 
 
 def test_shipped_configs_compile_for_sm90_without_a_gpu(compile_for_sm90):
-    """Every shipped configuration as the JIT would specialize it; NVFP4 with even scale rows has no byte load."""
+    """Every shipped configuration as the JIT would specialize it; with even scale rows there is no byte load."""
     out = compile_for_sm90(_AOT_SCRIPT)
     assert "compiled 10" in out, out
     assert "compiled (16, False" in out, out  # linear scales of odd row stride (K = 48): no 16-bit hint

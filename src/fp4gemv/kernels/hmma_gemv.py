@@ -51,6 +51,28 @@ BF16_FOLD = tl.constexpr(2.0**7)
 _BF16_SCALE_BIAS = 2.0**119
 
 
+def decode_word_f16(word: str, pair0: str, pair1: str) -> list[str]:
+    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), each code placed as
+    ``sign << 15 | code << 9`` (value * 2^-14, module docstring): pairs i = 0, 1, 2, 3 end in ``pair0``,
+    ``pair1``, ``xe``, ``xo`` (``xe``, ``xo`` declared by the caller).
+
+    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
+    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``(w >> 3) & 0x0E.. | w & 0x80..`` (four codes
+    per operation), and one ``prmt`` per pair puts two such bytes above zero bytes: 13 instructions per word
+    where shifting each pair into place took 20.
+    """
+    return [
+        f"shl.b32 xe, {word}, 1;", "and.b32 xe, xe, 0x0E0E0E0E;", f"shl.b32 xo, {word}, 4;",
+        "and.b32 xo, xo, 0x80808080;", "or.b32 xe, xe, xo;",  # bytes: codes 0, 2, 4, 6
+        f"shr.b32 xo, {word}, 3;", "and.b32 xo, xo, 0x0E0E0E0E;", f"and.b32 {pair0}, {word}, 0x80808080;",
+        f"or.b32 xo, xo, {pair0};",  # bytes: codes 1, 3, 5, 7
+        f"prmt.b32 {pair0}, xe, 0, 0x2404;",  # (e0, e4)
+        f"prmt.b32 {pair1}, xo, 0, 0x2404;",  # (e1, e5)
+        "prmt.b32 xe, xe, 0, 0x3414;",  # (e2, e6)
+        "prmt.b32 xo, xo, 0, 0x3414;",  # (e3, e7)
+    ]
+
+
 def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
     """The PTX of one thread's step: load scales and activation, decode 2 rows x 4 words, 8 or 16 mma.
 
@@ -78,7 +100,7 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
         ".reg .b64 ptr, off;",
         ".reg .b16 h0, h1;",
         ".reg .f32 f0, f1;",
-        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>;",
+        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>, xe, xo;",
         ".reg .f32 d<8>;",
     ]
 
@@ -104,10 +126,16 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
                           f"mul.f32 f0, f0, 0f{bias};", f"mul.f32 f1, f1, 0f{bias};", "cvt.rn.bf16x2.f32 t, f1, f0;"])
         lines.extend([f"prmt.b32 {dst[0]}, t, 0, 0x1010;", f"prmt.b32 {dst[1]}, t, 0, 0x3232;"])
 
-    def decode(word: str, i: int, scale: str, dst: str) -> None:
-        lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
-                      f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
-                      f"{mul} {dst}, t, {scale};"])
+    def decode(word: str, scale: str, dsts: list[str]) -> None:
+        """dsts[i] = the pair (e_i, e_{i+4}) of ``word`` times ``scale``."""
+        if dtype == "f16":
+            lines.extend(decode_word_f16(word, "t", "m"))
+            lines.extend(f"{mul} {dsts[i]}, {pair}, {scale};" for i, pair in enumerate(("t", "m", "xe", "xo")))
+            return
+        for i, dst in enumerate(dsts):
+            lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
+                          f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
+                          f"{mul} {dst}, t, {scale};"])
 
     k_left(k0[0])
     scale_load(sfa_p[0], col_tile[0], k0[0], "sraw")
@@ -116,9 +144,8 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
     scale_pairs("sraw", ("sa2", "sa3"))
     # Weight pairs a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its scale.
     for q in range(4):
-        for i in range(4):
-            for h in range(2):
-                decode(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
+        for h in range(2):
+            decode(f"${16 + 4 * h + q}", f"sa{2 * h + q // 2}", [f"a{8 * q + 2 * i + h}" for i in range(4)])
     for tile in range(n_tiles):
         # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
         lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
@@ -131,8 +158,7 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
             scale_pairs("sraw", ("bs0", "bs1"))
             k_left(k0[0])
             for q in range(4):
-                for i in range(4):
-                    decode(f"xr{q}", i, f"bs{q // 2}", f"b{16 * tile + 4 * q + i}")
+                decode(f"xr{q}", f"bs{q // 2}", [f"b{16 * tile + 4 * q + i}" for i in range(4)])
         else:
             # fp16 and bf16: 2 bytes per element of k0.
             lines.extend([f"mul.wide.u32 off, {k0[0]}, 2;", f"add.s64 ptr, {x_p[4 * tile]}, off;"])

@@ -36,9 +36,11 @@ def _scale_col(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
         # (one 16-byte weight load) need two of them.
         return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
     else:
-        # A lane's two blocks (j even) share one scale.
-        col = j // 2
-        return (col // 4) * stride_col_tile + col % 4
+        # A lane's two blocks (j, j + 1 with j even) share scale column j // 2.  Both of its elements load the
+        # aligned pair of columns holding it, 2 * (j // 4) and the next, as one 16-bit load; _mx_scales picks
+        # the lane's own.
+        col = (j // 4) * 2 + j % 2
+        return tl.max_contiguous(tl.multiple_of((col // 4) * stride_col_tile + col % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
 
 
 @triton.jit
@@ -61,17 +63,37 @@ def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_ti
         sfb = tl.load(sfb_ptrs)
     else:
         k_ok = j < NB
+        if SCALE_BLOCK == 32:  # the pair's second column can lie past the row's last (it is then not used)
+            s_ok = k_ok & ((j // 4) * 2 + j % 2 < NB // 2)
+        else:
+            s_ok = k_ok
         a = tl.load(a_ptrs, mask=k_ok, other=0)
-        sfa = tl.load(sfa_rows + sfa_col, mask=k_ok, other=0)
+        sfa = tl.load(sfa_rows + sfa_col, mask=s_ok, other=0)
         b = tl.load(b_ptrs, mask=k_ok, other=0)
-        sfb = tl.load(sfb_ptrs, mask=k_ok, other=0)
+        sfb = tl.load(sfb_ptrs, mask=s_ok, other=0)
     return a, sfa, b, sfb
 
 
 @triton.jit
-def _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """4 * (block dot product) * sfa * sfb for every block of the step (the factor 4: doubled operands)."""
-    scale = decode_scale(sfa, SCALE_BLOCK) * decode_scale(sfb, SCALE_BLOCK)
+def _mx_scales(sfa, sfb, j):
+    """MXFP4: each block's sfa * sfb from the column pairs _scale_col loads (a lane holds columns 2p, 2p + 1
+    and needs column j // 2 of its blocks), decoded once per lane instead of once per block."""
+    pairs: tl.constexpr = [sfa.shape[0], sfa.shape[1], sfa.shape[2], sfa.shape[3] // 2, 2]
+    a0, a1 = tl.split(tl.reshape(sfa, pairs))
+    b0, b1 = tl.split(tl.reshape(sfb, pairs))
+    j_even, _ = tl.split(tl.reshape(tl.broadcast_to(j, sfa.shape), pairs))
+    odd = (j_even // 2) % 2 == 1
+    scale = decode_scale(tl.where(odd, a1, a0), 32) * decode_scale(tl.where(odd, b1, b0), 32)
+    return tl.reshape(tl.join(scale, scale), sfa.shape)
+
+
+@triton.jit
+def _scaled_block_sums(a, sfa, b, sfb, j, tab_lo, tab_hi, USE_PTX: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """4 * (block dot product) * sfa * sfb for every block ``j`` of the step (the factor 4: doubled operands)."""
+    if SCALE_BLOCK == 16:
+        scale = decode_scale(sfa, 16) * decode_scale(sfb, 16)
+    else:
+        scale = _mx_scales(sfa, sfb, j)
     if USE_PTX:
         b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
         block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
@@ -146,7 +168,7 @@ def w4a4_gemv_kernel(
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
         a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
                                     sfb_stride_col_tile, EVEN_K, SCALE_BLOCK)
-        acc += _scaled_block_sums(a, sfa, b, sfb, tab_lo, tab_hi, USE_PTX, SCALE_BLOCK)
+        acc += _scaled_block_sums(a, sfa, b, sfb, j0 + cols, tab_lo, tab_hi, USE_PTX, SCALE_BLOCK)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
     if HAS_GSA:
