@@ -100,6 +100,7 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
         ".reg .b64 ptr, off;",
         ".reg .b16 h0, h1;",
         ".reg .f32 f0, f1;",
+        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>;" if dtype == "bf16" else
         ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>, xe, xo;",
         ".reg .f32 d<8>;",
     ]
@@ -127,15 +128,16 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
         lines.extend([f"prmt.b32 {dst[0]}, t, 0, 0x1010;", f"prmt.b32 {dst[1]}, t, 0, 0x3232;"])
 
     def decode(word: str, scale: str, dsts: list[str]) -> None:
-        """dsts[i] = the pair (e_i, e_{i+4}) of ``word`` times ``scale``."""
-        if dtype == "f16":
-            lines.extend(decode_word_f16(word, "t", "m"))
-            lines.extend(f"{mul} {dsts[i]}, {pair}, {scale};" for i, pair in enumerate(("t", "m", "xe", "xo")))
-            return
-        for i, dst in enumerate(dsts):
-            lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
-                          f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
-                          f"{mul} {dst}, t, {scale};"])
+        """dsts[i] = the pair (e_i, e_{i+4}) of ``word`` times ``scale`` (fp16: byte-wise, 4 pairs at once)."""
+        lines.extend(decode_word_f16(word, "t", "m"))
+        lines.extend(f"{mul} {dsts[i]}, {pair}, {scale};" for i, pair in enumerate(("t", "m", "xe", "xo")))
+
+    def decode_pair(word: str, i: int, scale: str, dst: str) -> None:
+        """dst = the pair (e_i, e_{i+4}) of ``word`` times ``scale``, shifted into place (bf16's code bits
+        straddle a byte boundary, so the byte-wise fp16 decode does not apply)."""
+        lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
+                      f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
+                      f"{mul} {dst}, t, {scale};"])
 
     k_left(k0[0])
     scale_load(sfa_p[0], col_tile[0], k0[0], "sraw")
@@ -144,8 +146,13 @@ def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
     scale_pairs("sraw", ("sa2", "sa3"))
     # Weight pairs a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its scale.
     for q in range(4):
-        for h in range(2):
-            decode(f"${16 + 4 * h + q}", f"sa{2 * h + q // 2}", [f"a{8 * q + 2 * i + h}" for i in range(4)])
+        if dtype == "f16":
+            for h in range(2):
+                decode(f"${16 + 4 * h + q}", f"sa{2 * h + q // 2}", [f"a{8 * q + 2 * i + h}" for i in range(4)])
+        else:
+            for i in range(4):
+                for h in range(2):
+                    decode_pair(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
     for tile in range(n_tiles):
         # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
         lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
