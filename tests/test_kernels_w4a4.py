@@ -198,6 +198,9 @@ def _mxfp4_case(m, k, L, seed, layout_a, layout_b):
         (128, 256, 1, GemvConfig(8, 4, 4, ksplit=2, unroll=2), ("linear", "swizzled")),  # K chunks side by side
         (64, 64, 1, None, ("linear", "linear")),  # the shipped config, shrunk to K = 64
         (256, 1024, 1, GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32), ("swizzled", "swizzled")),
+        # odd numbers of scale columns (3, 5): the last lane's column pair reaches past the row (masked)
+        (130, 96, 1, GemvConfig(8, 4, 4), ("linear", "linear")),
+        (72, 160, 2, GemvConfig(8, 8, 4, ksplit=2), ("linear", "swizzled")),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
@@ -212,15 +215,17 @@ def test_mxfp4_matches_exact_result(m, k, L, cfg, layouts_ab, out_dtype):
     assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype)
 
 
-def test_mxfp4_scale_per_two_blocks_is_read():
+@pytest.mark.parametrize("k, column", [(128, 0), (128, 1), (128, 2), (128, 3), (96, 2)])
+def test_mxfp4_scale_per_two_blocks_is_read(k, column):
     """Each 32-element block's scale multiplies both of its 16-element halves: doubling the scale of one
-    block changes the result by exactly that block's contribution."""
+    block changes the result by exactly that block's contribution (lanes load their scale as part of an
+    aligned column pair; even and odd columns, and the last of an odd count)."""
     from fp4gemv import FP4Tensor, gemv
 
-    a, b = _mxfp4_case(128, 128, 1, 3, "linear", "linear")
+    a, b = _mxfp4_case(128, k, 1, 3, "linear", "linear")
     base = gemv(a, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
     scales = a.scales.clone()
-    scales[:, :, 1] += 1  # block 1 (elements 32..63) times 2
+    scales[:, :, column] += 1  # that 32-element block times 2
     bumped = FP4Tensor(a.data, scales, "mxfp4", "linear", a.global_scale)
     got = gemv(bumped, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
     from fp4gemv.reference import quantized_gemv_reference
@@ -228,6 +233,20 @@ def test_mxfp4_scale_per_two_blocks_is_read():
     expected = quantized_gemv_reference(bumped.to("cpu"), b.to("cpu"), torch.float64)
     assert not torch.allclose(base.cpu(), got.cpu())
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_scale_rows_even_decides_the_16_bit_scale_loads():
+    """The launcher's alignment fact: every scale row at an even address (swizzled, or linear with even K/16 and
+    an even start), else byte loads."""
+    from fp4gemv.kernels._common import linear_scale_addressing, swizzled_scale_addressing
+    from fp4gemv.kernels.w4a4 import scale_rows_even
+
+    raw = torch.zeros(4096, dtype=torch.uint8)
+    assert scale_rows_even(raw, swizzled_scale_addressing(1024, 8))
+    assert scale_rows_even(raw, linear_scale_addressing(8 * 6, 6))
+    assert not scale_rows_even(raw, linear_scale_addressing(8 * 3, 3))  # K = 48: 3 scales per row
+    assert not scale_rows_even(raw, linear_scale_addressing(7, 6))  # odd batch stride
+    assert not scale_rows_even(raw[1:], linear_scale_addressing(8 * 6, 6))  # odd start
 
 
 @pytest.mark.gpu
