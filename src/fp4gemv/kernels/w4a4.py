@@ -238,8 +238,9 @@ def kernel_constexprs(config: GemvConfig, nb: int, *, use_ptx: bool, pdl: bool, 
 
 
 def scale_rows_even(scales: torch.Tensor, addressing: ScaleAddressing) -> bool:
-    """Whether every row (and batch) of ``scales`` starts at an even address: true for the 128x4 swizzle and
-    for linear scales with even strides (K/16 even), which is what the kernel's 16-bit scale loads need."""
+    """Whether every row (and batch) of ``scales`` starts at an even address, which the kernel's 16-bit scale
+    loads need: true for the 128x4 swizzle, and for linear scales with even strides (an even number of scale
+    columns, K/16 for NVFP4 or K/32 for MXFP4, in a contiguous tensor)."""
     return scales.data_ptr() % 2 == 0 and all(s % 2 == 0 for s in addressing[:4])
 
 
