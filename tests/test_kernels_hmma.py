@@ -595,8 +595,6 @@ def test_hmma_triton_twin_compiles_for_sm90(compile_for_sm90):
 _AOT_JIT_CALLS = r'''
 import importlib, json
 import torch
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.runtime.jit import native_specialize_impl
 from fp4gemv import FP4Tensor
 import fp4gemv.kernels.hmma_gemv as hmma_module
 
@@ -632,21 +630,11 @@ for label, m, k, L, act, n in CALLS:
     calls = []
     gemv_module._launch(a, b, out, "hmma", None, use_ptx=True)
     (args, kw), = calls
-    sig, const, marked = {}, {}, []
-    for j, (name, value) in enumerate(zip(NAMES, args)):
-        ty, key = native_specialize_impl(CUDABackend, value, False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            const[name] = value
-        elif "D" in key:
-            marked.append(j)
-    for name in NAMES[len(args):]:
-        sig[name], const[name] = "constexpr", kw[name]
-    attrs = {(j,): CUDABackend.parse_attr("D") for j in marked}
+    sig, const, attrs, marked = jit_specialization(real_kernel, args, kw)
     kernel = compile_kernel(sig, const, attrs, kw["WARPS"])
     failures += check(kernel, label, kw["WARPS"], kw["N_TILES"], True)
     params = {p.name for p in real_kernel.params if p.is_constexpr}
-    report[label] = dict(marked=[NAMES[j] for j in marked], constants=sorted(c for c in const if c not in params))
+    report[label] = dict(marked=marked, constants=sorted(c for c in const if c not in params))
 print("\n".join(failures))
 print("REPORT " + json.dumps(report))
 '''

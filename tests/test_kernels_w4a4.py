@@ -113,8 +113,8 @@ def test_custom_kernel_on_gpu_full_range(shape):
 # configurations: the interpreter never builds the PTX decode, the PDL prologue or the compiled layouts.
 # A fresh interpreter, because TRITON_INTERPRET=1 (conftest) changes what @triton.jit makes.  The launch
 # arguments are recorded from ops.task_gemv / fp4gemv.gemv on CPU operands and specialized as the JIT does on a
-# GPU (pointers and integers divisible by 16 marked, integers equal to 1 made constants): alignment facts
-# decide the load widths, and a compile without them once hid that the scale loads had become byte loads.
+# GPU (conftest's jit_specialization): alignment facts decide the load widths, and a compile without them once
+# hid that the scale loads had become byte loads.
 _AOT_SCRIPT = r"""
 import importlib, re, torch, triton
 from triton.backends.compiler import GPUTarget
@@ -142,21 +142,8 @@ gemv_module = importlib.import_module("fp4gemv.gemv")
 gemv_module.resolve_backend = lambda backend, device: "triton-ptx"
 for k, fmt, layout in ((2048, "mxfp4", "swizzled"), (48, "nvfp4", "linear"), (4096, "nvfp4", "linear")):
     gemv_module.gemv(fp4(256, k, fmt, layout), fp4(1, k, fmt, layout), out_dtype=torch.bfloat16)
-types = {torch.int64: "*i64", torch.uint8: "*u8", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32"}
 for args, kw in calls:
-    const = {n: kw[n] for n in kernel.arg_names if n in kw}
-    sig, attrs = {}, {}
-    for i, (name, a) in enumerate(zip(kernel.arg_names, args)):
-        if isinstance(a, torch.Tensor):
-            sig[name] = types[a.dtype]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif a == 1:
-            sig[name], const[name] = "constexpr", 1
-        else:
-            sig[name] = "i32"
-            if a % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    sig.update({n: "constexpr" for n in const})
+    sig, const, attrs, _ = jit_specialization(kernel, args, kw)
     compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=kw["num_warps"], launch_pdl=kw["launch_pdl"]))
     ptx, label = compiled.asm["ptx"], (const["SCALE_BLOCK"], const["SCALE_ROWS_EVEN"], const["BLOCKS"], const["KSPLIT"])
