@@ -33,6 +33,7 @@ from .gemv_configs import GemvKernelConfig
 
 __all__ = ["gemv_kernel", "launch_gemv"]
 
+
 @triton.jit
 def _scale_cols(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
     """Offsets of the scales of 16-element blocks ``j``; an MXFP4 scale covers two of them."""

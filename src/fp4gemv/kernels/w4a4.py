@@ -205,9 +205,7 @@ def launch_w4a4(
     batch, m, nb = a_blocks.shape
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
     pdl = config.pdl and not interpreting()
-    constexprs = kernel_constexprs(config, nb, use_ptx=use_ptx, pdl=pdl, has_gsa=global_scale_a is not None,
-                                   has_gsb=global_scale_b is not None, scale_block=scale_block,
-                                   scale_rows_even=scale_rows_even(sfa, sfa_addressing))
+    lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
     w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
         a_blocks, b_blocks, sfa, sfb,
         sfa if global_scale_a is None else global_scale_a,
@@ -220,20 +218,12 @@ def launch_w4a4(
         sfb_addressing.batch, sfb_addressing.col_tile,
         c.stride(0), c.stride(1),
         *MAG_TABLE,
-        **constexprs,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-    )
-
-
-def kernel_constexprs(config: GemvConfig, nb: int, *, use_ptx: bool, pdl: bool, has_gsa: bool = False,
-                      has_gsb: bool = False, scale_block: int = 16, scale_rows_even: bool = True) -> dict:
-    """The compile-time arguments of :func:`w4a4_gemv_kernel` for ``config`` and K/16 = ``nb`` blocks."""
-    lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
-    return dict(
         LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
-        EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=use_ptx, HAS_GSA=has_gsa, HAS_GSB=has_gsb,
+        EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=use_ptx,
+        HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
         KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
-        SCALE_BLOCK=scale_block, SCALE_ROWS_EVEN=scale_rows_even,
+        SCALE_BLOCK=scale_block, SCALE_ROWS_EVEN=scale_rows_even(sfa, sfa_addressing),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
     )
 
 
