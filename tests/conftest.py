@@ -71,38 +71,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-# Defined for every script compile_for_sm90 runs: what Triton's JIT makes of one recorded launch.
-_AOT_PRELUDE = r'''
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.runtime.jit import native_specialize_impl
-
-
-def jit_specialization(fn, args, kw):
-    """(signature, constants, attrs, marked names) of ``fn(*args, **kw)`` as the JIT specializes it on a GPU:
-    types and divisibility by 16 from Triton's own native_specialize_impl (integers equal to 1 become
-    constants), the keyword constexprs as given."""
-    sig, const, marked = {}, {}, []
-    for j, (name, value) in enumerate(zip(fn.arg_names, args)):
-        ty, key = native_specialize_impl(CUDABackend, value, False, True, True)
-        sig[name] = ty
-        if ty == "constexpr":
-            const[name] = value
-        elif "D" in key:
-            marked.append(j)
-    for name in fn.arg_names[len(args):]:
-        sig[name], const[name] = "constexpr", kw[name]
-    attrs = {(j,): CUDABackend.parse_attr("D") for j in marked}
-    return sig, const, attrs, [fn.arg_names[j] for j in marked]
-'''
-
-
 @pytest.fixture
 def compile_for_sm90():
     """Run a Python script that compiles kernels ahead of time for sm_90 (Triton's bundled ptxas, no GPU).
 
-    A fresh interpreter without TRITON_INTERPRET (which changes what @triton.jit makes); the script can call
-    ``jit_specialization`` (``_AOT_PRELUDE``).  Returns its stdout, fails the test with its stderr, skips when
-    this Triton has no ptxas.
+    A fresh interpreter without TRITON_INTERPRET (which changes what @triton.jit makes), with src/ and tests/ on
+    its path: the script can ``from aot import Sm90Launch, ...`` (tests/aot.py).  Returns its stdout, fails the
+    test with its stderr, skips when this Triton has no ptxas.
     """
     import subprocess
     import sys
@@ -113,9 +88,9 @@ def compile_for_sm90():
         if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
             pytest.skip("Triton's bundled ptxas is missing")
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        src = os.path.join(os.path.dirname(__file__), "..", "src")
-        env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
-        done = subprocess.run([sys.executable, "-c", _AOT_PRELUDE + script], env=env, capture_output=True, text=True, timeout=300)
+        here = os.path.dirname(os.path.abspath(__file__))
+        env["PYTHONPATH"] = os.pathsep.join([os.path.join(here, "..", "src"), here, env.get("PYTHONPATH", "")])
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 

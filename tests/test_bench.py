@@ -1,16 +1,18 @@
-"""The benchmark's CPU-side pieces: byte counts and the random operands it times (timing itself needs a GPU)."""
+"""The benchmark's CPU-side pieces: byte counts, the random operands it times, and a row's wiring (the timers
+themselves need a GPU)."""
 
 import pytest
 import torch
 
-from fp4gemv import bench, formats, layouts
+from fp4gemv import bench, formats, layouts, task
+from fp4gemv.bench import cases
 
 
-def test_task_bytes_counts_weights_scales_activation_and_output():
+def test_task_case_bytes_count_weights_scales_activation_and_output():
     for m, k, L in ((7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4)):
         weights_and_scales = L * (m * k // 2 + m * k // 16)
         activation = L * (k // 2 + k // 16)
-        assert bench.task_bytes(m, k, L) == weights_and_scales + activation + L * m * 2
+        assert bench.case_bytes(bench.Shape(m, k, L)) == weights_and_scales + activation + L * m * 2
 
 
 def test_case_bytes_counts_each_part():
@@ -37,44 +39,51 @@ def test_random_gemv_operands_are_valid_and_span_all_codes(fmt, act):
         assert b.shape == (2, 3, 512) and b.dtype == bench.ACTIVATIONS[act]
 
 
-@pytest.mark.parametrize("fmt, act", [("nvfp4", "fp4"), ("mxfp4", "bf16")])
-def test_eager_baseline_computes_the_product(fmt, act):
-    from fp4gemv.reference import quantized_gemv_reference
-
-    a, b, _ = bench.random_gemv_operands(bench.Shape(128, 256, 2, 3), fmt, act, seed=1, device="cpu")
-    b_args = (b.data, b.linear_scales()) if act == "fp4" else (b, None)
-    got = bench.dequant_matmul_eager(a.data, a.linear_scales(), *b_args, a.fmt)
-    want = quantized_gemv_reference(a, b, torch.float64)
-    # fp32 products are exact and the sums of 256 terms round in fp32; then one fp16 rounding.
-    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=1e-3)
+def test_random_task_input_is_a_task_input():
+    data = bench.random_task_input(256, 512, 2, seed=0, device="cpu")
+    reference = task.generate_input(256, 512, 2, seed=0, device="cpu")
+    for got, want in zip(data, reference):
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    ok, message = task.check_implementation(data, task.custom_kernel(data))
+    assert ok, message
 
 
 def test_bench_rows_on_cpu_with_timing_stubbed(monkeypatch):
-    """bench_shape and bench_case wiring: every timed callable runs (kernel, host call, eager and compiled
-    baselines) and the rows carry every column of the table.
-
-    The timers need a GPU, so they are replaced by ones that call what they are given once and return 1 us.
-    """
+    """bench_case's wiring: every timed callable runs (the task case through task.custom_kernel, others through
+    gemv) and the rows carry every column of the table.  The timers need a GPU, so they are replaced by ones
+    that call what they are given once and return 1 us; operands are made on the CPU."""
     def run_once(launch, inputs, *_):
         launch(inputs[0])
         return [1.0]
 
-    monkeypatch.setattr(bench, "device_time_us", run_once)
-    monkeypatch.setattr(bench, "host_overhead_us", lambda call: (call(), 1.0)[1])
-    monkeypatch.setattr(bench, "stream_read_time_us", lambda nbytes: [1.0])
-    monkeypatch.setattr(bench, "_event_time_us", lambda call: (call(), 1.0)[1])
-    monkeypatch.setattr(bench, "input_count", lambda nbytes: 2)
-    real_task, real_gemv = bench.random_task_operands, bench.random_gemv_operands
-    monkeypatch.setattr(bench, "random_task_operands", lambda *a, **kw: real_task(*a, **kw, device="cpu"))
-    monkeypatch.setattr(bench, "random_gemv_operands", lambda *a, **kw: real_gemv(*a, **kw, device="cpu"))
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    calls = []
+    monkeypatch.setattr(cases, "device_time_us", run_once)
+    monkeypatch.setattr(cases, "host_time_us", lambda call: (calls.append(call()), 2.0)[1])
+    monkeypatch.setattr(cases, "best_read", lambda nbytes: ("stub read", 0.5))
+    monkeypatch.setattr(cases, "input_count", lambda nbytes: 2)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    real_task, real_gemv = cases.random_task_input, cases.random_gemv_operands
+    monkeypatch.setattr(cases, "random_task_input", lambda *a, **kw: real_task(*a, **kw, device="cpu"))
+    monkeypatch.setattr(cases, "random_gemv_operands", lambda *a, **kw: real_gemv(*a, **kw, device="cpu"))
 
-    task_row = bench.bench_shape(bench.Shape(128, 256, 2), compile_baseline=True)
-    case_row = bench.bench_case(bench.Shape(128, 256, 2, 3), "mxfp4", "fp16", compile_baseline=True)
+    task_row = bench.bench_case(bench.Shape(128, 256, 2))
+    case_row = bench.bench_case(bench.Shape(128, 256, 2, 3), "mxfp4", "fp16")
+    assert task_row["path"] == "task.custom_kernel" and case_row["path"] == "fp4gemv.gemv"
     for row in (task_row, case_row):
-        assert row["inputs"] == 2 and row["kernel"]["median_us"] == 1.0 and row["compile_us"] == 1.0
-    assert task_row["bytes"] == bench.task_bytes(128, 256, 2)
-    assert case_row["bytes"] == bench.case_bytes(bench.Shape(128, 256, 2, 3), "mxfp4", "fp16")
+        assert row["inputs"] == 2 and row["time"]["median_us"] == 1.0 and row["host_us"] == 2.0
+        assert (row["best_read"], row["best_read_us"]) == ("stub read", 0.5)
+        assert row["kernel"] == "reference"  # what select_kernel picks for CPU operands
+    assert len(calls) == 2
+    assert task_row["bytes"] == bench.case_bytes(bench.Shape(128, 256, 2))
     table = bench.format_table([task_row, case_row]).splitlines()
     assert len(table) == 3 and table[1].split()[:3] == ["nvfp4", "fp4", "1"]
-    assert table[2].split()[:3] == ["mxfp4", "fp16", "3"]
+    assert table[2].split()[:3] == ["mxfp4", "fp16", "3"] and table[2].split()[-1] == "reference"
+    assert table[1].split()[7] == "0.50"  # the fraction of the best read
+
+
+def test_best_read_variants_are_the_fastest_ones_of_the_ceiling_table():
+    from fp4gemv.bench.stream import BEST_READ_VARIANTS, READ_VARIANTS
+
+    assert len(READ_VARIANTS) == 11 and all(v in READ_VARIANTS for v in BEST_READ_VARIANTS)
+    assert {v.name for v in BEST_READ_VARIANTS} == {"triton pdl", "cuda 32K pdl", "cuda 32K cs pdl",
+                                                     "cuda persistent pdl", "cuda 128K pdl"}

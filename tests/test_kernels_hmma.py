@@ -40,7 +40,7 @@ import json
 
 import pytest
 import torch
-from test_kernels_gemv import (
+from operands import (
     DEVICE,
     LAYOUTS,
     OUT_DTYPES,
@@ -50,15 +50,15 @@ from test_kernels_gemv import (
     random_activation,
     random_fp4,
     result_shape,
+    uses_tensor_cores,
     within_bound,
 )
 
-from fp4gemv import FP4Tensor, formats, gemv, task
-from fp4gemv.gemv import _check_config, _is_hmma_case
-from fp4gemv.kernels import gemv as general_kernel
-from fp4gemv.kernels import hmma_gemv, w4a4
-from fp4gemv.kernels.configs import GemvConfig, HmmaConfig, hmma_config
-from fp4gemv.kernels.gemv_configs import GemvKernelConfig
+from fp4gemv import FP4Tensor, formats, gemv, ops, task
+from fp4gemv.kernels import hmma_gemv
+from fp4gemv.kernels.general import GeneralConfig
+from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
+from fp4gemv.kernels.w4a4 import W4A4Config
 
 # The activations of the tensor-core kernel with the N they are tested at: NVFP4 needs N > 1 (N = 1 is
 # w4a4.py's); N > 8 uses the second n-tile (N_TILES = 2).
@@ -95,7 +95,7 @@ def _case_id(c):
                          ids=[_case_id(c) for c in CASES])
 def test_hmma_kernel_matches_exact_result(activation, n, layout, out_dtype, shape, config, global_scales):
     a, b = build_case("nvfp4", activation, n, layout, shape, global_scales, seed=sum(shape) + len(str(n)))
-    assert _is_hmma_case(a, b)
+    assert uses_tensor_cores(a, b)
     out = poisoned(result_shape(a, b), out_dtype)
     got = gemv(a, b, out=out, out_dtype=out_dtype, backend="triton", config=config)
     assert got is out
@@ -160,7 +160,7 @@ def test_hmma_kernel_reads_padded_rows():
     scales = torch.zeros(2, m, k // 16 + 4, dtype=torch.uint8, device=DEVICE)[:, :, 2:2 + k // 16]
     scales.copy_(w.scales)
     a = FP4Tensor(data, scales, "nvfp4", "linear", w.global_scale)
-    assert _is_hmma_case(a, random_activation((3, k), torch.float16, seed=0))
+    assert uses_tensor_cores(a, random_activation((3, k), torch.float16, seed=0))
     xb = random_fp4((2, 3, k), "nvfp4", "swizzled", seed=12)
     x_data = torch.zeros(2, 3, k // 2 + 16, dtype=torch.uint8, device=DEVICE)[:, :, :k // 2]
     x_data.copy_(xb.data)
@@ -274,29 +274,6 @@ def test_hmma_bound_rejects_plausible_bugs(activation):
 # --- which kernel runs, and config validation -----------------------------------------------------------
 
 
-class _Launches(list):
-    """(kernel, config) per stubbed launch; ``args`` holds each launch's positional arguments."""
-
-    def __init__(self):
-        super().__init__()
-        self.args = []
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """Stub the three kernels' launches; returns the list of (kernel, config) they were called with."""
-    calls = _Launches()
-
-    def stub(*args, _key, **kw):
-        calls.append((_key, kw["config"]))
-        calls.args.append(args)
-
-    for module, name, key in ((hmma_gemv, "launch_hmma_gemv", "hmma"), (general_kernel, "launch_gemv", "general"),
-                              (w4a4, "launch_w4a4", "w4a4")):
-        monkeypatch.setattr(module, name, lambda *args, _key=key, **kw: stub(*args, _key=_key, **kw))
-    return calls
-
-
 def _operands(kind, n=3, m=48, k=128):
     a = random_fp4((m, k), "mxfp4" if kind.startswith("mx") else "nvfp4", "linear", seed=1)
     if kind.endswith("fp4"):
@@ -313,6 +290,10 @@ def _unaligned_rows(t):
     return FP4Tensor(data, t.scales, t.fmt, t.scale_layout, t.global_scale)
 
 
+def _plan(a, b, **kw):
+    return ops.plan_for(a, b, backend="triton", **kw)
+
+
 @pytest.mark.parametrize("kind, n, k, expected", [
     ("nv-f16", 1, 128, "hmma"), ("nv-f16", "vector", 64, "hmma"), ("nv-bf16", 16, 192, "hmma"),
     ("nv-fp4", 2, 128, "hmma"), ("nv-fp4", 16, 64, "hmma"), ("nv-fp4", 1, 128, "w4a4"),
@@ -322,77 +303,74 @@ def _unaligned_rows(t):
     ("nv-f16", 3, 48, "general"), ("nv-bf16", "vector", 80, "general"), ("nv-fp4", 3, 80, "general"),
     ("nv-fp4", 9, 48, "general"), ("nv-fp4", 1, 48, "w4a4"),
 ], ids=str)
-def test_default_dispatch(launches, kind, n, k, expected):
+def test_default_dispatch(kind, n, k, expected):
     a, b = _operands(kind, n, k=k)
-    assert _is_hmma_case(a, b) == (expected == "hmma")
-    gemv(a, b, backend="triton")
-    assert [c[0] for c in launches] == [expected]
+    plan = _plan(a, b)
+    assert plan.spec.name == expected == ops.select_kernel(a, b, backend="triton").name
     if expected == "hmma":
-        assert launches[0][1] == hmma_config(48, k, 1)
+        assert plan.config == hmma_config(48, k, 1)
 
 
 @pytest.mark.parametrize("kind, n", [("nv-f16", 3), ("nv-fp4", 3)])
-def test_unaligned_packed_rows_go_to_the_general_kernel(launches, kind, n):
+def test_unaligned_packed_rows_go_to_the_general_kernel(kind, n):
     """Packed rows 8 but not 16 bytes apart (weights or NVFP4 activations) cannot take the 16-byte loads."""
     a, b = _operands(kind, n)
-    assert _is_hmma_case(a, b) and not _is_hmma_case(_unaligned_rows(a), b)
+    assert uses_tensor_cores(a, b) and not uses_tensor_cores(_unaligned_rows(a), b)
+    assert _plan(_unaligned_rows(a), b).spec.name == "general"
+    with pytest.raises(ValueError, match="kernel: 'hmma' cannot run .*a: needs 16-byte aligned data rows"):
+        gemv(_unaligned_rows(a), b, backend="triton", kernel="hmma")
     if kind == "nv-fp4":
-        assert not _is_hmma_case(a, _unaligned_rows(b))
-    gemv(_unaligned_rows(a), b, backend="triton")
-    assert [c[0] for c in launches] == ["general"]
-    with pytest.raises(TypeError, match="config"):
-        gemv(_unaligned_rows(a), b, backend="triton", config=HmmaConfig(1))
-    if kind == "nv-fp4":
-        gemv(a, _unaligned_rows(b), backend="triton")
-        assert [c[0] for c in launches] == ["general", "general"]
+        assert _plan(a, _unaligned_rows(b)).spec.name == "general"
 
 
-def test_aligned_strided_activation_is_not_copied(launches):
+def test_aligned_strided_activation_is_not_copied():
     """A float activation read in place when its rows are 16-byte aligned, copied otherwise (and when K-strided)."""
     a, _ = _operands("nv-f16")
     backing = random_activation((3, 160), torch.float16, seed=3)
     for x, in_place in ((backing[:, 16:144], True), (backing[:, 4:132], False), (backing[:, :128], True),
                         (random_activation((128, 3), torch.float16, seed=4).t(), False)):
-        launches.args.clear()
-        gemv(a, x, backend="triton")
-        b_bytes = launches.args[0][0].b
-        assert b_bytes.dtype == torch.uint8 and b_bytes.shape[1:] == (3, 256)
-        assert (b_bytes.data_ptr() == x.data_ptr()) == in_place, (x.stride(), x.storage_offset())
-        assert b_bytes.data_ptr() % 16 == 0 and b_bytes.stride(1) % 16 == 0 and b_bytes.stride(2) == 1
+        plan = _plan(a, x)
+        assert plan.spec.name == "hmma" and plan.copy_activation == (not in_place), (x.stride(), x.storage_offset())
+        assert_matches_exact(gemv(a, x, backend="triton", out_dtype=torch.float32).cpu(), a.to("cpu"),
+                             x.to("cpu"), torch.float32, tensor_cores=True)
 
 
 @pytest.mark.parametrize("kind, n", [("nv-f16", 1), ("nv-bf16", 16), ("nv-f16", "vector"), ("nv-fp4", 2)])
-def test_config_type_picks_the_kernel(launches, kind, n):
+def test_kernel_name_picks_the_kernel(kind, n):
     a, b = _operands(kind, n)
-    gemv(a, b, backend="triton", config=HmmaConfig(2))
-    gemv(a, b, backend="triton", config=GemvKernelConfig(64, 8, 4))
-    assert launches == [("hmma", HmmaConfig(2)), ("general", GemvKernelConfig(64, 8, 4))]
+    assert _plan(a, b, config=HmmaConfig(2)).spec.name == "hmma"
+    general = _plan(a, b, kernel="general", config=GeneralConfig(64, 8, 4))
+    assert (general.spec.name, general.config) == ("general", GeneralConfig(64, 8, 4))
+    with pytest.raises(TypeError, match="config: expected a GeneralConfig for kernel 'general', got HmmaConfig"):
+        gemv(a, b, backend="triton", kernel="general", config=HmmaConfig(2))
 
 
 @pytest.mark.parametrize("kind, n, k", [("mx-f16", 3, 128), ("mx-fp4", 3, 128), ("nv-f32", 3, 128),
                                         ("nv-fp4", 1, 128), ("nv-f16", 3, 80), ("nv-fp4", 3, 48)], ids=str)
-def test_hmma_config_for_another_case_is_a_type_error(launches, kind, n, k):
+def test_hmma_config_for_another_case_is_a_type_error(kind, n, k):
     a, b = _operands(kind, n, k=k)
-    with pytest.raises(TypeError, match="config"):
-        gemv(a, b, backend="triton", config=HmmaConfig(1))
-    assert not launches
+    out = poisoned(result_shape(a, b), torch.float16)
+    with pytest.raises(TypeError, match="config: expected a .*Config for kernel '(general|w4a4)', got HmmaConfig"):
+        gemv(a, b, out=out, backend="triton", config=HmmaConfig(1))
+    assert torch.isnan(out).all()
 
 
 @pytest.mark.parametrize("config", [HmmaConfig(3), HmmaConfig(0), HmmaConfig(16), HmmaConfig(32), HmmaConfig(6),
                                     HmmaConfig(-1)],
                          ids=str)
-def test_hmma_config_out_of_range_is_a_value_error(launches, config):
+def test_hmma_config_out_of_range_is_a_value_error(config):
     a, b = _operands("nv-f16")
+    out = poisoned(result_shape(a, b), torch.float16)
     with pytest.raises(ValueError, match="config"):
-        gemv(a, b, backend="triton", config=config)
-    assert not launches
+        gemv(a, b, out=out, backend="triton", config=config)
+    assert torch.isnan(out).all()
 
 
 @pytest.mark.parametrize("warps", (1, 2, 4, 8))
-def test_hmma_config_in_range_is_accepted(launches, warps):
+def test_hmma_config_in_range_is_accepted(warps):
     a, b = _operands("nv-bf16", 5)
-    gemv(a, b, backend="triton", config=HmmaConfig(warps))
-    assert launches == [("hmma", HmmaConfig(warps))]
+    plan = _plan(a, b, config=HmmaConfig(warps))
+    assert (plan.spec.name, plan.config) == ("hmma", HmmaConfig(warps))
 
 
 def test_hmma_config_is_valid_for_every_shape():
@@ -403,13 +381,13 @@ def test_hmma_config_is_valid_for_every_shape():
         assert isinstance(cfg, HmmaConfig)
         assert cfg.warps >= 1 and cfg.warps & (cfg.warps - 1) == 0, (m, k, L, cfg)
         assert cfg.warps * 128 <= max(128, k), (m, k, L, cfg)
-        _check_config(cfg, w4a4_case=False, hmma_case=True)  # what gemv accepts from a user
+        Hmma().check_config(cfg)  # what gemv accepts from a user
 
 
 def test_w4a4_configs_are_not_hmma_configs():
     a, b = _operands("nv-fp4", 2)
     with pytest.raises(TypeError, match="config"):
-        gemv(a, b, backend="triton", config=GemvConfig(16, 8, 4))
+        gemv(a, b, backend="triton", config=W4A4Config(16, 8, 4))
 
 
 # --- the fp16 decode's PTX, emulated -------------------------------------------------------------------
@@ -467,13 +445,13 @@ def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
 # marks arguments divisible by 16 (``tt.divisibility``) when they are, so the same kernel compiles differently
 # for K = 16384 (everything divisible) and K = 192 (row stride 24 words).  Each variant is compiled both ways.
 _AOT_COMMON = r'''
-import os, re, subprocess, triton
+import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from aot import local_memory
 from fp4gemv.kernels.hmma_gemv import hmma_gemv_kernel
 
 NAMES = hmma_gemv_kernel.arg_names
-CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
 def asm_layout(ttgir):
@@ -492,27 +470,11 @@ def expected_layout(warps):
             f"warpsPerCTA = [1, {warps}, 1, 1], order = [3, 0, 1, 2]}}>")
 
 
-def local_memory(kernel):
-    """Problems with local memory (spills, stack) in the PTX and, where cuobjdump is bundled, the cubin."""
-    found = [w for w in ("ld.local", "st.local") if w in kernel.asm["ptx"]]
-    if re.search(r"^\s*\.local\b", kernel.asm["ptx"], re.M):
-        found.append(".local declaration")
-    if os.path.exists(CUOBJDUMP):
-        path = "/tmp/fp4gemv_hmma_%d.cubin" % os.getpid()
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        os.remove(path)
-        for key in ("LOCAL", "STACK"):
-            value = re.search(key + r":(\d+)", usage)
-            if value is None or int(value.group(1)):
-                found.append(key + ":" + (value.group(1) if value else "?"))
-    return found
-
-
 def compile_kernel(sig, const, attrs, warps):
     return triton.compile(ASTSource(hmma_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=warps, num_stages=1))
+
+
 
 
 def check(kernel, label, warps, n_tiles, ptx, global_scales=0):
@@ -589,52 +551,31 @@ def test_hmma_triton_twin_compiles_for_sm90(compile_for_sm90):
     assert "compiled 4" in out, out
 
 
-# The JIT's own specialization of real launches: gemv's launch arguments captured (the kernel replaced by a
-# recorder), each typed and marked by Triton's specialize_impl as the JIT does, integers equal to 1 made
+# The JIT's own specialization of real calls: what the op layer launches on sm_90 for gemv's arguments
+# (tests/aot.py), typed and marked by Triton's specialize_impl as the JIT does, integers equal to 1 made
 # constants; then compiled and checked like the variants above.
 _AOT_JIT_CALLS = r'''
-import importlib, json
+import json
 import torch
-from fp4gemv import FP4Tensor
-import fp4gemv.kernels.hmma_gemv as hmma_module
+from aot import Sm90Launch
+from operands import random_activation, random_fp4
 
-gemv_module = importlib.import_module("fp4gemv.gemv")
-real_kernel = hmma_module.hmma_gemv_kernel
-
-
-class Recorder:
-    def __getitem__(self, grid):
-        def launch(*args, **kw):
-            calls.append((args, kw))
-        return launch
-
-
-def fp4(*shape, layout="swizzled"):
-    *batch, rows, k = shape
-    g = torch.Generator().manual_seed(sum(shape))
-    data = torch.randint(0, 256, (*batch, rows, k // 2), dtype=torch.uint8, generator=g)
-    scales = torch.full((*batch, rows, k // 16), 0x38, dtype=torch.uint8)
-    return FP4Tensor(data, scales, "nvfp4", "linear").with_scale_layout(layout)
-
-
-hmma_module.hmma_gemv_kernel = Recorder()
 failures, report = [], {}
 for label, m, k, L, act, n in CALLS:
-    a = fp4(*((L,) if L > 1 else ()), m, k)
+    batch = (L,) if L > 1 else ()
+    a = random_fp4((*batch, m, k), "nvfp4", "swizzled", seed=1, device="cpu")
     if act == "fp4":
-        b = fp4(*((L,) if L > 1 else ()), n, k, layout="linear")
+        b = random_fp4((*batch, n, k), "nvfp4", "linear", seed=2, device="cpu")
     else:
         dtype = dict(fp16=torch.float16, bf16=torch.bfloat16)[act]
-        b = torch.randn((k,) if n == "vector" else (n, k)).to(dtype)
-    out = torch.empty(gemv_module._result_shape(a, b), dtype=torch.float16)
-    calls = []
-    gemv_module._launch(a, b, out, "hmma", None, use_ptx=True)
-    (args, kw), = calls
-    sig, const, attrs, marked = jit_specialization(real_kernel, args, kw)
-    kernel = compile_kernel(sig, const, attrs, kw["WARPS"])
-    failures += check(kernel, label, kw["WARPS"], kw["N_TILES"], True)
-    params = {p.name for p in real_kernel.params if p.is_constexpr}
-    report[label] = dict(marked=marked, constants=sorted(c for c in const if c not in params))
+        b = random_activation((k,) if n == "vector" else (n, k), dtype, seed=2, device="cpu")
+    launch = Sm90Launch(a, b)
+    assert launch.spec.name == "hmma", label
+    const = launch.constexprs
+    _, spec_const, _, marked = launch.specialization()
+    kernel = launch.compile()
+    failures += check(kernel, label, const["WARPS"], const["N_TILES"], True)
+    report[label] = dict(marked=marked, constants=sorted(c for c in spec_const if c not in const))
 print("\n".join(failures))
 print("REPORT " + json.dumps(report))
 '''
@@ -690,7 +631,7 @@ def _both_backends_within_bound(a, b, config=None, out_dtype=torch.float32):
                          ids=_name)
 def test_hmma_ptx_and_triton_within_bound(activation, n, config):
     a, b = build_case("nvfp4", activation, n, "swizzled", (2432, 4608, 2), True, seed=len(str(n)))
-    assert _is_hmma_case(a, b)
+    assert uses_tensor_cores(a, b)
     _both_backends_within_bound(a, b, config)
 
 
@@ -710,7 +651,7 @@ def test_hmma_matches_exact_on_task_shapes(shape, activation):
             a = FP4Tensor(a.data, a.scales, "nvfp4", "swizzled", 1.5 if gs else None)
         else:
             b = random_activation((L, n, k), activation, seed=n)
-        assert _is_hmma_case(a, b)
+        assert uses_tensor_cores(a, b)
         for out_dtype in (torch.float32, torch.bfloat16 if activation == torch.bfloat16 else torch.float16):
             _both_backends_within_bound(a, b, out_dtype=out_dtype)
 

@@ -8,12 +8,11 @@ the ``gpu`` tests check it bit for bit against the pure-Triton decode and on a f
 import pytest
 import torch
 
-from fp4gemv import formats, layouts, ops, task
-from fp4gemv.kernels.configs import GemvConfig, w4a4_config
-from fp4gemv.reference import gemv_reference
+from operands import DEVICE, assert_matches_exact, poisoned, random_fp4
 
-# Interpreter on CPU tensors without a GPU (conftest), the compiled kernel on CUDA tensors with one.
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from fp4gemv import FP4Tensor, formats, gemv, layouts, select_kernel, task
+from fp4gemv.kernels.w4a4 import W4A4Config, w4a4_config
+from fp4gemv.reference import gemv_reference, quantized_gemv_reference
 
 
 def _operands(m, k, L, seed, device="cpu"):
@@ -40,21 +39,31 @@ def _as_lm(c):
     return c[:, 0, :].permute(1, 0).float().cpu()
 
 
+def _w4a4(args, backend="auto", config=None):
+    """The task-layout operands ``(a, b, sfa_permuted, sfb_permuted, c)`` through gemv on their FP4Tensor views
+    (what task.custom_kernel does), with a chosen configuration; returns c."""
+    a, b, sfa_p, sfb_p, c = args
+    weights, activation = FP4Tensor.from_task(a, sfa_p), FP4Tensor.from_task(b, sfb_p).first_rows(1)
+    assert select_kernel(weights, activation, backend=backend).name == "w4a4"
+    gemv(weights, activation, out=c.permute(2, 0, 1), backend=backend, config=config)
+    return c
+
+
 @pytest.mark.parametrize(
     "m, k, L, cfg",
     [
         (128, 256, 1, None),
         (256, 1536, 2, None),
-        (128, 192, 3, GemvConfig(8, 8, 4, 1)),  # K/16 = 12: a partial last step, masked
-        (200, 128, 2, GemvConfig(16, 4, 4, 1)),  # M neither a multiple of 16 nor 128: tail rows, padded atoms
-        (384, 512, 1, GemvConfig(8, 8, 4, 1)),  # several K steps and three row tiles of scales
-        (136, 320, 2, GemvConfig(8, 4, 4, ksplit=4, unroll=2)),  # K chunks side by side, a masked last step
-        (256, 1024, 1, GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32)),  # PDL config (off in the interpreter)
+        (128, 192, 3, W4A4Config(8, 8, 4, 1)),  # K/16 = 12: a partial last step, masked
+        (200, 128, 2, W4A4Config(16, 4, 4, 1)),  # M neither a multiple of 16 nor 128: tail rows, padded atoms
+        (384, 512, 1, W4A4Config(8, 8, 4, 1)),  # several K steps and three row tiles of scales
+        (136, 320, 2, W4A4Config(8, 4, 4, ksplit=4, unroll=2)),  # K chunks side by side, a masked last step
+        (256, 1024, 1, W4A4Config(64, 32, 4, unroll=2, pdl=True, prefetch=32)),  # PDL config (off in the interpreter)
     ],
 )
 def test_triton_decode_matches_reference(m, k, L, cfg):
     args, expected = _operands(m, k, L, seed=m + k + L, device=DEVICE)
-    out = ops.task_gemv(*args, backend="triton", config=cfg)
+    out = _w4a4(args, backend="triton", config=cfg)
     got = _as_lm(out)
     assert not torch.isnan(got).any(), "some outputs were not written"
     torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3)
@@ -63,7 +72,7 @@ def test_triton_decode_matches_reference(m, k, L, cfg):
 def test_triton_decode_passes_task_check():
     data = task.generate_full_range_input(128, 1536, 2, seed=7, device=DEVICE)
     c = data[6].fill_(float("nan"))
-    ops.task_gemv(data[0], data[1], data[4], data[5], c, backend="triton")
+    task.custom_kernel(data, backend="triton")
     ok, msg = task.check_implementation(data, c)
     assert ok, msg
 
@@ -80,9 +89,9 @@ def test_config_step_never_exceeds_k():
 @pytest.mark.parametrize("m, k, L", [(128, 256, 1), (2432, 4608, 2), (384, 7168, 2), (200, 192, 3), (7168, 2048, 4)])
 def test_ptx_and_triton_decodes_agree_bitwise(m, k, L):
     args, expected = _operands(m, k, L, seed=3, device="cuda")
-    ptx = ops.task_gemv(*args, backend="triton-ptx").clone()
+    ptx = _w4a4(args, backend="triton-ptx").clone()
     args[4].fill_(float("nan"))
-    pure = ops.task_gemv(*args, backend="triton")
+    pure = _w4a4(args, backend="triton")
     assert torch.equal(ptx.view(torch.int16), pure.view(torch.int16))
     torch.testing.assert_close(_as_lm(ptx), expected.float(), rtol=1e-3, atol=1e-3)
 
@@ -95,7 +104,7 @@ def test_ptx_decode_on_random_shapes():
         k = 64 * int(torch.randint(1, 120, (1,), generator=g))
         L = int(torch.randint(1, 9, (1,), generator=g))
         args, expected = _operands(m, k, L, seed=100 + i, device="cuda")
-        got = _as_lm(ops.task_gemv(*args))
+        got = _as_lm(_w4a4(args))
         assert not torch.isnan(got).any(), (m, k, L)
         torch.testing.assert_close(got, expected.float(), rtol=1e-3, atol=1e-3, msg=f"shape {(m, k, L)}")
 
@@ -110,45 +119,34 @@ def test_custom_kernel_on_gpu_full_range(shape):
 
 
 # Compiles the kernel ahead of time for sm_90 down to a cubin (Triton's bundled ptxas) with the shipped
-# configurations: the interpreter never builds the PTX decode, the PDL prologue or the compiled layouts.
-# A fresh interpreter, because TRITON_INTERPRET=1 (conftest) changes what @triton.jit makes.  The launch
-# arguments are recorded from ops.task_gemv / fp4gemv.gemv on CPU operands and specialized as the JIT does on a
-# GPU (conftest's jit_specialization): alignment facts decide the load widths, and a compile without them once
-# hid that the scale loads had become byte loads.
+# configurations: the interpreter never builds the PTX decode, the PDL prologue or the compiled layouts.  What
+# each call launches comes from the op layer for an sm_90 target and is specialized as the JIT does
+# (tests/aot.py): alignment facts decide the load widths, and a compile without them once hid that the scale
+# loads had become byte loads.
 _AOT_SCRIPT = r"""
-import importlib, re, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-import fp4gemv, fp4gemv.ops
-from fp4gemv import bench, layouts, ops
-from fp4gemv.kernels import w4a4
+import re, torch
+from aot import Sm90Launch
+from fp4gemv import FP4Tensor
+from fp4gemv.bench import random_task_input
+from operands import random_fp4
 
-calls = []
-class Recorder:
-    def __getitem__(self, grid):
-        return lambda *args, **kw: calls.append((args, kw))
-kernel, w4a4.w4a4_gemv_kernel = w4a4.w4a4_gemv_kernel, Recorder()
-w4a4.interpreting = lambda: False
-fp4gemv.ops.resolve_backend = lambda backend, device: "triton-ptx"
-shapes = [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4), (14336, 4096, 1), (4096, 14336, 1), (4096, 4096, 1),
-          (384, 192, 3)]
-for m, k, l in shapes:
-    ops.task_gemv(*bench.random_task_operands(m, k, l, seed=0, device="cpu"))
-def fp4(rows, k, fmt, layout):
-    cols = k // (16 if fmt == "nvfp4" else 32)
-    shape = (rows, cols) if layout == "linear" else (layouts.padded_scale_shape(rows, cols)[0] * layouts.padded_scale_shape(rows, cols)[1],)
-    return fp4gemv.FP4Tensor(torch.zeros(rows, k // 2, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8), fmt, layout)
-gemv_module = importlib.import_module("fp4gemv.gemv")
-gemv_module.resolve_backend = lambda backend, device: "triton-ptx"
+launches = []
+for m, k, l in [(7168, 16384, 1), (4096, 7168, 8), (7168, 2048, 4), (14336, 4096, 1), (4096, 14336, 1),
+                (4096, 4096, 1), (384, 192, 3)]:
+    a, b, _, _, sfa_p, sfb_p, c = random_task_input(m, k, l, seed=0, device="cpu")
+    launches.append(Sm90Launch(FP4Tensor.from_task(a, sfa_p), FP4Tensor.from_task(b, sfb_p).first_rows(1),
+                               c.permute(2, 0, 1)))
 for k, fmt, layout in ((2048, "mxfp4", "swizzled"), (48, "nvfp4", "linear"), (4096, "nvfp4", "linear")):
-    gemv_module.gemv(fp4(256, k, fmt, layout), fp4(1, k, fmt, layout), out_dtype=torch.bfloat16)
-for args, kw in calls:
-    sig, const, attrs, _ = jit_specialization(kernel, args, kw)
-    compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=kw["num_warps"], launch_pdl=kw["launch_pdl"]))
-    ptx, label = compiled.asm["ptx"], (const["SCALE_BLOCK"], const["SCALE_ROWS_EVEN"], const["BLOCKS"], const["KSPLIT"])
+    a = random_fp4((256, k), fmt, layout, seed=1, device="cpu")
+    b = random_fp4((1, k), fmt, layout, seed=2, device="cpu")
+    launches.append(Sm90Launch(a, b, out_dtype=torch.bfloat16))
+for launch in launches:
+    assert launch.spec.name == "w4a4"
+    const, opts = launch.constexprs, launch.options
+    compiled = launch.compile()
+    ptx, label = compiled.asm["ptx"], (const["FORMAT"], const["SCALE_ROWS_EVEN"], const["BLOCKS"], const["KSPLIT"])
     assert compiled.asm["cubin"] and "dp4a" in ptx and "prmt" in ptx, label
-    assert ("griddepcontrol.wait" in ptx) == kw["launch_pdl"], label
+    assert ("griddepcontrol.wait" in ptx) == opts["launch_pdl"], label
     assert ("prefetch.global.L2" in ptx) == (const["PREFETCH"] > 0), label
     byte_loads = len(re.findall(r"ld\.global(\.nc)?\.[bu]8", ptx))
     if const["SCALE_ROWS_EVEN"] and const["EVEN_K"]:
@@ -156,7 +154,7 @@ for args, kw in calls:
         # scale) as one 16-bit load (masked K tails may not be)
         assert byte_loads == 0 and "ld.global.b16" in ptx, (label, byte_loads)
     print("compiled", label, "byte loads", byte_loads)
-print("compiled", len(calls))
+print("compiled", len(launches))
 """
 
 
@@ -164,15 +162,13 @@ def test_shipped_configs_compile_for_sm90_without_a_gpu(compile_for_sm90):
     """Every shipped configuration as the JIT would specialize it; with even scale rows there is no byte load."""
     out = compile_for_sm90(_AOT_SCRIPT)
     assert "compiled 10" in out, out
-    assert "compiled (16, False" in out, out  # linear scales of odd row stride (K = 48): no 16-bit hint
+    assert "compiled ('nvfp4', False" in out, out  # linear scales of odd row stride (K = 48): no 16-bit hint
 
 
 # --- MXFP4 (e8m0 scale per 32 elements) through fp4gemv.gemv, which sends FP4 x FP4 with N = 1 here -------
 
 
 def _mxfp4_case(m, k, L, seed, layout_a, layout_b):
-    from test_kernels_gemv import random_fp4
-
     a = random_fp4((L, m, k), "mxfp4", layout_a, seed, global_scale=0.75, device=DEVICE)
     b = random_fp4((L, 1, k), "mxfp4", layout_b, seed + 1, device=DEVICE)
     return a, b
@@ -181,20 +177,17 @@ def _mxfp4_case(m, k, L, seed, layout_a, layout_b):
 @pytest.mark.parametrize(
     "m, k, L, cfg, layouts_ab",
     [
-        (200, 192, 2, GemvConfig(16, 8, 4), ("swizzled", "linear")),  # tail rows, a partial last step
-        (128, 256, 1, GemvConfig(8, 4, 4, ksplit=2, unroll=2), ("linear", "swizzled")),  # K chunks side by side
+        (200, 192, 2, W4A4Config(16, 8, 4), ("swizzled", "linear")),  # tail rows, a partial last step
+        (128, 256, 1, W4A4Config(8, 4, 4, ksplit=2, unroll=2), ("linear", "swizzled")),  # K chunks side by side
         (64, 64, 1, None, ("linear", "linear")),  # the shipped config, shrunk to K = 64
-        (256, 1024, 1, GemvConfig(64, 32, 4, unroll=2, pdl=True, prefetch=32), ("swizzled", "swizzled")),
+        (256, 1024, 1, W4A4Config(64, 32, 4, unroll=2, pdl=True, prefetch=32), ("swizzled", "swizzled")),
         # odd numbers of scale columns (3, 5): the last lane's column pair reaches past the row (masked)
-        (130, 96, 1, GemvConfig(8, 4, 4), ("linear", "linear")),
-        (72, 160, 2, GemvConfig(8, 8, 4, ksplit=2), ("linear", "swizzled")),
+        (130, 96, 1, W4A4Config(8, 4, 4), ("linear", "linear")),
+        (72, 160, 2, W4A4Config(8, 8, 4, ksplit=2), ("linear", "swizzled")),
     ],
 )
 @pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
 def test_mxfp4_matches_exact_result(m, k, L, cfg, layouts_ab, out_dtype):
-    from fp4gemv import gemv
-    from test_kernels_gemv import assert_matches_exact, poisoned
-
     a, b = _mxfp4_case(m, k, L, m + k, *layouts_ab)
     got = gemv(a, b, out=poisoned((L, m, 1), out_dtype, device=DEVICE), out_dtype=out_dtype, backend="triton",
                config=cfg)
@@ -207,41 +200,37 @@ def test_mxfp4_scale_per_two_blocks_is_read(k, column):
     """Each 32-element block's scale multiplies both of its 16-element halves: doubling the scale of one
     block changes the result by exactly that block's contribution (lanes load their scale as part of an
     aligned column pair; even and odd columns, and the last of an odd count)."""
-    from fp4gemv import FP4Tensor, gemv
-
     a, b = _mxfp4_case(128, k, 1, 3, "linear", "linear")
-    base = gemv(a, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
+    base = gemv(a, b, out_dtype=torch.float32, backend="triton", config=W4A4Config(8, 8, 4))
     scales = a.scales.clone()
     scales[:, :, column] += 1  # that 32-element block times 2
     bumped = FP4Tensor(a.data, scales, "mxfp4", "linear", a.global_scale)
-    got = gemv(bumped, b, out_dtype=torch.float32, backend="triton", config=GemvConfig(8, 8, 4))
-    from fp4gemv.reference import quantized_gemv_reference
-
+    got = gemv(bumped, b, out_dtype=torch.float32, backend="triton", config=W4A4Config(8, 8, 4))
     expected = quantized_gemv_reference(bumped.to("cpu"), b.to("cpu"), torch.float64)
     assert not torch.allclose(base.cpu(), got.cpu())
     torch.testing.assert_close(got.cpu().double(), expected, rtol=1e-6, atol=1e-6)
 
 
 def test_scale_rows_even_decides_the_16_bit_scale_loads():
-    """The launcher's alignment fact: every scale row at an even address (swizzled, or linear with even K/16 and
+    """The launch's alignment fact: every scale row at an even address (swizzled, or linear with even K/16 and
     an even start), else byte loads."""
-    from fp4gemv.kernels._common import linear_scale_addressing, swizzled_scale_addressing
+    from fp4gemv.kernels.spec import GemvOperands
     from fp4gemv.kernels.w4a4 import scale_rows_even
 
-    raw = torch.zeros(4096, dtype=torch.uint8)
-    assert scale_rows_even(raw, swizzled_scale_addressing(1024, 8))
-    assert scale_rows_even(raw, linear_scale_addressing(8 * 6, 6))
-    assert not scale_rows_even(raw, linear_scale_addressing(8 * 3, 3))  # K = 48: 3 scales per row
-    assert not scale_rows_even(raw, linear_scale_addressing(7, 6))  # odd batch stride
-    assert not scale_rows_even(raw[1:], linear_scale_addressing(8 * 6, 6))  # odd start
+    def even(a):
+        return scale_rows_even(GemvOperands.of(a, a.first_rows(1), torch.empty(a.rows, 1)).case.a)
+
+    assert even(random_fp4((128, 128), "nvfp4", "swizzled", seed=0, device="cpu"))
+    assert even(random_fp4((128, 96), "nvfp4", "linear", seed=0, device="cpu"))  # 6 scales per row
+    odd = random_fp4((128, 48), "nvfp4", "linear", seed=0, device="cpu")  # K = 48: 3 scales per row
+    assert not even(odd)
+    shifted = torch.zeros(128 * 6 + 1, dtype=torch.uint8)[1:].view(128, 6)  # odd start
+    assert not even(FP4Tensor(random_fp4((128, 96), "nvfp4", "linear", seed=0, device="cpu").data, shifted))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, L", [(2432, 4608, 2), (7168, 2048, 4), (4096, 7168, 8), (200, 192, 3)])
 def test_mxfp4_ptx_and_triton_agree_bitwise(m, k, L):
-    from fp4gemv import gemv
-    from test_kernels_gemv import assert_matches_exact
-
     a, b = _mxfp4_case(m, k, L, 5, "swizzled", "linear")
     ptx = gemv(a, b, out_dtype=torch.float32, backend="triton-ptx")
     pure = gemv(a, b, out_dtype=torch.float32, backend="triton")

@@ -1,103 +1,262 @@
-"""Validation at the boundary of ``ops.task_gemv``: errors name the argument, and nothing is written."""
+"""The public op at its boundary: result shapes, out=, backends, validation (nothing written on failure),
+kernel selection on each target, the metadata cache, and the torch.library ops under torch.compile.  The
+kernels' numerics are tested in test_kernels_*.py."""
+
+import os
 
 import pytest
 import torch
 
-from fp4gemv import ops, task
+from fp4gemv import FP4Tensor, gemv, ops, select_kernel, task
+from fp4gemv.kernels import GEMV_KERNELS
+from fp4gemv.kernels.general import GeneralConfig
+from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.reference import gemv_reference, quantized_gemv_reference
+from fp4gemv.target import SM90, Target
 
 
-@pytest.fixture
-def data():
-    return task.generate_input(128, 256, 2, seed=0, device="cpu")
+def _fp4(*shape, fmt="nvfp4", layout="linear", seed=0, global_scale=None):
+    g = torch.Generator().manual_seed(seed)
+    return FP4Tensor.quantize(torch.randn(shape, generator=g), fmt, layout, global_scale)
 
 
-def _call(a, b, sfa_p, sfb_p, c, **kw):
-    return ops.task_gemv(a, b, sfa_p, sfb_p, c, **kw)
+def _x(*shape, dtype=torch.float16, seed=1):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _args(data):
-    a, b, _, _, sfa_p, sfb_p, c = data
-    return [a, b, sfa_p, sfb_p, c]
+# --- shapes and the reference backend -------------------------------------------------------------------
 
 
-def _expect_error(data, index, value, exc, *words, **kw):
-    args = _args(data)
-    c_before = args[4].clone()
-    args[index] = value
+@pytest.mark.parametrize(
+    "a_shape, b, expected",
+    [
+        ((2, 128, 64), ("fp4", (2, 3, 64)), (2, 128, 3)),
+        ((128, 64), ("fp4", (3, 64)), (128, 3)),
+        ((2, 128, 64), ("fp4", (5, 64)), (2, 128, 5)),  # b broadcast over a's batch
+        ((128, 64), ("fp4", (2, 1, 64)), (2, 128, 1)),  # a broadcast over b's batch
+        ((2, 128, 64), (torch.bfloat16, (2, 16, 64)), (2, 128, 16)),
+        ((128, 64), (torch.float32, (1, 64)), (128, 1)),
+        ((2, 128, 64), (torch.float16, (64,)), (2, 128)),
+        ((128, 64), (torch.float16, (64,)), (128,)),
+    ],
+)
+def test_result_shape_and_reference_values(a_shape, b, expected):
+    a = _fp4(*a_shape, global_scale=0.5)
+    kind, shape = b
+    b = _fp4(*shape, seed=2, layout="swizzled") if kind == "fp4" else _x(*shape, dtype=kind)
+    out = gemv(a, b, out_dtype=torch.float32)
+    assert out.shape == expected and out.dtype == torch.float32
+    assert torch.equal(out, quantized_gemv_reference(a, b, torch.float32))
+    # The oracle, spelled out: float64 values of both operands, one rounding.
+    a64 = a.dequantize(torch.float64)
+    b64 = b.dequantize(torch.float64) if isinstance(b, FP4Tensor) else b.double()
+    direct = a64 @ (b64.transpose(-1, -2) if b64.dim() > 1 else b64)
+    torch.testing.assert_close(out.double(), direct, rtol=2.0**-24, atol=1e-12)
+
+
+def test_global_scales_multiply_the_result():
+    a, b = _fp4(128, 64), _fp4(2, 64, seed=2)
+    plain = quantized_gemv_reference(a, b, torch.float64)
+    scaled_a = FP4Tensor(a.data, a.scales, a.fmt, a.scale_layout, 0.25)
+    scaled_b = FP4Tensor(b.data, b.scales, b.fmt, b.scale_layout, 3.0)
+    assert torch.equal(quantized_gemv_reference(scaled_a, scaled_b, torch.float64), plain * 0.75)
+    assert torch.equal(gemv(scaled_a, scaled_b, out_dtype=torch.float32), (plain * 0.75).float())
+
+
+def test_out_is_written_and_returned_default_is_new():
+    a, x = _fp4(2, 128, 64), _x(2, 4, 64)
+    out = torch.full((2, 128, 4), float("nan"), dtype=torch.bfloat16)
+    assert gemv(a, x, out=out, out_dtype=torch.bfloat16) is out
+    assert not torch.isnan(out).any()
+    fresh = gemv(a, x)
+    assert fresh.dtype == torch.float16 and fresh.shape == (2, 128, 4)
+    assert torch.equal(fresh, gemv_reference(a.dequantize(torch.float64), x, torch.float16))
+
+
+def test_auto_on_cpu_is_the_reference():
+    a, b = _fp4(200, 128, fmt="mxfp4"), _fp4(3, 128, fmt="mxfp4", seed=4)
+    assert torch.equal(gemv(a, b), gemv(a, b, backend="reference"))
+
+
+# --- validation: every error names its argument; out is untouched -------------------------------------
+
+
+def _expect_error(exc, words, a=None, b=None, **kwargs):
+    a = _fp4(2, 128, 64) if a is None else a
+    b = _x(2, 3, 64) if b is None else b
+    out = kwargs.pop("out", torch.full((2, 128, 3), float("nan"), dtype=torch.float16))
+    before = out.clone() if isinstance(out, torch.Tensor) else None
     with pytest.raises(exc) as info:
-        _call(*args, **kw)
+        gemv(a, b, out=out, **kwargs)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
-    assert torch.equal(data[6].view(torch.int16), c_before.view(torch.int16)), "c was written on failure"
+    if before is not None and out.device.type == "cpu":
+        assert torch.equal(out.view(torch.uint8), before.view(torch.uint8)), "out was written on failure"
 
 
-def test_valid_call_writes_c(data):
-    c = data[6].fill_(float("nan"))
-    _call(*_args(data))
-    assert not torch.isnan(c).any()
+def test_a_must_be_an_fp4_tensor():
+    _expect_error(TypeError, ["a:", "FP4Tensor", "Tensor"], a=torch.zeros(2, 128, 64))
 
 
-def test_wrong_a_dtype(data):
-    _expect_error(data, 0, data[0].view(torch.uint8).to(torch.float16), TypeError, "a:", "float16")
+def test_b_type_dtype_and_rank():
+    _expect_error(TypeError, ["b:", "FP4Tensor or a torch.Tensor", "list"], b=[1.0])
+    _expect_error(TypeError, ["b:", "float16, bfloat16, float32", "float64"], b=_x(2, 3, 64).double())
+    _expect_error(TypeError, ["b:", "int32"], b=torch.zeros(2, 3, 64, dtype=torch.int32))
+    _expect_error(ValueError, ["b:", "[K], [N, K] or [L, N, K]", "(1, 2, 3, 64)"], b=_x(1, 2, 3, 64))
 
 
-def test_wrong_a_rank(data):
-    _expect_error(data, 0, data[0][:, :, 0], ValueError, "a:", "3 dims")
+def test_b_shape_against_a():
+    _expect_error(ValueError, ["b:", "K = 64 like a", "K = 32"], b=_x(2, 3, 32))
+    _expect_error(ValueError, ["b:", "N from 1 to 16", "N = 17"], b=_x(2, 17, 64))
+    _expect_error(ValueError, ["b:", "N from 1 to 16", "N = 0"], b=_x(2, 0, 64))
+    _expect_error(ValueError, ["b:", "L = 2 like a", "L = 3"], b=_x(3, 3, 64))
+    _expect_error(ValueError, ["b:", "format 'nvfp4' like a", "'mxfp4'"], b=_fp4(2, 3, 64, fmt="mxfp4"))
+    _expect_error(ValueError, ["b:", "device cpu like a", "meta"], b=_x(2, 3, 64).to("meta"))
 
 
-def test_k_not_multiple_of_64(data):
-    a = data[0].view(torch.uint8)[:, :16, :]
-    _expect_error(data, 0, a, ValueError, "a:", "multiple of 64", "K = 32")
+def test_out_and_out_dtype():
+    _expect_error(TypeError, ["out_dtype:", "float16, bfloat16, float32", "float64"], out_dtype=torch.float64)
+    _expect_error(TypeError, ["out:", "torch.Tensor", "list"], out=[0.0])
+    _expect_error(ValueError, ["out:", "(2, 128, 3)", "(2, 128, 4)"],
+                  out=torch.zeros(2, 128, 4, dtype=torch.float16))
+    _expect_error(TypeError, ["out:", "torch.float32 (out_dtype)", "torch.float16"], out_dtype=torch.float32)
+    _expect_error(ValueError, ["out:", "device cpu like a", "meta"],
+                  out=torch.zeros(2, 128, 3, dtype=torch.float16, device="meta"))
 
 
-def test_a_not_k_major(data):
-    a = data[0].view(torch.uint8)
-    a_mk = a.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # same logical tensor, K-major: fine
-    assert a_mk.stride(1) == 1
-    strided = a.transpose(0, 1).contiguous().transpose(0, 1)  # M fastest: not K-major
-    _expect_error(data, 0, strided, ValueError, "a:", "K-major")
+def test_backend_kernel_and_config(monkeypatch):
+    _expect_error(ValueError, ["backend:", "'auto', 'triton-ptx', 'triton', 'reference'", "'cuda'"], backend="cuda")
+    _expect_error(ValueError, ["backend:", "'triton-ptx' needs CUDA tensors", "cpu"], backend="triton-ptx")
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "0")
+    _expect_error(ValueError, ["backend:", "'triton' needs CUDA tensors (or TRITON_INTERPRET=1)"], backend="triton")
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+    _expect_error(ValueError, ["config:", "rows a power of two", "rows=12"], backend="triton", kernel="general",
+                  config=GeneralConfig(12, 8, 4))
+    _expect_error(TypeError, ["config:", "GeneralConfig", "tuple"], backend="triton", kernel="general",
+                  config=(8, 8, 4))
+    _expect_error(TypeError, ["config:", "no config for kernel 'reference'", "GeneralConfig"],
+                  config=GeneralConfig(8, 8, 4))
+    _expect_error(ValueError, ["kernel:", "'w4a4', 'hmma', 'general', 'reference'", "'fast'"], kernel="fast")
+    _expect_error(ValueError, ["kernel: 'w4a4' cannot run", "FP4 activation with N = 1"], backend="triton",
+                  kernel="w4a4")
 
 
-def test_b_shape_mismatch(data):
-    _expect_error(data, 1, data[1][:, :64, :], ValueError, "b:", "[N >= 1, 128, 2]")
+def test_kernel_needs_8_byte_aligned_rows():
+    wide = torch.zeros(128, 40, dtype=torch.uint8)
+    misaligned = FP4Tensor(wide[:, 4:36], torch.full((128, 4), 0x38, dtype=torch.uint8))  # rows 40 bytes apart
+    _expect_error(ValueError, ["no kernel runs", "general: a: needs data rows at multiples of 8 bytes",
+                               "4-byte alignment", "backend='reference'"],
+                  a=misaligned, b=_x(3, 64), out=torch.zeros(128, 3, dtype=torch.float16), backend="triton")
+    # The reference reads any layout.
+    assert gemv(misaligned, _x(3, 64)).abs().max() == 0
 
 
-def test_b_wrong_l(data):
-    _expect_error(data, 1, data[1][:, :, :1], ValueError, "b:")
+# --- which kernel runs where ----------------------------------------------------------------------------
 
 
-def test_c_wrong_dtype(data):
-    _expect_error(data, 4, data[6].float(), TypeError, "c:", "float16", "float32")
+def test_the_reference_is_the_last_spec_and_runs_off_cuda():
+    assert GEMV_KERNELS[-1].name == "reference"
+    a, x = _fp4(2, 128, 64), _x(2, 3, 64)
+    assert select_kernel(a, x).name == "reference"  # auto on the CPU
+    assert select_kernel(a, x, backend="reference").name == "reference"
+    assert select_kernel(a, x, backend="triton").name == "hmma"
+    assert select_kernel(a, _fp4(2, 1, 64, seed=3), backend="triton").name == "w4a4"
 
 
-def test_c_wrong_shape(data):
-    _expect_error(data, 4, data[6][:64], ValueError, "c:", "(128, 1, 2)")
+def _case(a, b):
+    return GemvOperands.of(a, b, torch.empty(ops.result_shape(a, b))).case
 
 
-def test_scales_wrong_shape(data):
-    _expect_error(data, 2, data[4][..., :1], ValueError, "sfa_permuted:", "(32, 4, 1, 4, 4, 2)")
+def test_choice_follows_the_target():
+    """sm_90 runs the tensor-core kernel; sm_80 (no e4m3x2 conversion) has no kernel for NVFP4 and says so,
+    naming the capability, while MXFP4 (e8m0 scales, integer decode) runs the general kernel there."""
+    nv, x = _fp4(128, 64), _x(3, 64)
+    assert ops.choose_kernel(_case(nv, x), SM90).name == "hmma"
+    sm80 = Target("cuda", (8, 0), 108, "ptx")
+    assert not sm80.e4m3x2_cvt and not sm80.native_fp4_mma and SM90.pdl
+    with pytest.raises(ValueError, match="no kernel runs nvfp4 128x64 .*sm_80.*sm_89 or newer"):
+        ops.choose_kernel(_case(nv, x), sm80)
+    mx = _fp4(128, 64, fmt="mxfp4")
+    assert ops.choose_kernel(_case(mx, x), sm80).name == "general"
+    assert ops.choose_kernel(_case(mx, x), Target("cpu")).name == "reference"
 
 
-def test_scales_wrong_dtype(data):
-    _expect_error(data, 3, data[5].view(torch.uint8).to(torch.float16), TypeError, "sfb_permuted:")
+# --- cached calls -----------------------------------------------------------------------------------------
 
 
-def test_scales_not_the_task_view(data):
-    copied = data[4].contiguous()  # same shape, but the strides of a plain contiguous tensor
-    _expect_error(data, 2, copied, ValueError, "sfa_permuted:", "permute(3, 4, 1, 5, 2, 0)")
+def test_calls_with_the_same_metadata_share_one_plan():
+    a, x = _fp4(2, 128, 64), _x(2, 3, 64)
+    out = torch.empty(2, 128, 3, dtype=torch.float16)
+    first = ops.prepared(a, x, out=out)
+    assert ops.prepared(_fp4(2, 128, 64, seed=5), _x(2, 3, 64, seed=6), out=torch.empty_like(out)) is first
+    assert ops.prepared(a, x, out=out, out_dtype=torch.float16, backend="auto") is first
+    assert ops.prepared(a, x) is not first  # a new result tensor: another plan
+    assert ops.prepared(a, x[:, :2], out=out[:, :, :2]) is not first
 
 
-def test_device_mismatch(data):
-    _expect_error(data, 1, data[1].to("meta"), ValueError, "b:", "device")
+def test_a_bad_call_after_a_cached_one_still_raises_before_writing():
+    a, x = _fp4(2, 128, 64), _x(2, 3, 64)
+    out = torch.full((2, 128, 3), float("nan"), dtype=torch.float16)
+    gemv(a, x, out=out)
+    assert not torch.isnan(out).any()
+    _expect_error(ValueError, ["out:", "(2, 128, 3)", "(2, 128, 4)"], a=a, b=x,
+                  out=torch.full((2, 128, 4), float("nan"), dtype=torch.float16))
+    _expect_error(TypeError, ["out:", "torch.float16 (out_dtype)", "torch.float32"], a=a, b=x,
+                  out=torch.full((2, 128, 3), float("nan"), dtype=torch.float32))
+    _expect_error(ValueError, ["b:", "K = 64 like a", "K = 32"], a=a, b=_x(2, 3, 32))
+    _expect_error(TypeError, ["b:", "float64"], a=a, b=x.double())
+    _expect_error(ValueError, ["b:", "format 'nvfp4' like a"], a=a, b=_fp4(2, 3, 64, fmt="mxfp4"))
+    _expect_error(ValueError, ["backend:"], a=a, b=x, backend="fast")
 
 
-def test_unknown_backend(data):
-    _expect_error(data, 0, data[0], ValueError, "backend:", "'fast'", backend="fast")
+# --- torch.library ops and torch.compile ---------------------------------------------------------------------
 
 
-def test_not_a_tensor(data):
-    _expect_error(data, 0, [1, 2], TypeError, "a:", "torch.Tensor")
+def _w4a4_and_w4a16(x, w):
+    """What a compiled decode step does: quantize an activation row, then both products."""
+    xq = FP4Tensor(x.data, x.scales, x.fmt, x.scale_layout, x.global_scale)
+    return gemv(w, xq, out_dtype=torch.float32), gemv(w, torch.ones(3, w.k, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
 
 
-def test_ptx_backend_needs_cuda(data):
-    _expect_error(data, 0, data[0], ValueError, "backend:", "'triton-ptx' needs CUDA tensors", backend="triton-ptx")
+def test_compiled_gemv_has_no_graph_break_and_matches_eager():
+    import torch._dynamo
+
+    w = _fp4(128, 64, layout="swizzled", global_scale=0.5)
+    x = _fp4(1, 64, seed=3)
+    eager = _w4a4_and_w4a16(x, w)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_w4a4_and_w4a16)(x, w)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(_w4a4_and_w4a16, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (3, 4):  # new values, same metadata: no recompilation
+            x = _fp4(1, 64, seed=seed)
+            got, want = compiled(x, w), _w4a4_and_w4a16(x, w)
+            assert all(torch.equal(g, e) for g, e in zip(got, want))
+    assert torch.equal(eager[0], _w4a4_and_w4a16(_fp4(1, 64, seed=3), w)[0])
+
+
+def test_compiled_gemv_writes_out():
+    w, x = _fp4(2, 128, 64), _x(2, 3, 64)
+    out = torch.full((2, 128, 3), float("nan"), dtype=torch.float16)
+
+    def f(w, x, out):
+        return gemv(w, x, out=out)
+
+    got = torch.compile(f, fullgraph=True)(w, x, out)
+    assert got is out and torch.equal(out, gemv(w, x))
+
+
+def test_custom_ops_pass_opcheck():
+    from torch.library import opcheck
+
+    w, x = _fp4(2, 128, 64, global_scale=0.5), _x(2, 3, 64)
+    b = _fp4(2, 1, 64, seed=2, layout="swizzled")
+    float_args = (w.data, w.scales, w.global_scale, x, None, None, "nvfp4", "linear", "")
+    fp4_args = (w.data, w.scales, w.global_scale, b.data, b.scales, None, "nvfp4", "linear", "swizzled")
+    for args in (float_args, fp4_args):
+        result = opcheck(torch.ops.fp4gemv.gemv.default, (*args, torch.float32, "auto", None, None))
+        assert set(result.values()) == {"SUCCESS"}, result
+    out = torch.empty(2, 128, 3, dtype=torch.float16)
+    result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))
+    assert set(result.values()) == {"SUCCESS"}, result

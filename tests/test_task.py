@@ -218,7 +218,7 @@ def test_check_rejects_wrong_shape_and_dtype():
     assert not ok and message == "output: expected dtype torch.float16, got torch.float32"
 
 
-# --- custom_kernel on every test shape (the CPU path of fp4gemv.ops.task_gemv) -----------------------------
+# --- custom_kernel on every test shape (on the CPU: gemv's float64 reference) ---------------------------------
 
 
 @pytest.mark.parametrize("generate", GENERATORS, ids=["task", "full_range"])
@@ -232,7 +232,102 @@ def test_custom_kernel_passes_every_test_shape(shape, generate):
     assert ok, message
 
 
+def test_custom_kernel_is_gemv_on_the_task_views():
+    from fp4gemv import FP4Tensor, gemv
+
+    data = task.generate_full_range_input(256, 512, 2, seed=8, device="cpu")
+    c = data[6].fill_(float("nan"))
+    assert task.custom_kernel(data) is c
+    a, b, _, _, sfa_p, sfb_p, _ = data
+    want = gemv(FP4Tensor.from_task(a, sfa_p), FP4Tensor.from_task(b, sfb_p).first_rows(1), backend="reference")
+    assert torch.equal(c.permute(2, 0, 1).view(torch.int16), want.view(torch.int16))
+
+
+def test_custom_kernel_triton_backend_passes_the_check():
+    data = task.generate_full_range_input(128, 1536, 2, seed=7, device="cpu")
+    data[6].fill_(float("nan"))
+    ok, message = task.check_implementation(data, task.custom_kernel(data, backend="triton"))
+    assert ok, message
+
+
+# --- custom_kernel's errors name the task's arguments; c is untouched ---------------------------------------
+
+
+@pytest.fixture
+def small():
+    return task.generate_input(128, 256, 2, seed=0, device="cpu")
+
+
+def _expect_task_error(data, index, value, exc, *words):
+    items = list(data)
+    c_before = items[6].clone()
+    items[index] = value
+    with pytest.raises(exc) as info:
+        task.custom_kernel(tuple(items))
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+    assert torch.equal(data[6].view(torch.int16), c_before.view(torch.int16)), "c was written on failure"
+
+
+def test_custom_kernel_wants_the_7_tuple(small):
+    for bad, got in ((small[:6], "a tuple of 6 items"), ({"a": small[0]}, "dict"), (list(small) + [0], "a list of 8")):
+        with pytest.raises(TypeError, match=r"data: expected the 7-tuple \(a, b, sfa, sfb, sfa_permuted, "
+                                            r"sfb_permuted, c\), got " + got):
+            task.custom_kernel(bad)
+
+
+def test_custom_kernel_names_a(small):
+    _expect_task_error(small, 0, small[0].view(torch.uint8).to(torch.float16), TypeError, "a:", "float16")
+    _expect_task_error(small, 0, small[0][:, :, 0], ValueError, "a:", "3 dims")
+    strided = small[0].view(torch.uint8).transpose(0, 1).contiguous().transpose(0, 1)  # M fastest: not K-major
+    _expect_task_error(small, 0, strided, ValueError, "a:", "stride 1 along K/2")
+    _expect_task_error(small, 0, [1, 2], TypeError, "a:", "torch.Tensor", "list")
+
+
+def test_custom_kernel_names_b(small):
+    _expect_task_error(small, 1, small[1][:, :64, :], ValueError, "b:", "[rows, 128, 2]", "(128, 64, 2)")
+    _expect_task_error(small, 1, small[1][:, :, :1], ValueError, "b:", "(128, 128, 1)")
+    _expect_task_error(small, 1, small[1].view(torch.uint8).to(torch.int16), TypeError, "b:", "int16")
+
+
+def test_custom_kernel_names_the_permuted_scales(small):
+    _expect_task_error(small, 4, small[4][..., :1], ValueError, "sfa_permuted:", "(32, 4, 1, 4, 4, 2)")
+    _expect_task_error(small, 5, small[5].view(torch.uint8).to(torch.float16), TypeError, "sfb_permuted:")
+    copied = small[4].contiguous()  # same shape, but the strides of a plain contiguous tensor
+    _expect_task_error(small, 4, copied, ValueError, "sfa_permuted:", "permute(3, 4, 1, 5, 2, 0)")
+
+
+def test_custom_kernel_names_c(small):
+    _expect_task_error(small, 6, small[6][:64], ValueError, "c:", "(128, 1, 2)", "(64, 1, 2)")
+    _expect_task_error(small, 6, small[6].to(torch.int32), TypeError, "c:", "float16", "int32")
+    _expect_task_error(small, 6, small[6].to("meta"), ValueError, "c:", "device cpu like a", "meta")
+    _expect_task_error(small, 6, 0.0, TypeError, "c:", "torch.Tensor", "float")
+
+
 # --- command line -----------------------------------------------------------------------------------------
+
+
+def test_cli_version(capsys):
+    import fp4gemv
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"fp4gemv {fp4gemv.__version__}"
+
+
+def test_cli_task_test_with_the_triton_backend(capsys, monkeypatch):
+    monkeypatch.setattr(task, "TEST_SHAPES", task.TEST_SHAPES[:2])
+    assert cli.main(["task", "test", "--device", "cpu", "--backend", "triton"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[:2] == ["running on the CPU (--device cpu)", "backend triton"]
+    assert out[-1] == "2 passed, 0 failed"
+
+
+def test_cli_task_benchmark_without_a_gpu_exits_at_once(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(task, "generate_input", lambda *a, **kw: pytest.fail("generated inputs"))
+    assert cli.main(["task", "benchmark"]) == 2
+    assert "no CUDA GPU found" in capsys.readouterr().err
 
 
 def test_cli_task_test_passes_on_cpu(capsys):
@@ -240,7 +335,8 @@ def test_cli_task_test_passes_on_cpu(capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-1] == "10 passed, 0 failed"
     assert sum(" PASS " in line for line in lines) == 10
-    assert lines[1].startswith("m=128 k=256 l=1") and "max abs err" in lines[1]
+    assert lines[1] == "backend auto (the float64 reference on the CPU)"
+    assert lines[2].startswith("m=128 k=256 l=1") and "max abs err" in lines[2]
 
 
 def test_cli_says_when_no_gpu_is_found(capsys, monkeypatch):

@@ -1,12 +1,13 @@
 """fp4gemv: fast FP4 (NVFP4 / MXFP4) matrix-vector products for LLM decoding on NVIDIA GPUs.
 
-Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``) and
-:func:`gemv` (FP4 weights times FP4 or float activations).
+Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``),
+:func:`gemv` (FP4 weights times FP4 or float activations) and :func:`select_kernel` (which kernel gemv runs).
 """
 
-from .gemv import gemv
+from . import library  # noqa: F401 -- registers torch.ops.fp4gemv.*
+from .ops import gemv, select_kernel
 from .tensor import FP4Tensor
 
-__all__ = ["FP4Tensor", "gemv", "__version__"]
+__all__ = ["FP4Tensor", "gemv", "select_kernel", "__version__"]
 
 __version__ = "0.1.0"

@@ -1,9 +1,12 @@
 """The ``fp4gemv`` command line.
 
-    fp4gemv task test       [--device cpu|cuda] [--seed N] [--full-range]
+    fp4gemv --version
+    fp4gemv task test       [--device cpu|cuda] [--backend auto|triton|triton-ptx|reference] [--seed N]
+                            [--full-range]
     fp4gemv task benchmark  [--device cpu|cuda] [--seed N] [--repeats N] [--inputs N]
-    fp4gemv bench           [--shapes task|decode|all] [--format nvfp4|mxfp4] [--act fp4|fp16|bf16] [--n N,N,..]
-                            [--out DIR] [--no-compile]   (GPU only)
+    fp4gemv bench           [--shapes task|decode|model|all|every] [--format nvfp4|mxfp4] [--act fp4|fp16|bf16]
+                            [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
+    fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
 
 Each top-level command is one ``_add_<command>_parser`` function listed in ``_COMMANDS``; it adds its
 sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and returns as the exit code.
@@ -13,17 +16,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
+import fp4gemv
 from fp4gemv import task
+from fp4gemv.target import BACKENDS, interpreting
 
 __all__ = ["build_parser", "main"]
 
-NO_GPU_NOTICE = "no CUDA GPU found: running the CPU reference path"
+NO_GPU_NOTICE = "no CUDA GPU found: running on the CPU"
 
 
 def _progress(message: str) -> None:
@@ -53,7 +59,7 @@ def _select_device(requested: str | None) -> torch.device | None:
         return None
     device = task.resolve_device(requested)
     if device.type == "cpu":
-        print(NO_GPU_NOTICE if requested is None else "running the CPU reference path (--device cpu)")
+        print(NO_GPU_NOTICE if requested is None else "running on the CPU (--device cpu)")
     return device
 
 
@@ -62,14 +68,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_checked(data: task.TaskInput, device: torch.device) -> tuple[task.Comparison, float]:
+def _run_checked(data: task.TaskInput, device: torch.device, backend: str = "auto") -> tuple[task.Comparison, float]:
     """Run ``custom_kernel`` once on ``data`` with c poisoned, and compare with a fresh reference."""
     # NaN in c first: a kernel that skips some outputs cannot pass on c's previous contents.
     data[6].fill_(float("nan"))
     _synchronize(device)
     start = time.perf_counter()
     try:
-        output = task.custom_kernel(data)
+        output = task.custom_kernel(data) if backend == "auto" else task.custom_kernel(data, backend=backend)
         _synchronize(device)
     except (ValueError, TypeError, RuntimeError) as exc:
         return task.Comparison(False, f"custom_kernel raised {type(exc).__name__}: {exc}", -1, math.nan), math.nan
@@ -108,10 +114,12 @@ def _task_test(args: argparse.Namespace) -> int:
     if device is None:
         return 2
     generate = task.generate_full_range_input if args.full_range else task.generate_input
+    print(f"backend {args.backend}" + (" (the float64 reference on the CPU)" if device.type == "cpu" and args.backend
+                                         == "auto" else ""))
     passed = failed = 0
     for index, shape in enumerate(task.TEST_SHAPES):
         data = generate(*shape, seed=args.seed + index, device=device)
-        comparison, elapsed = _run_checked(data, device)
+        comparison, elapsed = _run_checked(data, device, args.backend)
         verdict = "PASS" if comparison.ok else "FAIL"
         print(f"{str(shape):<24} {verdict}  max abs err {comparison.max_abs_error:.3e}  {_format_seconds(elapsed)}")
         if comparison.ok:
@@ -124,6 +132,11 @@ def _task_test(args: argparse.Namespace) -> int:
 
 
 def _task_benchmark(args: argparse.Namespace) -> int:
+    if args.device is None and not torch.cuda.is_available():
+        # Timing the float64 reference is no benchmark; only an explicit --device cpu asks for it.
+        print("error: fp4gemv task benchmark times the GPU kernel: no CUDA GPU found "
+              "(--device cpu times the float64 reference instead)", file=sys.stderr)
+        return 2
     device = _select_device(args.device)
     if device is None:
         return 2
@@ -170,6 +183,10 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
 
     test = actions.add_parser("test", parents=[common], help="check custom_kernel on every test shape")
     test.add_argument(
+        "--backend", choices=BACKENDS, default="auto",
+        help="auto: the kernels on CUDA, the float64 reference on the CPU; triton: the kernels' pure-Triton "
+             "paths (on a CPU, in Triton's interpreter)")
+    test.add_argument(
         "--full-range",
         action="store_true",
         help="all 16 e2m1 codes (negatives too) and scales over e4m3's whole range, not the task's 0..3 / {0,1,2}",
@@ -188,35 +205,47 @@ def _add_task_parser(commands: argparse._SubParsersAction) -> None:
     bench.set_defaults(func=_task_benchmark)
 
 
-def _run_bench(args: argparse.Namespace) -> int:
+def _parse_ns(text: str) -> list[int] | None:
     try:
-        ns = [int(v) for v in args.n.split(",")]
+        ns = [int(v) for v in text.split(",")]
     except ValueError:
-        print(f"error: --n: expected comma-separated integers, got {args.n!r}", file=sys.stderr)
-        return 2
-    if not all(1 <= v <= 16 for v in ns):
-        print(f"error: --n: expected values from 1 to 16, got {args.n!r}", file=sys.stderr)
+        return None
+    return ns if all(1 <= v <= 16 for v in ns) else None
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    ns = _parse_ns(args.n)
+    if ns is None:
+        print(f"error: --n: expected comma-separated integers from 1 to 16, got {args.n!r}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
         return 2
+    if args.host:
+        from fp4gemv.bench.host import format_host_table, host_costs
+
+        print(format_host_table(host_costs()))
+        return 0
     from fp4gemv import bench
 
-    shapes = {"task": bench.TASK_SHAPES, "decode": bench.DECODE_SHAPES,
-              "all": bench.TASK_SHAPES + bench.DECODE_SHAPES}[args.shapes]
-    bench.run(shapes, args.out, compile_baseline=not args.no_compile, fmt=args.format, act=args.act, ns=ns)
+    bench.run(bench.SHAPE_SETS[args.shapes], args.out, fmt=args.format, act=args.act, ns=ns,
+              bf16_baseline=args.bf16)
     return 0
 
 
 def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("bench", help="time the kernels against a stream read and PyTorch baselines (GPU)")
-    p.add_argument("--shapes", choices=("task", "decode", "all"), default="all")
-    p.add_argument("--out", default="bench-out", help="folder for bench.json and bench.png")
+    p = commands.add_parser("bench", help="time the kernels against the best read of the same bytes (GPU)")
+    p.add_argument("--shapes", choices=("task", "decode", "model", "all", "every"), default="all",
+                   help="task: the task's three benchmark shapes; decode: 4096x4096, 14336x4096, 4096x14336, "
+                        "28672x8192; model: 1024x4096, 5760x2880, 2880x2880; all: task + decode; every: all three")
+    p.add_argument("--out", default="bench-out", help="folder for bench.json")
     p.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4", help="weight (and FP4 activation) format")
     p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default="fp4",
                    help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
     p.add_argument("--n", default="1", help="activation rows (decode batch), comma-separated, each 1..16")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
+    p.add_argument("--host", action="store_true",
+                   help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
     p.set_defaults(func=_run_bench)
 
 
@@ -225,6 +254,7 @@ _COMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (_add_task
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fp4gemv", description="Fast FP4 (NVFP4 / MXFP4) GEMV kernels.")
+    parser.add_argument("--version", action="version", version=f"fp4gemv {fp4gemv.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in _COMMANDS:
         add_command(commands)
@@ -234,4 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]), run the command, return its exit code."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "backend", "auto") == "triton" and not torch.cuda.is_available() and not interpreting():
+        # Triton picks its interpreter when kernels are defined, at import: run again with it switched on.
+        argv = sys.argv[1:] if argv is None else list(argv)
+        os.execvpe(sys.executable, [sys.executable, "-m", "fp4gemv", *argv], {**os.environ, "TRITON_INTERPRET": "1"})
     return args.func(args)

@@ -1,111 +1,348 @@
-"""Public operations: validate once at the boundary, pick a kernel configuration, launch.
+"""The public GEMV op: validate once at the boundary, pick a kernel spec, launch; decisions cached per metadata.
 
-Validation raises ``TypeError`` (wrong dtype) or ``ValueError`` (wrong shape, stride, device) naming the
-argument, what was expected and what was given, before anything is written to the output.  Messages are
-built only on failure: this runs on every eager call.
+:func:`gemv` walks ``kernels.GEMV_KERNELS`` (the reference last) and runs the first spec that supports the
+case on the target (``fp4gemv.target``); :func:`select_kernel` says which one that is.  Validation raises
+``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend, no kernel for the case) naming
+the argument, the expected and the actual, before anything is written.
+
+Everything decided from metadata (shapes, strides, dtypes, devices, pointer alignment, format, layout, the
+kernel and its configuration) is a :class:`GemvPlan`, kept per distinct metadata.  A call whose metadata has a
+plan checks nothing more (the key holds everything the checks depend on) and launches the compiled Triton
+kernel through its own launcher with the operands' pointers, skipping the JIT's argument binding.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from . import formats, layouts
-from .backends import Backend, resolve_backend
-from .kernels.configs import GemvConfig, w4a4_config
-from .reference import quantized_gemv_reference
+from .kernels import GEMV_KERNELS, kernel_by_name
+from .kernels.spec import GemvCase, GemvOperands, KernelSpec, Src, TritonKernelSpec, fill_sources
+from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["task_gemv", "Backend"]
+__all__ = ["gemv", "select_kernel", "plan_for", "prepared", "PreparedGemv", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
-_FP4_STORAGE = (torch.float4_e2m1fn_x2, torch.uint8)
-_E4M3_STORAGE = (torch.float8_e4m3fn, torch.uint8)
-
-
-def _check_dtype(name: str, t: torch.Tensor, allowed: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in allowed:
-        names = " or ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name}: expected dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+# Activation rows per launch: the kernels keep every row's accumulator in registers.
+MAX_N = 16
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_task_scales(name: str, sf: torch.Tensor, rows: int, k: int, l: int) -> torch.Tensor:
-    """The swizzled bytes ``[L, rows_p * K/16]`` behind a task-permuted scale tensor (a view, never a copy)."""
-    _check_dtype(name, sf, _E4M3_STORAGE)
-    return layouts.checked_task_scales(name, formats.as_uint8(sf), rows, k, 16, l)
+def _names(dtypes: tuple[torch.dtype, ...]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def task_gemv(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    sfa_permuted: torch.Tensor,
-    sfb_permuted: torch.Tensor,
-    c: torch.Tensor,
+def _batch(t: FP4Tensor | torch.Tensor) -> int | None:
+    """The batch size L of a ``[L, rows, K]`` operand, None for ``[rows, K]`` and ``[K]``."""
+    return t.shape[0] if len(t.shape) == 3 else None
+
+
+def result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
+    """Check a and b against each other (metadata only); the result's shape ``[L?, M, N?]``."""
+    if not isinstance(a, FP4Tensor):
+        raise TypeError(f"a: expected an FP4Tensor (see fp4gemv.quantize), got {type(a).__name__}")
+    if isinstance(b, FP4Tensor):
+        if b.fmt != a.fmt:
+            raise ValueError(f"b: expected format {a.fmt.name!r} like a, got {b.fmt.name!r}")
+    elif isinstance(b, torch.Tensor):
+        if b.dtype not in ACTIVATION_DTYPES:
+            raise TypeError(f"b: expected an FP4Tensor or dtype {_names(ACTIVATION_DTYPES)}, got {b.dtype}")
+        if b.dim() not in (1, 2, 3):
+            raise ValueError(f"b: expected shape [K], [N, K] or [L, N, K], got {tuple(b.shape)}")
+    else:
+        raise TypeError(f"b: expected an FP4Tensor or a torch.Tensor, got {type(b).__name__}")
+    if b.shape[-1] != a.k:
+        raise ValueError(f"b: expected K = {a.k} like a, got K = {b.shape[-1]}")
+    n = b.shape[-2] if len(b.shape) >= 2 else 1
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"b: expected N from 1 to {MAX_N} rows, got N = {n}")
+    batch_a, batch_b = _batch(a), _batch(b)
+    if batch_a is not None and batch_b is not None and batch_a != batch_b:
+        raise ValueError(f"b: expected batch size L = {batch_a} like a, got L = {batch_b}")
+    batch = batch_a if batch_a is not None else batch_b
+    return (*(() if batch is None else (batch,)), a.rows, *((n,) if len(b.shape) >= 2 else ()))
+
+
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+    if out.dtype != out_dtype:
+        raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device} like a, got {out.device}")
+
+
+def _needs_copy(b: torch.Tensor) -> bool:
+    """A float activation is read from a contiguous copy unless it is contiguous along K with 16-byte aligned
+    rows (the tensor-core kernel's 16-byte loads); the copy is N x K elements, small next to the weights."""
+    if b.stride(-1) != 1 or b.data_ptr() % 16:
+        return True
+    size = b.element_size()
+    return any((s * size) % 16 for s in b.stride()[:-1])
+
+
+class GemvPlan(NamedTuple):
+    """What :func:`gemv` runs for one distinct metadata: the kernel spec and its configuration, the target,
+    the case, whether the float activation is copied first, the shape of a new result, and the device."""
+
+    spec: KernelSpec
+    config: object
+    target: Target
+    case: GemvCase
+    copy_activation: bool
+    out_shape: tuple[int, ...]
+    device: torch.device
+
+
+def plan_for(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
     *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
     backend: Backend = "auto",
-    config: GemvConfig | None = None,
-) -> torch.Tensor:
-    """The GPU MODE ``nvfp4_gemv`` product: ``c[m, 0, l] = sum_k a[m, k, l] sfa b[0, k, l] sfb`` in place.
-
-    a: ``[M, K/2, L]`` float4_e2m1fn_x2 (or uint8), K-major (stride 1 along K/2); M >= 1, K a multiple of 64.
-    b: ``[N, K/2, L]`` likewise, N >= 1; only row 0 is used.
-    sfa_permuted, sfb_permuted: float8_e4m3fn scales in the task's ``(32, 4, rows/128, 4, K/64, L)`` view of
-        the 128x4 swizzled layout (``fp4gemv.layouts``), rows = M and N.
-    c: ``[M, 1, L]`` float16, any strides; written and returned.
-    backend: ``"auto"`` is the Triton kernel with PTX decode on CUDA and the float64 reference on the CPU;
-        ``"triton"`` uses the pure-Triton decode (runs under ``TRITON_INTERPRET=1`` on CPU tensors);
-        ``"triton-ptx"`` insists on the PTX decode; ``"reference"`` computes in float64.
-    All tensors on one device.  Accumulation is fp32 over exact 16-element block sums; c is rounded once.
-    """
-    _check_dtype("a", a, _FP4_STORAGE)
-    _check_dtype("b", b, _FP4_STORAGE)
-    _check_dtype("c", c, (torch.float16,))
-    if a.dim() != 3:
-        raise ValueError(f"a: expected 3 dims [M, K/2, L], got shape {tuple(a.shape)}")
-    m, k_half, l = a.shape
-    k = 2 * k_half
-    if not (m >= 1 and l >= 1):
-        raise ValueError(f"a: expected M >= 1 and L >= 1, got shape {tuple(a.shape)}")
-    if not (k > 0 and k % 64 == 0):
-        raise ValueError(f"a: expected K = 2 * a.shape[1] to be a positive multiple of 64, got K = {k}")
-    if a.stride(1) != 1:
-        raise ValueError(f"a: expected K-major storage (stride 1 along K/2), got strides {tuple(a.stride())}")
-    if not (b.dim() == 3 and b.shape[0] >= 1 and b.shape[1:] == (k_half, l)):
-        raise ValueError(f"b: expected shape [N >= 1, {k_half}, {l}] to match a's K/2 and L, got {tuple(b.shape)}")
-    if b.stride(1) != 1:
-        raise ValueError(f"b: expected K-major storage (stride 1 along K/2), got strides {tuple(b.stride())}")
-    if tuple(c.shape) != (m, 1, l):
-        raise ValueError(f"c: expected shape ({m}, 1, {l}), got {tuple(c.shape)}")
-    sfa = _check_task_scales("sfa_permuted", sfa_permuted, m, k, l)
-    sfb = _check_task_scales("sfb_permuted", sfb_permuted, b.shape[0], k, l)
+    kernel: str | None = None,
+    config=None,
+) -> GemvPlan:
+    """Validate the arguments of :func:`gemv` (same meaning) and decide what it runs; raises as gemv does."""
+    shape = result_shape(a, b)
     device = a.device
-    for name, t in (("b", b), ("sfa_permuted", sfa_permuted), ("sfb_permuted", sfb_permuted), ("c", c)):
-        if t.device != device:
-            raise ValueError(f"{name}: expected device {device} like a, got {t.device}")
-    backend = resolve_backend(backend, device)
+    if b.device != device:
+        raise ValueError(f"b: expected device {device} like a, got {b.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
+    if out is not None:
+        _check_out(out, shape, out_dtype, device)
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        raise ValueError(f"a: expected tensors on the current CUDA device (cuda:{torch.cuda.current_device()}), "
+                         f"got {device}; select it with torch.cuda.device({device.index})")
+    target = resolve_target(backend, device)
+    copy_activation = not isinstance(b, FP4Tensor) and target.runs_triton and _needs_copy(b)
+    if copy_activation:
+        b = b.contiguous()
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device="meta")
+    case = GemvOperands.of(a, b, out).case
+    spec = choose_kernel(case, target, kernel)
+    if config is None:
+        config = spec.default_config(case, target)
+    else:
+        if spec.config_type is None or not isinstance(config, spec.config_type):
+            expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
+            raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
+        spec.check_config(config)
+    return GemvPlan(spec, config, target, case, copy_activation, shape, device)
 
-    a_bytes = formats.as_uint8(a).permute(2, 0, 1)  # [L, M, K/2], K contiguous
-    b_bytes = formats.as_uint8(b).permute(2, 0, 1)[:, 0, :]  # [L, K/2]
-    c_lm = c[:, 0, :].permute(1, 0)  # [L, M]
 
-    if backend == "reference":
-        weights = FP4Tensor(a_bytes, sfa, "nvfp4", "swizzled")
-        activation = FP4Tensor(formats.as_uint8(b).permute(2, 0, 1), sfb, "nvfp4", "swizzled").first_rows(1)
-        c_lm.copy_(quantized_gemv_reference(weights, activation)[:, :, 0])
-        return c
+def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
+    """The first spec of GEMV_KERNELS that supports the case (or the one named ``kernel``, if it does)."""
+    if kernel is not None:
+        spec = kernel_by_name(kernel)
+        reason = spec.why_not(case, target)
+        if reason is not None:
+            raise ValueError(f"kernel: {kernel!r} cannot run {case.describe()} on {target.describe()}: {reason}")
+        return spec
+    reasons = []
+    for spec in GEMV_KERNELS:
+        reason = spec.why_not(case, target)
+        if reason is None:
+            return spec
+        reasons.append(f"{spec.name}: {reason}")
+    raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
+                     + "); backend='reference' computes it in float64")
 
-    cfg = config or w4a4_config(m, k, l)
-    _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg, use_ptx=(backend == "triton-ptx"))
-    return c
+
+def select_kernel(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    backend: Backend = "auto",
+    kernel: str | None = None,
+) -> KernelSpec:
+    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "hmma", "general",
+    "reference").  Raises as gemv does."""
+    return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
-def _launch_w4a4(a_bytes, b_bytes, sfa, sfb, c_lm, m, k, l, cfg: GemvConfig, use_ptx: bool) -> None:
-    from .kernels._common import swizzled_scale_addressing
-    from .kernels.w4a4 import launch_w4a4
+# --- cached calls ----------------------------------------------------------------------------------------------
 
-    nb = k // 16
-    launch_w4a4(
-        a_bytes.view(torch.int64), sfa, swizzled_scale_addressing(sfa.stride(0), nb),
-        b_bytes.view(torch.int64), sfb, swizzled_scale_addressing(sfb.stride(0), nb),
-        c_lm, config=cfg, use_ptx=use_ptx,
-    )
+def _fp4_key(t: FP4Tensor) -> tuple:
+    data, scales, gs = t.data, t.scales, t.global_scale
+    return (t.fmt, t.scale_layout, data.shape, data.stride(), data.data_ptr() % 16, data.device, scales.shape,
+            scales.stride(), scales.data_ptr() % 16, None if gs is None else gs.data_ptr() % 16)
+
+
+def _key(a, b, out, out_dtype, backend, kernel, config) -> tuple | None:
+    """Everything validation and dispatch depend on, or None for arguments validation must look at (and
+    reject) or that cannot be keyed."""
+    if type(a) is not FP4Tensor:
+        return None
+    if type(b) is FP4Tensor:
+        bk = _fp4_key(b)
+    elif isinstance(b, torch.Tensor):
+        bk = (b.dtype, b.shape, b.stride(), b.data_ptr() % 16, b.device)
+    else:
+        return None
+    if out is None:
+        ok = None
+    elif isinstance(out, torch.Tensor):
+        ok = (out.dtype, out.shape, out.stride(), out.data_ptr() % 16, out.device)
+    else:
+        return None
+    device = a.data.device
+    where = torch.cuda.current_device() if device.type == "cuda" else interpreting()
+    key = (_fp4_key(a), bk, ok, out_dtype, backend, kernel, config, where)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class PreparedGemv:
+    """A plan with its launch: the compiled Triton kernel once the first call has compiled it, then every
+    later call fills the pointer slots of the argument list and calls the kernel's launcher directly."""
+
+    __slots__ = ("plan", "template", "compiled", "argv", "slots", "grid")
+
+    def __init__(self, plan: GemvPlan):
+        self.plan = plan
+        self.template = None
+        if isinstance(plan.spec, TritonKernelSpec):
+            self.template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
+        self.compiled = None
+
+    def run(self, a, b, out):
+        plan = self.plan
+        if out is None:
+            out = torch.empty(plan.out_shape, dtype=plan.case.out_dtype, device=plan.device)
+        if plan.copy_activation:
+            b = b.contiguous()
+        if self.compiled is not None:
+            self._launch_compiled(a, b, out)
+            return out
+        ops = GemvOperands.of(a, b, out)
+        if self.template is None:
+            plan.spec.launch(ops, plan.config, plan.target)
+            return out
+        t = self.template
+        compiled = t.kernel[t.grid](**fill_sources(t.args, ops), **t.options)
+        if plan.target.device_type == "cuda" and hasattr(compiled, "packed_metadata"):
+            self._prepare_compiled(compiled)
+        return out
+
+    def _prepare_compiled(self, compiled) -> None:
+        kernel, args = self.template.kernel, self.template.args
+        argv, slots = [], []
+        for i, param in enumerate(kernel.params):
+            value = args[param.name] if param.name in args else param.default
+            if isinstance(value, Src):
+                slots.append((i, value.name))
+            argv.append(value)
+        self.argv, self.slots = argv, tuple(slots)
+        grid = self.template.grid
+        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        compiled.run  # noqa: B018 -- load the module now, not on the first timed call
+        self.compiled = compiled
+
+    def _launch_compiled(self, a, b, out) -> None:
+        fp4_b = type(b) is FP4Tensor
+        self.launch_pointers({
+            "a_data": a.data, "a_scales": a.scales, "a_global_scale": a.global_scale,
+            "b_data": b.data if fp4_b else b, "b_scales": b.scales if fp4_b else None,
+            "b_global_scale": b.global_scale if fp4_b else None, "out": out,
+        })
+
+    def launch_pointers(self, sources: dict) -> None:
+        """Launch the compiled kernel on ``sources``: for each operand name of ``kernels.spec.GemvOperands``, a
+        tensor (or anything with ``data_ptr()``) whose address is that operand's.  Only after a first call
+        has compiled the kernel (``compiled`` is set) and only with operands of this plan's metadata."""
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        argv = self.argv.copy()
+        for i, name in self.slots:
+            argv[i] = sources[name].data_ptr()
+        k = self.compiled
+        stream = driver.active.get_current_stream(self.plan.device.index)
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        meta = k.launch_metadata(self.grid, stream, *argv) if enter is not None else None
+        k.run(*self.grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+
+
+_CACHE: dict[tuple, PreparedGemv] = {}
+
+
+def prepared(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    backend: Backend = "auto",
+    kernel: str | None = None,
+    config=None,
+) -> PreparedGemv:
+    """The (cached) :class:`PreparedGemv` that :func:`gemv` runs for these arguments (same meaning); validates
+    them when their metadata is new.  ``prepared(...).run(a, b, out)`` is ``gemv(a, b, out=out, ...)``."""
+    key = _key(a, b, out, out_dtype, backend, kernel, config)
+    cached = _CACHE.get(key) if key is not None else None
+    if cached is None:
+        cached = PreparedGemv(plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel,
+                                       config=config))
+        if key is not None:
+            _CACHE[key] = cached
+    return cached
+
+
+def gemv(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    backend: Backend = "auto",
+    kernel: str | None = None,
+    config=None,
+) -> torch.Tensor:
+    """``a @ b^T`` per batch: FP4 weights times FP4 (W4A4) or float (W4A16) activations.
+
+    a: FP4Tensor ``[L, M, K]`` or ``[M, K]`` (NVFP4 or MXFP4, either scale layout).
+    b: FP4Tensor ``[L, N, K]`` or ``[N, K]`` of a's format (any scale layout), or a float16, bfloat16 or
+        float32 tensor ``[L, N, K]``, ``[N, K]`` or ``[K]`` (any strides: Triton kernels read a contiguous copy
+        unless it is contiguous along K with 16-byte aligned rows); 1 <= N <= 16.  A batch dimension on one
+        operand only is broadcast over the other.
+    out: written and returned when given: exactly the result's shape, ``out_dtype`` and a's device, any
+        strides.  Otherwise a new tensor.
+    out_dtype: float16, bfloat16 or float32.
+    backend: ``"auto"``: Triton kernels with their PTX paths on CUDA, the float64 reference elsewhere.
+        ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).
+        ``"triton-ptx"``: PTX paths (CUDA only).  ``"reference"``: float64 (``fp4gemv.reference``).
+    kernel: None (the first of ``kernels.GEMV_KERNELS`` that supports the case: :func:`select_kernel` says
+        which) or a kernel's name ("w4a4", "hmma", "general", "reference"), which must support the case.
+    config: None (the kernel's measured default) or an instance of the chosen kernel's config class
+        (``kernels.w4a4.W4A4Config``, ``kernels.hmma_gemv.HmmaConfig``, ``kernels.general.GeneralConfig``).
+    Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
+
+    Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
+    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernel
+    multiplies exactly and accumulates every product in fp32 (on the tensor cores).  The result is rounded once
+    to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+    """
+    if torch.compiler.is_compiling():
+        from . import library
+
+        return library.traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
+    return prepared(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config).run(a, b, out)
+
+
+def clear_cache() -> None:
+    """Forget every cached plan (they hold compiled kernels, not tensors)."""
+    _CACHE.clear()
+

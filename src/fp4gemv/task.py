@@ -289,12 +289,74 @@ def check_implementation(data: TaskInput, output: torch.Tensor) -> tuple[bool, s
     return comparison.ok, comparison.message
 
 
-def custom_kernel(data: TaskInput) -> torch.Tensor:
-    """Our submission: ``fp4gemv.gemv`` on zero-copy FP4Tensor views of the operands, written into c."""
-    from fp4gemv import FP4Tensor, gemv
+_TASK_ITEMS = "(a, b, sfa, sfb, sfa_permuted, sfb_permuted, c)"
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+
+def _task_views(data: TaskInput):
+    """FP4Tensor views of a and b's row 0 and the ``[L, M, 1]`` view of c, checked with the task's names."""
+    from fp4gemv import FP4Tensor
+
+    if not isinstance(data, (tuple, list)) or len(data) != 7:
+        what = f"a {type(data).__name__} of {len(data)} items" if isinstance(data, (tuple, list)) else type(data).__name__
+        raise TypeError(f"data: expected the 7-tuple {_TASK_ITEMS}, got {what}")
     a, b, _sfa, _sfb, sfa_permuted, sfb_permuted, c = data
-    weights = FP4Tensor.from_task(a, sfa_permuted)  # [L, M, K]
-    activation = FP4Tensor.from_task(b, sfb_permuted).first_rows(1)  # [L, 1, K]: only row 0 takes part
-    gemv(weights, activation, out=c.permute(2, 0, 1))  # c [M, 1, L] seen as the result [L, M, 1]
-    return c
+    weights = FP4Tensor.from_task(a, sfa_permuted, names=("a", "sfa_permuted"))  # [L, M, K]
+    if not isinstance(b, torch.Tensor) or b.dim() != 3 or tuple(b.shape[1:]) != tuple(a.shape[1:]):
+        shape = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+        raise ValueError(f"b: expected shape [rows, {a.shape[1]}, {a.shape[2]}] (K/2 and L like a), got {shape}")
+    activation = FP4Tensor.from_task(b, sfb_permuted, names=("b", "sfb_permuted"))  # [L, rows, K]
+    if not isinstance(c, torch.Tensor):
+        raise TypeError(f"c: expected a torch.Tensor, got {type(c).__name__}")
+    m, _, batch = a.shape
+    if tuple(c.shape) != (m, 1, batch):
+        raise ValueError(f"c: expected shape ({m}, 1, {batch}), got {tuple(c.shape)}")
+    if c.dtype not in _OUT_DTYPES:
+        raise TypeError(f"c: expected dtype float16 (or bfloat16, float32), got {c.dtype}")
+    if c.device != weights.device:
+        raise ValueError(f"c: expected device {weights.device} like a, got {c.device}")
+    # Only row 0 of b takes part; c [M, 1, L] is seen as the result [L, M, 1].
+    return weights, activation.first_rows(1), c.permute(2, 0, 1)
+
+
+def _task_key(data) -> tuple | None:
+    """The metadata of the task's tensors that a cached launch depends on, None if it cannot be read."""
+    if type(data) is not tuple or len(data) != 7:
+        return None
+    try:
+        a, b, _, _, sfa, sfb, c = data
+        return (a.dtype, a.shape, a.stride(), a.data_ptr() % 16, a.device, b.dtype, b.shape, b.stride(),
+                b.data_ptr() % 16, sfa.dtype, sfa.shape, sfa.stride(), sfa.data_ptr() % 16, sfb.dtype, sfb.shape,
+                sfb.stride(), sfb.data_ptr() % 16, c.dtype, c.shape, c.stride(), c.data_ptr() % 16, c.device,
+                torch.cuda.current_device() if a.device.type == "cuda" else None)
+    except AttributeError:
+        return None
+
+
+_LAUNCHES: dict[tuple, object] = {}
+
+
+def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
+    """Our submission: ``fp4gemv.gemv`` on zero-copy FP4Tensor views of the operands, written into c.
+
+    backend: as ``fp4gemv.gemv``'s ("auto": the kernels on CUDA, the float64 reference on the CPU; "triton"
+    runs the kernels' pure-Triton paths, also on the CPU under ``TRITON_INTERPRET=1``).  Errors name the task's
+    own arguments.  Once a call with the same tensor metadata (shapes, strides, dtypes, devices, pointer
+    alignment) has compiled its kernel, the kernel is launched with the operands' addresses directly (the views
+    share them), skipping the views and the checks that metadata already passed.
+    """
+    from fp4gemv import ops
+
+    key = _task_key(data) if backend == "auto" else None
+    prepared = _LAUNCHES.get(key) if key is not None else None
+    if prepared is not None:
+        a, b, _, _, sfa_permuted, sfb_permuted, c = data
+        prepared.launch_pointers({"a_data": a, "a_scales": sfa_permuted, "b_data": b, "b_scales": sfb_permuted,
+                                  "out": c})
+        return data[6]
+    weights, activation, out = _task_views(data)
+    prepared = ops.prepared(weights, activation, out=out, out_dtype=out.dtype, backend=backend)
+    prepared.run(weights, activation, out)
+    if key is not None and prepared.compiled is not None:
+        _LAUNCHES[key] = prepared
+    return data[6]

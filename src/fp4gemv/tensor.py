@@ -211,7 +211,12 @@ class FP4Tensor:
 
     @classmethod
     def from_task(
-        cls, operand: torch.Tensor, sf_permuted: torch.Tensor, fmt: str | formats.FP4Format = "nvfp4"
+        cls,
+        operand: torch.Tensor,
+        sf_permuted: torch.Tensor,
+        fmt: str | formats.FP4Format = "nvfp4",
+        *,
+        names: tuple[str, str] = ("operand", "sf_permuted"),
     ) -> FP4Tensor:
         """Zero-copy views of a GPU MODE task operand: ``a`` (or ``b``) with its ``sfa`` (``sfb``) permuted scales.
 
@@ -219,20 +224,24 @@ class FP4Tensor:
             ``permute(1, 2, 0)`` of a contiguous ``[L, R, K/2]``); becomes data ``[L, R, K/2]``.
         sf_permuted: the task's ``(32, 4, R_p/128, 4, C_p/4, L)`` view of swizzled scale bytes
             (``layouts.task_permuted_view``); becomes the swizzled scales ``[L, R_p * C_p]`` behind it.
+        names: what errors call the two arguments (the task's own names, e.g. ``("a", "sfa_permuted")``).
         Raises ValueError when either is not a view of the expected memory (a copy per call would hide a
         slow path).
         """
-        _check_tensor("operand", operand, _DATA_DTYPES)
+        name, sf_name = names
+        _check_tensor(name, operand, _DATA_DTYPES)
         if operand.dim() != 3:
-            raise ValueError(f"operand: expected 3 dims [R, K/2, L], got shape {tuple(operand.shape)}")
+            raise ValueError(f"{name}: expected 3 dims [R, K/2, L], got shape {tuple(operand.shape)}")
         if operand.stride(1) != 1:
-            raise ValueError(f"operand: expected stride 1 along K/2, got strides {tuple(operand.stride())}")
+            raise ValueError(f"{name}: expected stride 1 along K/2, got strides {tuple(operand.stride())}")
         fmt = _resolve_format(fmt)
-        _check_tensor("sf_permuted", sf_permuted, (torch.uint8, fmt.scale_dtype))
+        _check_tensor(sf_name, sf_permuted, (torch.uint8, fmt.scale_dtype))
         rows, k_half, batch = operand.shape
-        # K need not be a multiple of the block size here: the constructor reports that, naming data.
+        if (2 * k_half) % fmt.block_size:
+            raise ValueError(f"{name}: expected K = 2 * {name}.shape[1] a multiple of the {fmt.name} block size "
+                             f"{fmt.block_size}, got K = {2 * k_half}")
         swizzled = layouts.checked_task_scales(
-            "sf_permuted", formats.as_uint8(sf_permuted), rows, 2 * k_half, fmt.block_size, batch
+            sf_name, formats.as_uint8(sf_permuted), rows, 2 * k_half, fmt.block_size, batch
         )
         return cls(formats.as_uint8(operand).permute(2, 0, 1), swizzled, fmt, "swizzled")
 

@@ -34,16 +34,18 @@ in the epilogue, with the global scales, and c is rounded once to its dtype.  Un
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import GemvOperands, apply_global_scales, decode_scale, scale_row_offset, store_rounded
+from ..target import Target
+from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
-from .configs import HmmaConfig
+from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
-__all__ = ["hmma_gemv_kernel", "launch_hmma_gemv"]
+__all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
 
 # The module docstring's fold: what the bit placement leaves on a decoded FP4 operand, undone in the epilogue.
 FP16_FOLD = tl.constexpr(2.0**14)
@@ -264,14 +266,14 @@ def _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS: tl.
     step_a = (k0 // 64) * _thread_value(col_tiles, 0, WARPS)
     step_b = (k0 // 64) * _thread_value(col_tiles, 1, WARPS)
     # Weights [g, warp, half, word, e], rows g + 8 * half; word q's block is 2c + q // 2.
-    sfa = decode_scale(tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0), 16)
+    sfa = decode_scale(tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0), "nvfp4")
     a = _codes_f32(words) * sfa[:, :, :, :, None]
     a = tl.reshape(tl.permute(a, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, row, k = 8 * word + e]
     # Activation [g, warp, tile, word, e] for n = g + 8 * tile (the halves of the pointer tensors).
     x_ok = k_ok & n_ok
     if FP4_ACTIVATION:
         x_words = tl.load((x_p + k0 // 2 + 4 * q).to(tl.pointer_type(tl.int32)), mask=x_ok, other=0)
-        sfb = decode_scale(tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0), 16)
+        sfb = decode_scale(tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0), "nvfp4")
         x = _codes_f32(x_words) * sfb[:, :, :, :, None]
     else:
         e = tl.arange(0, 8)[None, None, None, None, :]
@@ -368,31 +370,100 @@ def hmma_gemv_kernel(
     store_rounded(c_ptrs, out, (out_rows < M) & (n_out < N))
 
 
-def launch_hmma_gemv(ops: GemvOperands, *, k: int, activation_dtype: torch.dtype | None, config: HmmaConfig,
-                     use_ptx: bool) -> None:
-    """Launch :func:`hmma_gemv_kernel`; nothing is validated here (``fp4gemv.gemv`` does that).
+class HmmaConfig(NamedTuple):
+    """One launch of :func:`hmma_gemv_kernel`: 16 rows per program, ``warps`` warps side by side along K, each on
+    128 elements per step (a power of two, at most 8: 16 warps gave wrong results on the H200, not
+    investigated, docs/performance.md v8)."""
 
-    ops.a: int32 ``[L, M, K/8]`` (NVFP4 data, 8 codes per word), stride 1 along K/8, rows 16-byte aligned
-        (batch stride may be 0); ops.sfa: its e4m3 scale bytes, rows 2-byte aligned, addressed by
-        ``ops.sfa_addressing`` from their data pointer.
-    ops.b: uint8 ``[L, N, bytes per row]``, contiguous along K, rows 16-byte aligned: NVFP4 data with scale
-        bytes ``ops.sfb`` (W4A4), or the fp16/bf16 activation (``activation_dtype``).  1 <= N <= 16.
-    ops.c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
-    K must be a multiple of 64.
+    warps: int
+
+
+def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741
+    """The configuration for ``l`` batches of ``m x k`` weights (any N from 1 to 16), measured on the H200.
+
+    Sweep 10 (docs/performance.md): 4 warps along K, except 8 for few rows (M x L < 7168) and long K
+    (>= 8192), where the 16-row programs alone cannot keep the GPU busy; never more than K / 128 warps.
     """
-    a, b, c = ops.a, ops.b, ops.c
-    batch, m, _ = a.shape
-    n = b.shape[1]
-    sfb, sfb_addressing, gsa, gsb = ops.optional_pointer_args()
-    hmma_gemv_kernel[(triton.cdiv(m, 16), batch)](
-        a, ops.sfa, b, sfb, gsa, gsb, c,
-        m, n, k,
-        a.stride(0), a.stride(1),
-        *ops.sfa_addressing,
-        b.stride(0), b.stride(1),
-        *sfb_addressing,
-        *c.stride(),
-        WARPS=config.warps, FP4_ACTIVATION=ops.sfb is not None, BF16=activation_dtype == torch.bfloat16,
-        N_TILES=1 if n <= 8 else 2, HAS_GSA=ops.global_scale_a is not None, HAS_GSB=ops.global_scale_b is not None,
-        USE_PTX=use_ptx, num_warps=config.warps, num_stages=1,
-    )
+    warps = 8 if m * l < 7168 and k >= 8192 else 4
+    return HmmaConfig(min(warps, pow2_at_most(k // 128)))
+
+
+def _aligned_16(meta: FP4Meta) -> bool:
+    """Packed rows 16-byte aligned (16-byte loads) and scale rows 2-byte aligned (two blocks' scales per load)."""
+    return meta.align >= 16 and meta.scale_align >= 2
+
+
+class Hmma(TritonKernelSpec):
+    """NVFP4 weights times fp16/bf16 activations (any N), or times NVFP4 activations with N > 1, on the tensor
+    cores.  Its 16-bit operands hold e2m1 x e4m3 exactly (e8m0 scales and fp32 activations do not fit them);
+    it reads 16-byte rows, so K must be a multiple of 64, the packed data 16-byte aligned and the scale rows
+    2-byte aligned; a float activation must be contiguous along K with 16-byte aligned rows."""
+
+    name = "hmma"
+    config_type = HmmaConfig
+
+    def why_not(self, case: GemvCase, target: Target) -> str | None:
+        if not target.runs_triton:
+            return "runs Triton kernels only"
+        if case.fmt.name != "nvfp4":
+            return "needs NVFP4 (e4m3 scales fold into its 16-bit operands)"
+        if case.k % 64:
+            return f"needs K a multiple of 64, got K = {case.k}"
+        if not target.e4m3x2_cvt:
+            return f"needs cvt.rn.f16x2.e4m3x2 (sm_89 or newer; this is {target.describe()})"
+        if not _aligned_16(case.a):
+            return "a: needs 16-byte aligned data rows and 2-byte aligned scale rows"
+        if case.fp4_activation:
+            if case.n == 1:
+                return "FP4 activations with N = 1 go to w4a4"
+            if not _aligned_16(case.b):
+                return "b: needs 16-byte aligned data rows and 2-byte aligned scale rows"
+        else:
+            if case.b.dtype not in (torch.float16, torch.bfloat16):
+                return f"needs fp16 or bf16 activations, got {case.b.dtype}"
+            if case.b.align < 16:
+                return "b: needs rows contiguous along K at 16-byte aligned addresses"
+        return None
+
+    def default_config(self, case: GemvCase, target: Target) -> HmmaConfig:
+        return hmma_config(case.m, case.k, case.batch)
+
+    def check_config(self, config: HmmaConfig) -> None:
+        check_powers_of_two(config, ("warps",))
+        if config.warps > 8:
+            raise ValueError(f"config: expected 1 to 8 warps, got {config}")
+
+    def triton_launch(self, case: GemvCase, config: HmmaConfig, target: Target) -> TritonLaunch:
+        """a: int32 words of 8 codes (strides in words); b: bytes (FP4 data, or the fp16/bf16 activation read as
+        bytes), strides in bytes."""
+        a, b = case.a, case.b
+        fp4 = case.fp4_activation
+        if fp4:
+            b_strides = (b.batch_stride, b.row_stride)
+            sfb = b.scales
+        else:
+            size = 2
+            b_strides = (b.strides[0] * size, b.strides[1] * size)
+            sfb = (0, 0, 0, 0, 0)
+        args = dict(
+            a_ptr=Src("a_data", torch.int32), sfa_ptr=Src("a_scales", torch.uint8),
+            b_ptr=Src("b_data", torch.uint8), sfb_ptr=Src("b_scales" if fp4 else "a_scales", torch.uint8),
+            gsa_ptr=Src("a_global_scale" if a.has_global_scale else "a_scales",
+                        torch.float32 if a.has_global_scale else torch.uint8),
+            gsb_ptr=Src("b_global_scale" if fp4 and b.has_global_scale else "a_scales",
+                        torch.float32 if fp4 and b.has_global_scale else torch.uint8),
+            c_ptr=Src("out", case.out_dtype),
+            M=case.m, N=case.n, K=case.k,
+            a_stride_l=a.batch_stride // 4, a_stride_m=a.row_stride // 4,
+            sfa_stride_l=a.scales.batch, sfa_stride_row_tile=a.scales.row_tile, sfa_stride_r32=a.scales.r32,
+            sfa_stride_r4=a.scales.r4, sfa_stride_col_tile=a.scales.col_tile,
+            b_stride_l=b_strides[0], b_stride_n=b_strides[1],
+            sfb_stride_l=sfb[0], sfb_stride_row_tile=sfb[1], sfb_stride_r32=sfb[2], sfb_stride_r4=sfb[3],
+            sfb_stride_col_tile=sfb[4],
+            c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
+            WARPS=config.warps, FP4_ACTIVATION=fp4, BF16=case.activation_dtype == torch.bfloat16,
+            N_TILES=1 if case.n <= 8 else 2, HAS_GSA=a.has_global_scale, HAS_GSB=fp4 and b.has_global_scale,
+            USE_PTX=target.mode == "ptx",
+        )
+        return TritonLaunch(hmma_gemv_kernel, (triton.cdiv(case.m, 16), case.batch), args,
+                            dict(num_warps=config.warps, num_stages=1))

@@ -11,14 +11,18 @@ significands) and accumulated in fp32.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
-from ..backends import interpreting
-from ._common import ScaleAddressing, decode_scale, scale_row_offset, store_rounded
+from ..target import Target
+from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
-from .configs import GemvConfig, pow2_at_most
+from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+
+__all__ = ["W4A4Config", "W4A4", "w4a4_gemv_kernel"]
 
 
 @triton.jit
@@ -29,9 +33,9 @@ def l2_prefetch(ptrs):
 
 
 @triton.jit
-def _scale_col(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
+def _scale_col(j, stride_col_tile, FORMAT: tl.constexpr):
     """Offsets of the scales of 16-element blocks ``j``: one per block (NVFP4), one per two (MXFP4)."""
-    if SCALE_BLOCK == 16:
+    if FORMAT == "nvfp4":
         # Scale columns come in runs of 4 contiguous bytes in every supported layout; a lane's two blocks
         # (one 16-byte weight load) need two of them.
         return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, [1, 1, 1, 2]), [1, 1, 1, 2])
@@ -45,11 +49,11 @@ def _scale_col(j, stride_col_tile, SCALE_BLOCK: tl.constexpr):
 
 @triton.jit
 def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile, sfb_stride_col_tile,
-               EVEN_K: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+               EVEN_K: tl.constexpr, FORMAT: tl.constexpr):
     """Weights, weight scales, activation and activation scales of the K step starting at block ``j0``."""
     j = j0 + cols
-    sfa_col = _scale_col(j, sfa_stride_col_tile, SCALE_BLOCK)
-    sfb_col = _scale_col(j, sfb_stride_col_tile, SCALE_BLOCK)
+    sfa_col = _scale_col(j, sfa_stride_col_tile, FORMAT)
+    sfb_col = _scale_col(j, sfb_stride_col_tile, FORMAT)
     # The activation is addressed per row as well: loads of the full tile shape get the weights' layout (a
     # smaller load would get its own and a shared-memory conversion per step), and a thread's rows share one
     # load of each address.
@@ -63,7 +67,7 @@ def _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_ti
         sfb = tl.load(sfb_ptrs)
     else:
         k_ok = j < NB
-        if SCALE_BLOCK == 32:  # the pair's second column can lie past the row's last (it is then not used)
+        if FORMAT == "mxfp4":  # the pair's second column can lie past the row's last (it is then not used)
             s_ok = k_ok & ((j // 4) * 2 + j % 2 < NB // 2)
         else:
             s_ok = k_ok
@@ -83,15 +87,15 @@ def _mx_scales(sfa, sfb, j):
     b0, b1 = tl.split(tl.reshape(sfb, pairs))
     j_even, _ = tl.split(tl.reshape(tl.broadcast_to(j, sfa.shape), pairs))
     odd = (j_even // 2) % 2 == 1
-    scale = decode_scale(tl.where(odd, a1, a0), 32) * decode_scale(tl.where(odd, b1, b0), 32)
+    scale = decode_scale(tl.where(odd, a1, a0), "mxfp4") * decode_scale(tl.where(odd, b1, b0), "mxfp4")
     return tl.reshape(tl.join(scale, scale), sfa.shape)
 
 
 @triton.jit
-def _scaled_block_sums(a, sfa, b, sfb, j, tab_lo, tab_hi, USE_PTX: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+def _scaled_block_sums(a, sfa, b, sfb, j, tab_lo, tab_hi, USE_PTX: tl.constexpr, FORMAT: tl.constexpr):
     """4 * (block dot product) * sfa * sfb for every block ``j`` of the step (the factor 4: doubled operands)."""
-    if SCALE_BLOCK == 16:
-        scale = decode_scale(sfa, 16) * decode_scale(sfb, 16)
+    if FORMAT == "nvfp4":
+        scale = decode_scale(sfa, "nvfp4") * decode_scale(sfb, "nvfp4")
     else:
         scale = _mx_scales(sfa, sfb, j)
     if USE_PTX:
@@ -123,7 +127,7 @@ def w4a4_gemv_kernel(
     UNROLL: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     PREFETCH: tl.constexpr = 0,
-    SCALE_BLOCK: tl.constexpr = 16,
+    FORMAT: tl.constexpr = "nvfp4",
     SCALE_ROWS_EVEN: tl.constexpr = False,
 ):
     # Tiles are [LANE_ROWS, KSPLIT, ROWS_PER_THREAD, BLOCKS].  Triton lays the last dimension over lanes
@@ -167,8 +171,8 @@ def w4a4_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     for j0 in tl.range(0, NB, KSPLIT * BLOCKS, loop_unroll_factor=UNROLL):
         a, sfa, b, sfb = _load_step(j0, cols, NB, a_rows, sfa_rows, b_row, sfb_row, sfa_stride_col_tile,
-                                    sfb_stride_col_tile, EVEN_K, SCALE_BLOCK)
-        acc += _scaled_block_sums(a, sfa, b, sfb, j0 + cols, tab_lo, tab_hi, USE_PTX, SCALE_BLOCK)
+                                    sfb_stride_col_tile, EVEN_K, FORMAT)
+        acc += _scaled_block_sums(a, sfa, b, sfb, j0 + cols, tab_lo, tab_hi, USE_PTX, FORMAT)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
     if HAS_GSA:
@@ -178,64 +182,122 @@ def w4a4_gemv_kernel(
     store_rounded(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out, rows < M)
 
 
-def launch_w4a4(
-    a_blocks: torch.Tensor,
-    sfa: torch.Tensor,
-    sfa_addressing: ScaleAddressing,
-    b_blocks: torch.Tensor,
-    sfb: torch.Tensor,
-    sfb_addressing: ScaleAddressing,
-    c: torch.Tensor,
-    *,
-    config: GemvConfig,
-    use_ptx: bool,
-    global_scale_a: torch.Tensor | None = None,
-    global_scale_b: torch.Tensor | None = None,
-    scale_block: int = 16,
-) -> None:
-    """Launch :func:`w4a4_gemv_kernel`; nothing is validated here (``ops.task_gemv`` and ``fp4gemv.gemv`` do).
+class W4A4Config(NamedTuple):
+    """One launch of :func:`w4a4_gemv_kernel`: ``rows`` outputs per program, ``blocks`` 16-element K-blocks per
+    warp and loop step.
 
-    a_blocks: int64 ``[L, M, K/16]``, stride 1 along K/16 (batch stride may be 0).
-    b_blocks: int64 ``[L, K/16]``, the one activation row, stride 1 along K/16.
-    sfa, sfb: uint8 scale bytes addressed by ``*_addressing`` from their data pointers (sfb: the row of b).
-    c: ``[L, M]`` float16, bfloat16 or float32, any strides; written.
-    global_scale_a, global_scale_b: one-element float32 tensors or None.
-    scale_block: 16 (NVFP4: e4m3 scales) or 32 (MXFP4: e8m0 scales, one per two blocks).
+    The kernel puts 64 / blocks of the rows side by side in a warp and the rest in each thread's registers.
+    ``ksplit``: K-chunks per step, side by side in the tile (warps along K when rows are few).
+    ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
+    kernel in the stream itself, so its launch overlaps that kernel's tail; ignored where the target has no
+    PDL); ``prefetch``: with ``pdl``, how many 16-element blocks of each row to prefetch into L2 while waiting.
     """
-    batch, m, nb = a_blocks.shape
-    # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
-    pdl = config.pdl and not interpreting()
-    lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
-    w4a4_gemv_kernel[(triton.cdiv(m, config.rows), batch)](
-        a_blocks, b_blocks, sfa, sfb,
-        sfa if global_scale_a is None else global_scale_a,
-        sfa if global_scale_b is None else global_scale_b,
-        c,
-        m, nb,
-        a_blocks.stride(0), a_blocks.stride(1),
-        b_blocks.stride(0),
-        *sfa_addressing,
-        sfb_addressing.batch, sfb_addressing.col_tile,
-        c.stride(0), c.stride(1),
-        *MAG_TABLE,
-        LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
-        EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=use_ptx,
-        HAS_GSA=global_scale_a is not None, HAS_GSB=global_scale_b is not None,
-        KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl, PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
-        SCALE_BLOCK=scale_block, SCALE_ROWS_EVEN=scale_rows_even(sfa, sfa_addressing),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl,
-    )
+
+    rows: int
+    blocks: int
+    num_warps: int
+    num_stages: int = 1
+    ksplit: int = 1
+    unroll: int = 1
+    pdl: bool = False
+    prefetch: int = 0
 
 
-def scale_rows_even(scales: torch.Tensor, addressing: ScaleAddressing) -> bool:
-    """Whether every row (and batch) of ``scales`` starts at an even address, which the kernel's 16-bit scale
+def w4a4_config(m: int, k: int, l: int) -> W4A4Config:  # noqa: E741
+    """The configuration for an ``m x k`` GEMV over ``l`` batches (measured on the H200, 132 SMs).
+
+    Chosen by the number of output rows ``m * l`` (sweep 7 in docs/performance.md, v6 kernel on the H200).
+    Many rows: 64-row programs, 8 rows per thread sharing one activation decode.  Fewer rows: 16-row programs
+    with 8 warps side by side along K, so enough loads are in flight.  Few rows: small programs, warps along K.
+    PDL (with an L2 prefetch of the first blocks of each row) was faster on each of these except 4096 x 14336.
+    """
+    rows_total = m * l
+    if rows_total >= 28672:
+        cfg = W4A4Config(64, 32, 4, unroll=2, pdl=True, prefetch=32)
+    elif rows_total >= 7168:
+        cfg = W4A4Config(16, 16, 8, ksplit=8, pdl=True, prefetch=32)
+    elif k >= 8192:
+        cfg = W4A4Config(4, 32, 4, ksplit=4, unroll=2)
+    else:
+        cfg = W4A4Config(8, 32, 4, ksplit=8, unroll=2, pdl=True, prefetch=128)
+    return fit_to_k(cfg, k)
+
+
+def fit_to_k(cfg: W4A4Config, k: int) -> W4A4Config:
+    """Shrink a configuration whose K step is longer than K: blocks, then ksplit, to powers of two that fit."""
+    nb = k // 16
+    blocks = min(cfg.blocks, pow2_at_most(nb))
+    ksplit = min(cfg.ksplit, pow2_at_most(nb // blocks))
+    return cfg._replace(blocks=blocks, ksplit=ksplit)
+
+
+def scale_rows_even(meta: FP4Meta) -> bool:
+    """Whether every row (and batch) of the scales starts at an even address, which the kernel's 16-bit scale
     loads need: true for the 128x4 swizzle, and for linear scales with even strides (an even number of scale
     columns, K/16 for NVFP4 or K/32 for MXFP4, in a contiguous tensor)."""
-    return scales.data_ptr() % 2 == 0 and all(s % 2 == 0 for s in addressing[:4])
+    return meta.scale_align >= 2
 
 
-def _prefetch_blocks(config: GemvConfig, nb: int) -> int:
+def _prefetch_blocks(config: W4A4Config, nb: int) -> int:
     """Blocks per row to prefetch into L2 under PDL: a power of two >= 16 (one 128-byte line), at most K/16."""
     if config.prefetch < 16 or nb < 16:
         return 0
     return pow2_at_most(min(config.prefetch, nb))
+
+
+class W4A4(TritonKernelSpec):
+    """FP4 x FP4 (NVFP4 or MXFP4) with one activation row: the task's tuned CUDA-core kernel."""
+
+    name = "w4a4"
+    config_type = W4A4Config
+
+    def why_not(self, case: GemvCase, target: Target) -> str | None:
+        if not target.runs_triton:
+            return "runs Triton kernels only"
+        if not case.fp4_activation or case.n != 1:
+            return "needs an FP4 activation with N = 1"
+        if case.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
+            return f"needs e4m3 conversions (sm_89 or newer; this is {target.describe()})"
+        # int64 loads of 16-element blocks (two per lane: 16-byte loads when aligned).
+        for name, meta in (("a", case.a), ("b", case.b)):
+            if meta.align < 8:
+                return f"{name}: needs data rows at multiples of 8 bytes (int64 loads), got {meta.align}-byte alignment"
+        return None
+
+    def default_config(self, case: GemvCase, target: Target) -> W4A4Config:
+        return w4a4_config(case.m, case.k, case.batch)
+
+    def check_config(self, config: W4A4Config) -> None:
+        check_powers_of_two(config, ("rows", "blocks", "ksplit"))
+
+    def triton_launch(self, case: GemvCase, config: W4A4Config, target: Target) -> TritonLaunch:
+        a, b = case.a, case.b
+        nb = case.k // 16
+        pdl = config.pdl and target.pdl
+        lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
+        # The activation's one row: int64 blocks [L, K/16] (row 0 of b).
+        args = dict(
+            a_ptr=Src("a_data", torch.int64), b_ptr=Src("b_data", torch.int64),
+            sfa_ptr=Src("a_scales", torch.uint8), sfb_ptr=Src("b_scales", torch.uint8),
+            gsa_ptr=Src("a_global_scale" if a.has_global_scale else "a_scales", torch.float32 if a.has_global_scale
+                        else torch.uint8),
+            gsb_ptr=Src("b_global_scale" if b.has_global_scale else "a_scales", torch.float32 if b.has_global_scale
+                        else torch.uint8),
+            c_ptr=Src("out", case.out_dtype),
+            M=case.m, NB=nb,
+            a_stride_l=a.batch_stride // 8, a_stride_m=a.row_stride // 8,
+            b_stride_l=b.batch_stride // 8,
+            sfa_stride_l=a.scales.batch, sfa_stride_row_tile=a.scales.row_tile, sfa_stride_r32=a.scales.r32,
+            sfa_stride_r4=a.scales.r4, sfa_stride_col_tile=a.scales.col_tile,
+            sfb_stride_l=b.scales.batch, sfb_stride_col_tile=b.scales.col_tile,
+            c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1],
+            mag_lo=MAG_TABLE[0], mag_hi=MAG_TABLE[1],
+            LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
+            EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=target.mode == "ptx",
+            HAS_GSA=a.has_global_scale, HAS_GSB=b.has_global_scale,
+            KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl,
+            PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
+            FORMAT=case.fmt.name, SCALE_ROWS_EVEN=scale_rows_even(a),
+        )
+        return TritonLaunch(w4a4_gemv_kernel, (triton.cdiv(case.m, config.rows), case.batch), args,
+                            dict(num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl))

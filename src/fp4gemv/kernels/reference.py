@@ -1,0 +1,31 @@
+"""The float64 oracle as the dispatcher's last kernel spec: what runs when the reference is asked for (and,
+with ``backend="auto"``, on tensors off CUDA)."""
+
+from __future__ import annotations
+
+from ..reference import quantized_gemv_reference
+from ..target import Target
+from ..tensor import FP4Tensor
+from .spec import GemvCase, GemvOperands, KernelSpec
+
+__all__ = ["Reference"]
+
+
+class Reference(KernelSpec):
+    """``reference.quantized_gemv_reference`` on the operands, copied into the output: exact products and sums
+    in float64, one rounding to the output dtype.  Any device, layout and alignment; no configuration."""
+
+    name = "reference"
+    config_type = None
+
+    def why_not(self, case: GemvCase, target: Target) -> str | None:
+        return "the reference runs only when asked for (or off CUDA with backend 'auto')" if target.runs_triton else None
+
+    def launch(self, ops: GemvOperands, config, target: Target) -> None:
+        case = ops.case
+        a = FP4Tensor(ops.a_data, ops.a_scales, case.fmt, case.a.scale_layout, ops.a_global_scale)
+        if case.fp4_activation:
+            b = FP4Tensor(ops.b_data, ops.b_scales, case.fmt, case.b.scale_layout, ops.b_global_scale)
+        else:
+            b = ops.b_data
+        ops.out.copy_(quantized_gemv_reference(a, b, case.out_dtype))

@@ -1,0 +1,255 @@
+"""What every GEMV kernel shares with the op layer: the case it is asked to run, its spec, and its launch.
+
+* :class:`GemvCase` is everything a kernel's choice and configuration may depend on: formats, sizes,
+  dtypes, strides and alignments of the operands in the batched ``[L, rows, ...]`` form the kernels read.
+  It holds metadata only (no tensor values), so the op layer can cache decisions per case.
+* :class:`KernelSpec` is one kernel as the dispatcher sees it: a name, ``supports(case, target)``,
+  ``default_config(case, target)``, its config class, and ``launch``.  ``kernels/__init__.py`` lists them in
+  the order the dispatcher tries them.
+* A Triton kernel describes its launch as a :class:`TritonLaunch`: the JIT function, the grid, every argument
+  by name with the operands' pointers as :class:`Src` placeholders, and the launch options.  The op layer
+  fills the placeholders (tensor views on the first call and in the interpreter; raw pointers on cached calls,
+  through the compiled kernel's own launcher).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from .. import layouts
+from ..formats import FP4Format
+from ..target import Target
+
+__all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
+           "Src", "ScaleAddressing", "alignment", "check_powers_of_two"]
+
+
+def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
+    """The largest power of two up to 16 dividing ``t``'s address (bytes) and ``strides`` (bytes)."""
+    value = t.data_ptr()
+    for s in strides:
+        value |= s
+    align = 16
+    while align > 1 and value % align:
+        align //= 2
+    return align
+
+
+class ScaleAddressing(NamedTuple):
+    """Byte strides placing scale ``(l, row, col)`` at ``l * batch + (row // 128) * row_tile``
+    ``+ (row % 32) * r32 + ((row % 128) // 32) * r4 + (col // 4) * col_tile + col % 4``: one formula for the
+    linear layout and the 128x4 swizzle, so kernels never branch on the layout."""
+
+    batch: int
+    row_tile: int
+    r32: int
+    r4: int
+    col_tile: int
+
+
+@dataclass(frozen=True)
+class FP4Meta:
+    """One FP4 operand as the kernels read it, ``[L, rows, K/2]`` bytes (batch stride 0 when broadcast).
+
+    align: largest power of two (<= 16) dividing the data's address and its batch and row strides;
+    scale_align: the same for the scale bytes (their address and the addressing's row strides)."""
+
+    rows: int
+    batch_stride: int
+    row_stride: int
+    align: int
+    scale_layout: str
+    scales: ScaleAddressing
+    scale_align: int
+    has_global_scale: bool
+
+
+@dataclass(frozen=True)
+class FloatMeta:
+    """A float activation ``[L, N, K]`` (strides in elements, batch stride 0 when broadcast); align: largest power
+    of two (<= 16) dividing its address and its batch and row strides in bytes, 0 unless contiguous along K."""
+
+    dtype: torch.dtype
+    strides: tuple[int, int, int]
+    align: int
+
+
+@dataclass(frozen=True)
+class GemvCase:
+    """``out[l, m, n] = sum_k a[l, m, k] * b[l, n, k]``: what a kernel may look at to decide and configure.
+
+    fmt: the format of a (and of b when b is FP4).  b: :class:`FP4Meta` (W4A4) or :class:`FloatMeta`
+    (W4A16).  out_strides: ``[L, M, N]`` in elements.  vector: b was a ``[K]`` vector (the result has no N).
+    """
+
+    fmt: FP4Format
+    m: int
+    k: int
+    n: int
+    batch: int
+    a: FP4Meta
+    b: FP4Meta | FloatMeta
+    out_dtype: torch.dtype
+    out_strides: tuple[int, int, int]
+    vector: bool = False
+
+    @property
+    def fp4_activation(self) -> bool:
+        return isinstance(self.b, FP4Meta)
+
+    @property
+    def activation_dtype(self) -> torch.dtype | None:
+        """The float activation's dtype, None for an FP4 activation."""
+        return None if isinstance(self.b, FP4Meta) else self.b.dtype
+
+    @property
+    def scale_columns(self) -> int:
+        return self.k // self.fmt.block_size
+
+    def describe(self) -> str:
+        act = f"{self.fmt.name} activation" if self.fp4_activation else str(self.b.dtype).replace("torch.", "")
+        batch = f" x L={self.batch}" if self.batch > 1 else ""
+        return f"{self.fmt.name} {self.m}x{self.k}{batch} times {act}, N={self.n}"
+
+
+def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
+    """Metadata of FP4Tensor ``t`` whose batched views are ``data`` ``[L, rows, K/2]`` and ``scales``."""
+    if t.scale_layout == "linear":  # [L, rows, cols]
+        addressing = ScaleAddressing(scales.stride(0), 128 * scales.stride(1), scales.stride(1),
+                                     32 * scales.stride(1), 4)
+    else:  # [L, rows_p * cols_p]
+        _, cols_p = layouts.padded_scale_shape(1, t.k // t.fmt.block_size)
+        addressing = ScaleAddressing(scales.stride(0), layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
+    return FP4Meta(
+        rows=data.shape[1], batch_stride=data.stride(0), row_stride=data.stride(1),
+        align=alignment(data, data.stride()[:2]), scale_layout=t.scale_layout, scales=addressing,
+        scale_align=alignment(scales, tuple(addressing[:4])), has_global_scale=t.global_scale is not None,
+    )
+
+
+def _batched(t: torch.Tensor, batch: int, dims: int) -> torch.Tensor:
+    """``t`` with a leading batch dimension of size ``batch`` (stride 0 when broadcast), ``dims`` dims in all."""
+    while t.dim() < dims:
+        t = t.unsqueeze(0)
+    return t.expand(batch, *t.shape[1:])
+
+
+class GemvOperands(NamedTuple):
+    """The tensors of one GEMV in the batched form kernels read, with the case describing them.
+
+    a_data ``[L, M, K/2]`` and b_data (FP4 ``[L, N, K/2]`` bytes or float ``[L, N, K]``): batch stride 0 when
+    broadcast.  a_scales / b_scales: the scale bytes, ``[L, rows, cols]`` (linear) or ``[L, rows_p * cols_p]``
+    (swizzled).  out: ``[L, M, N]`` (size-1 dimensions for what the result shape leaves out).
+    """
+
+    case: GemvCase
+    a_data: torch.Tensor
+    a_scales: torch.Tensor
+    a_global_scale: torch.Tensor | None
+    b_data: torch.Tensor
+    b_scales: torch.Tensor | None
+    b_global_scale: torch.Tensor | None
+    out: torch.Tensor
+
+    @classmethod
+    def of(cls, a, b, out: torch.Tensor) -> GemvOperands:
+        """Batched views of FP4Tensor ``a``, activation ``b`` (FP4Tensor or float tensor, already checked
+        against ``a``) and the result tensor ``out``, and the case they make."""
+        from ..tensor import FP4Tensor
+
+        batch = next((t.shape[0] for t in (a, b) if len(t.shape) == 3), 1)
+        a_data = _batched(a.data, batch, 3)
+        a_scales = _batched(a.scales, batch, 3 if a.scale_layout == "linear" else 2)
+        c = out
+        if len(b.shape) == 1:
+            c = c.unsqueeze(-1)
+        if c.dim() == 2:
+            c = c.unsqueeze(0)
+        if isinstance(b, FP4Tensor):
+            b_data = _batched(b.data, batch, 3)
+            b_scales = _batched(b.scales, batch, 3 if b.scale_layout == "linear" else 2)
+            b_meta = _fp4_meta(b, b_data, b_scales)
+            b_gs = b.global_scale
+        else:
+            b_data, b_scales, b_gs = _batched(b, batch, 3), None, None
+            contiguous_k = b_data.stride(-1) == 1
+            size = b_data.element_size()
+            b_meta = FloatMeta(b_data.dtype, tuple(b_data.stride()),
+                               alignment(b_data, tuple(s * size for s in b_data.stride()[:2])) if contiguous_k else 0)
+        case = GemvCase(
+            fmt=a.fmt, m=a.rows, k=a.k, n=b_data.shape[1], batch=batch, a=_fp4_meta(a, a_data, a_scales),
+            b=b_meta, out_dtype=out.dtype, out_strides=tuple(c.stride()), vector=len(b.shape) == 1,
+        )
+        return cls(case, a_data, a_scales, a.global_scale, b_data, b_scales, b_gs, c)
+
+
+class Src(NamedTuple):
+    """A pointer argument of a launch: operand ``name`` (a field of :class:`GemvOperands`) read as ``dtype``."""
+
+    name: str
+    dtype: torch.dtype
+
+
+@dataclass
+class TritonLaunch:
+    """One Triton kernel launch: ``kernel[grid](**args, **options)`` with :class:`Src` placeholders filled."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def check_powers_of_two(config: NamedTuple, fields: tuple[str, ...]) -> None:
+    """ValueError naming ``config`` unless each of ``fields`` is a power of two >= 1."""
+    for name in fields:
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"config: expected {name} a power of two >= 1, got {config}")
+
+
+class KernelSpec:
+    """One GEMV implementation as the dispatcher sees it.  Subclasses set ``name`` and ``config_type`` and
+    implement :meth:`why_not`, :meth:`default_config` and :meth:`launch`."""
+
+    name: ClassVar[str]
+    config_type: ClassVar[type | None] = None
+
+    def why_not(self, case: GemvCase, target: Target) -> str | None:
+        """None when this kernel runs ``case`` on ``target``; else the reason, naming the argument at fault."""
+        raise NotImplementedError
+
+    def supports(self, case: GemvCase, target: Target) -> bool:
+        return self.why_not(case, target) is None
+
+    def default_config(self, case: GemvCase, target: Target):
+        """The measured default launch configuration (None for an implementation without one)."""
+        return None
+
+    def check_config(self, config) -> None:
+        """ValueError unless ``config`` (an instance of ``config_type``) is one this kernel can launch."""
+
+    def launch(self, ops: GemvOperands, config, target: Target) -> None:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.name}>"
+
+
+class TritonKernelSpec(KernelSpec):
+    """A Triton kernel: :meth:`triton_launch` describes the launch, which the op layer executes (and caches)."""
+
+    def triton_launch(self, case: GemvCase, config, target: Target) -> TritonLaunch:
+        raise NotImplementedError
+
+    def launch(self, ops: GemvOperands, config, target: Target) -> None:
+        launch = self.triton_launch(ops.case, config, target)
+        launch.kernel[launch.grid](**fill_sources(launch.args, ops), **launch.options)
+
+
+def fill_sources(args: dict[str, Any], ops: GemvOperands) -> dict[str, Any]:
+    """``args`` with every :class:`Src` replaced by the operand tensor it names, viewed as its dtype."""
+    return {name: getattr(ops, v.name).view(v.dtype) if isinstance(v, Src) else v for name, v in args.items()}

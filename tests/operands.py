@@ -1,0 +1,141 @@
+"""Operands and the exact-result check shared by the kernel tests.
+
+Random FP4 tensors and activations (all 16 codes, wide and signed scales), the cases the tests sweep, NaN-poisoned
+outputs, and the error bound a correct kernel stays within, derived from its arithmetic:
+
+The bound.  Every operation after the exact decode is one fp32 rounding (unit roundoff u = 2^-24) on the
+path of a term t_k = a_k * b_k to the result: at most 1 for the W4A16 product, 15 in a 16-element block
+sum, 1 for the scale product, NB for the K-loop additions plus the final sum over BLOCKS columns (together
+<= NB + 1 for a power-of-two BLOCKS <= NB, and fewer when BLOCKS > NB), 2 for the global scales.  With
+n = NB + 22 >= that depth, the fp32 result s' obeys |s' - s| <= 1.01 * n * u * sum_k |t_k| (gamma_n;
+n * u < 1e-3 here), plus n * 2^-149 for fp32 underflow.  The one rounding to the output dtype adds half an
+ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 * sum_k |t_k|.
+``tensor_cores=True`` switches to the bound of the tensor-core kernel (kernels/hmma_gemv.py, derived in
+tests/test_kernels_hmma.py): all K products in one fp32 accumulation that may truncate.
+"""
+
+import torch
+
+from fp4gemv import FP4Tensor, formats, select_kernel
+from fp4gemv.reference import gemv_reference, quantized_gemv_reference
+
+LAYOUTS = ("linear", "swizzled")
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Interpreter on CPU tensors without a GPU (conftest), the compiled kernel on CUDA tensors with one.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SIGNIFICAND_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24}
+MIN_SUBNORMAL = {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133, torch.float32: 2.0**-149}
+
+
+# --- operands ---------------------------------------------------------------------------------------------
+
+
+def random_fp4(shape, fmt, layout, seed, global_scale=None, device=DEVICE):
+    """All 16 codes; NVFP4 scales ±(1 + m/8) 2^e, e in -9..2 (some negative), MXFP4 2^-9 .. 2^2."""
+    g = torch.Generator().manual_seed(seed)
+    *batch, rows, k = shape
+    f = formats.FORMATS[fmt]
+    data = torch.randint(0, 256, (*batch, rows, k // 2), dtype=torch.uint8, generator=g)
+    scale_shape = (*batch, rows, k // f.block_size)
+    if fmt == "nvfp4":
+        mag = (1 + torch.randint(0, 8, scale_shape, generator=g) / 8) * torch.exp2(
+            torch.randint(-9, 3, scale_shape, generator=g).float())
+        sign = torch.where(torch.rand(scale_shape, generator=g) < 0.1, -1.0, 1.0)
+        scales = formats.encode_e4m3(mag * sign)
+    else:
+        scales = torch.randint(127 - 9, 127 + 3, scale_shape, generator=g).to(torch.uint8)
+    t = FP4Tensor(data, scales, fmt, "linear").with_scale_layout(layout)
+    return FP4Tensor(t.data.to(device), t.scales.to(device), fmt, layout,
+                     None if global_scale is None else torch.tensor(global_scale, device=device))
+
+
+def random_activation(shape, dtype, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype).to(device)
+
+
+def values(t):
+    return t.dequantize(torch.float64) if isinstance(t, FP4Tensor) else t.to(torch.float64)
+
+
+def _fold_exponent(b):
+    """f such that the tensor-core kernel's fp32 accumulator holds the result (before global scales) times
+    2^-f: its 16-bit operands carry 2^-14 per NVFP4 operand in fp16, 2^-7 for bf16 (kernels/hmma_gemv.py)."""
+    if isinstance(b, FP4Tensor):
+        return 28
+    return {torch.float16: 14, torch.bfloat16: 7}[b.dtype]
+
+
+def _global_scale(t):
+    return 1.0 if not isinstance(t, FP4Tensor) or t.global_scale is None else abs(float(t.global_scale))
+
+
+def error_bound(a, b, out_dtype, got, tensor_cores=False):
+    """Largest |got - exact| a correct kernel can produce (module docstring), elementwise.
+
+    ``tensor_cores``: the bound of kernels/hmma_gemv.py instead (tests/test_kernels_hmma.py's docstring):
+    depth K + 24, unit roundoff 2^-23 (truncation), the underflow term scaled up by the epilogue's fold.
+    """
+    b_abs = values(b).abs()
+    magnitude = gemv_reference(values(a).abs(), b_abs[None, :] if b_abs.dim() == 1 else b_abs, torch.float64)
+    if b_abs.dim() == 1:
+        magnitude = magnitude[..., 0]
+    if tensor_cores:
+        n = a.k + 24
+        gs = _global_scale(a) * _global_scale(b)
+        fp32 = 1.01 * n * 2.0**-23 * magnitude + n * 2.0**-149 * max(1.0, 2.0 ** _fold_exponent(b) * gs)
+    else:
+        n = a.k // 16 + 22
+        fp32 = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
+    oracle = (a.k + 3) * 2.0**-53 * magnitude
+    mantissa, exponent = torch.frexp(got.to(torch.float64).abs())
+    ulp = torch.exp2((exponent - SIGNIFICAND_BITS[out_dtype]).to(torch.float64))
+    ulp = torch.where(got == 0, 0.0, ulp).clamp(min=MIN_SUBNORMAL[out_dtype])
+    return fp32 + oracle + ulp / 2
+
+
+def within_bound(got, a, b, out_dtype, tensor_cores=False):
+    """Elementwise: got is finite and within the derived bound of the exact result of gemv(a, b)."""
+    exact = quantized_gemv_reference(a, b, torch.float64)
+    got64 = got.to(torch.float64)
+    return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got, tensor_cores))
+
+
+def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False):
+    ok = within_bound(got, a, b, out_dtype, tensor_cores)
+    if not ok.all():
+        exact = quantized_gemv_reference(a, b, torch.float64)
+        bad = (~ok).nonzero()[:5].tolist()
+        detail = [(i, got[tuple(i)].item(), exact[tuple(i)].item()) for i in bad]
+        raise AssertionError(f"{int((~ok).sum())} of {got.numel()} outputs off the exact result; first: {detail}")
+
+
+def poisoned(shape, dtype, device=DEVICE):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def build_case(fmt, activation, n, layout, shape, global_scales, seed):
+    """(a, b): a in ``layout``; an FP4 b in the other layout, so both mixtures are covered."""
+    m, k, L = shape
+    batch = (L,) if L > 1 else ()
+    a = random_fp4((*batch, m, k), fmt, layout, seed, global_scale=0.75 if global_scales else None)
+    b_shape = (k,) if n == "vector" else (*batch, n, k)
+    if activation == "fp4":
+        other = "swizzled" if layout == "linear" else "linear"
+        b = random_fp4(b_shape, fmt, other, seed + 1, global_scale=1.375 * 2.0**-3 if global_scales else None)
+    else:
+        b = random_activation(b_shape, activation, seed + 1)
+    return a, b
+
+
+def result_shape(a, b):
+    from fp4gemv.ops import result_shape as shape
+
+    return shape(a, b)
+
+
+def uses_tensor_cores(a, b) -> bool:
+    """Whether gemv(a, b, backend="triton") runs the tensor-core kernel (kernels/hmma_gemv.py), whose error bound
+    differs (``error_bound(..., tensor_cores=True)``)."""
+    return select_kernel(a, b, backend="triton").name == "hmma"
