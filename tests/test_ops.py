@@ -260,3 +260,77 @@ def test_custom_ops_pass_opcheck():
     out = torch.empty(2, 128, 3, dtype=torch.float16)
     result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+# --- GPU: graphs and compiled code ---------------------------------------------------------------------------
+
+
+def _gpu_layers(count=32):
+    """``count`` weight matrices of mixed formats and shapes with one activation each (W4A16 and W4A4)."""
+    from operands import random_activation, random_fp4
+
+    layers = []
+    for i in range(count):
+        fmt = "nvfp4" if i % 3 else "mxfp4"
+        m, k = (512, 1024) if i % 2 else (384, 2048)
+        a = random_fp4((m, k), fmt, "swizzled", seed=i, global_scale=0.5 if i % 4 == 0 else None, device="cuda")
+        b = (random_fp4((1 + i % 4, k), fmt, "linear", seed=100 + i, device="cuda") if i % 5 == 0
+             else random_activation((1 + i % 9, k), torch.bfloat16, seed=100 + i, device="cuda"))
+        layers.append((a, b))
+    return layers
+
+
+@pytest.mark.gpu
+def test_cuda_graph_of_32_gemv_calls_replays_like_eager():
+    layers = _gpu_layers()
+    outs = [torch.full(ops.result_shape(a, b), float("nan"), dtype=torch.float32, device="cuda") for a, b in layers]
+    eager = [gemv(a, b, out_dtype=torch.float32) for a, b in layers]  # also compiles and caches every plan
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for (a, b), out in zip(layers, outs):
+            gemv(a, b, out=out, out_dtype=torch.float32)
+    torch.cuda.current_stream().wait_stream(stream)
+    for out in outs:
+        out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for (a, b), out in zip(layers, outs):
+            gemv(a, b, out=out, out_dtype=torch.float32)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(outs, eager):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_of_32_gemv_calls_matches_eager():
+    layers = _gpu_layers()
+
+    def step(layers):
+        return [gemv(a, b, out_dtype=torch.float32) for a, b in layers]
+
+    eager = step(layers)
+    compiled = torch.compile(step, mode="reduce-overhead")
+    for _ in range(3):  # warm-up, record, replay
+        got = compiled(layers)
+    torch.cuda.synchronize()
+    for g, w in zip(got, eager):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_cached_launches_on_gpu_match_the_first_call():
+    """The first call of a metadata goes through Triton's JIT; later ones through the compiled kernel's
+    launcher with new pointers: same results as fresh JIT launches on the same operands."""
+    from operands import random_activation, random_fp4
+
+    for i in range(3):
+        a = random_fp4((2, 640, 4096), "nvfp4", "swizzled", seed=10 + i, device="cuda")
+        x = random_activation((2, 5, 4096), torch.float16, seed=20 + i, device="cuda")
+        out = torch.full((2, 640, 5), float("nan"), dtype=torch.float16, device="cuda")
+        prepared = ops.prepared(a, x, out=out)
+        assert prepared.compiled is not None or i == 0
+        gemv(a, x, out=out)
+        ops.clear_cache()
+        assert torch.equal(out, gemv(a, x, out=torch.empty_like(out)))
