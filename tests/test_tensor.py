@@ -266,3 +266,12 @@ def test_quantize_zero_blocks_and_mx_scale_range():
 def test_quantize_names_the_bad_argument(x, kwargs, exc, message):
     with pytest.raises(exc, match=message):
         FP4Tensor.quantize(x, **kwargs)
+
+
+def test_attributes_cannot_be_rebound():
+    """What the constructor checked stays true: the op layer keys cached decisions on it."""
+    t = _tensor()
+    with pytest.raises(AttributeError, match="FP4Tensor is immutable"):
+        t.scales = t.scales[..., :1]
+    with pytest.raises(AttributeError, match="immutable"):
+        t.global_scale = torch.tensor(2.0)

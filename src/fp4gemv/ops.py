@@ -13,6 +13,7 @@ kernel through its own launcher with the operands' pointers, skipping the JIT's 
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from .kernels.spec import GemvCase, GemvOperands, KernelSpec, Src, TritonKernelS
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["gemv", "select_kernel", "plan_for", "prepared", "PreparedGemv", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
+__all__ = ["gemv", "select_kernel", "plan_for", "prepared", "PreparedGemv", "SLOTS", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
 # Activation rows per launch: the kernels keep every row's accumulator in registers.
 MAX_N = 16
@@ -172,44 +173,67 @@ def select_kernel(
 
 # --- cached calls ----------------------------------------------------------------------------------------------
 
-def _fp4_key(t: FP4Tensor) -> tuple:
-    data, scales, gs = t.data, t.scales, t.global_scale
-    return (t.fmt, t.scale_layout, data.shape, data.stride(), data.data_ptr() % 16, data.device, scales.shape,
-            scales.stride(), scales.data_ptr() % 16, None if gs is None else gs.data_ptr() % 16)
+# The operands whose addresses a launch takes, in the order of a pointer tuple (``kernels.spec.GemvOperands``'s
+# names); absent ones (no global scale, a float activation's scales) are 0.
+SLOTS = ("a_data", "a_scales", "a_global_scale", "b_data", "b_scales", "b_global_scale", "out")
 
 
-def _key(a, b, out, out_dtype, backend, kernel, config) -> tuple | None:
-    """Everything validation and dispatch depend on, or None for arguments validation must look at (and
-    reject) or that cannot be keyed."""
+def _key_and_pointers(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, tuple | None]:
+    """Everything validation and dispatch depend on (shapes, strides, dtypes, devices, formats, layouts, the
+    alignment of every address, the arguments, the current device), and the operands' addresses in SLOTS
+    order; (None, None) for arguments that validation must look at (and reject).
+
+    An FP4Tensor's scale shape follows from its data shape, format and layout (checked when it was made; its
+    attributes cannot be rebound), so only the scales' strides are keyed.  On CUDA, b's and out's device index
+    equal to a's means the same device; elsewhere their whole device is keyed."""
     if type(a) is not FP4Tensor:
-        return None
+        return None, None
+    ad, asc, ag = a.data, a.scales, a.global_scale
+    pa, ps, pg = ad.data_ptr(), asc.data_ptr(), 0 if ag is None else ag.data_ptr()
+    device = ad.device
+    cuda = device.type == "cuda"
     if type(b) is FP4Tensor:
-        bk = _fp4_key(b)
+        bd, bs, bg = b.data, b.scales, b.global_scale
+        pb, pbs, pbg = bd.data_ptr(), bs.data_ptr(), 0 if bg is None else bg.data_ptr()
+        bk = (b.fmt, b.scale_layout, bd.shape, bd.stride(), bs.stride(), bg is None,
+              bd.get_device() if cuda else bd.device)
     elif isinstance(b, torch.Tensor):
-        bk = (b.dtype, b.shape, b.stride(), b.data_ptr() % 16, b.device)
+        pb, pbs, pbg = b.data_ptr(), 0, 0
+        bk = (b.dtype, b.shape, b.stride(), b.get_device() if cuda else b.device)
     else:
-        return None
+        return None, None
     if out is None:
-        ok = None
+        po, ok = 0, None
     elif isinstance(out, torch.Tensor):
-        ok = (out.dtype, out.shape, out.stride(), out.data_ptr() % 16, out.device)
+        po, ok = out.data_ptr(), (out.dtype, out.shape, out.stride(), out.get_device() if cuda else out.device)
     else:
-        return None
-    device = a.data.device
-    where = torch.cuda.current_device() if device.type == "cuda" else interpreting()
-    key = (_fp4_key(a), bk, ok, out_dtype, backend, kernel, config, where)
-    try:
-        hash(key)
-    except TypeError:
-        return None
-    return key
+        return None, None
+    where = torch.cuda.current_device() if cuda else interpreting()
+    align = (pa & 15, ps & 15, pg & 15, pb & 15, pbs & 15, pbg & 15, po & 15)
+    key = (a.fmt, a.scale_layout, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
+           out_dtype, backend, kernel, config, where)
+    return key, (pa, ps, pg, pb, pbs, pbg, po)
+
+
+_triton_runtime = None
+
+
+def _runtime():
+    """(Triton's current-stream lookup, the stream it would launch on; its runtime knobs), resolved once."""
+    global _triton_runtime
+    if _triton_runtime is None:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        _triton_runtime = (driver.active.get_current_stream, knobs.runtime)
+    return _triton_runtime
 
 
 class PreparedGemv:
     """A plan with its launch: the compiled Triton kernel once the first call has compiled it, then every
     later call fills the pointer slots of the argument list and calls the kernel's launcher directly."""
 
-    __slots__ = ("plan", "template", "compiled", "argv", "slots", "grid")
+    __slots__ = ("plan", "template", "compiled", "argv", "slots", "grid", "_launcher")
 
     def __init__(self, plan: GemvPlan):
         self.plan = plan
@@ -218,14 +242,23 @@ class PreparedGemv:
             self.template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
         self.compiled = None
 
-    def run(self, a, b, out):
+    def run(self, a, b, out, pointers: tuple | None = None):
+        """``gemv(a, b, out=out)`` for operands of this plan's metadata; ``pointers``: their addresses in SLOTS
+        order, when the caller has them."""
         plan = self.plan
+        if self.compiled is not None and pointers is not None and out is not None and not plan.copy_activation:
+            self.launch(pointers)
+            return out
         if out is None:
             out = torch.empty(plan.out_shape, dtype=plan.case.out_dtype, device=plan.device)
         if plan.copy_activation:
             b = b.contiguous()
         if self.compiled is not None:
-            self._launch_compiled(a, b, out)
+            fp4_b = type(b) is FP4Tensor
+            gs_a, gs_b = a.global_scale, b.global_scale if fp4_b else None
+            self.launch((a.data.data_ptr(), a.scales.data_ptr(), 0 if gs_a is None else gs_a.data_ptr(),
+                         (b.data if fp4_b else b).data_ptr(), b.scales.data_ptr() if fp4_b else 0,
+                         0 if gs_b is None else gs_b.data_ptr(), out.data_ptr()))
             return out
         ops = GemvOperands.of(a, b, out)
         if self.template is None:
@@ -243,40 +276,57 @@ class PreparedGemv:
         for i, param in enumerate(kernel.params):
             value = args[param.name] if param.name in args else param.default
             if isinstance(value, Src):
-                slots.append((i, value.name))
+                slots.append((i, SLOTS.index(value.name)))
             argv.append(value)
         self.argv, self.slots = argv, tuple(slots)
         grid = self.template.grid
         self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        compiled.run  # noqa: B018 -- load the module now, not on the first timed call
+        launcher = compiled.run  # loads the module now, not on the first timed call
+        # The launcher's own C entry point when the kernel needs no scratch memory (Triton 3.6's CudaLauncher
+        # only allocates scratch in Python before calling it), else the launcher itself.
+        if (getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
+                and hasattr(launcher, "launch")):
+            self._launcher = functools.partial(_launch_c, launcher)
+        else:
+            self._launcher = launcher
         self.compiled = compiled
 
-    def _launch_compiled(self, a, b, out) -> None:
-        fp4_b = type(b) is FP4Tensor
-        self.launch_pointers({
-            "a_data": a.data, "a_scales": a.scales, "a_global_scale": a.global_scale,
-            "b_data": b.data if fp4_b else b, "b_scales": b.scales if fp4_b else None,
-            "b_global_scale": b.global_scale if fp4_b else None, "out": out,
-        })
-
-    def launch_pointers(self, sources: dict) -> None:
-        """Launch the compiled kernel on ``sources``: for each operand name of ``kernels.spec.GemvOperands``, a
-        tensor (or anything with ``data_ptr()``) whose address is that operand's.  Only after a first call
-        has compiled the kernel (``compiled`` is set) and only with operands of this plan's metadata."""
-        from triton import knobs
-        from triton.runtime.driver import driver
-
+    def launch(self, pointers: tuple) -> None:
+        """Launch the compiled kernel on operands at ``pointers`` (addresses in SLOTS order).  Only after a first
+        call has compiled the kernel (``compiled`` is set), and only for operands of this plan's metadata."""
+        current_stream, knobs = _triton_runtime or _runtime()
         argv = self.argv.copy()
-        for i, name in self.slots:
-            argv[i] = sources[name].data_ptr()
+        for i, j in self.slots:
+            argv[i] = pointers[j]
         k = self.compiled
-        stream = driver.active.get_current_stream(self.plan.device.index)
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        stream = current_stream(self.plan.device.index)
+        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
         meta = k.launch_metadata(self.grid, stream, *argv) if enter is not None else None
-        k.run(*self.grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+        self._launcher(*self.grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+
+
+def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
+    launcher.launch(grid_x, grid_y, grid_z, stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    None, None, *args)
 
 
 _CACHE: dict[tuple, PreparedGemv] = {}
+
+
+def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
+    key, pointers = _key_and_pointers(a, b, out, out_dtype, backend, kernel, config)
+    cached = None
+    if key is not None:
+        try:
+            cached = _CACHE.get(key)
+        except TypeError:  # an unhashable argument (a config that is not a NamedTuple): no caching
+            key = None
+    if cached is None:
+        cached = PreparedGemv(plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel,
+                                       config=config))
+        if key is not None:
+            _CACHE[key] = cached
+    return cached, pointers
 
 
 def prepared(
@@ -291,14 +341,7 @@ def prepared(
 ) -> PreparedGemv:
     """The (cached) :class:`PreparedGemv` that :func:`gemv` runs for these arguments (same meaning); validates
     them when their metadata is new.  ``prepared(...).run(a, b, out)`` is ``gemv(a, b, out=out, ...)``."""
-    key = _key(a, b, out, out_dtype, backend, kernel, config)
-    cached = _CACHE.get(key) if key is not None else None
-    if cached is None:
-        cached = PreparedGemv(plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel,
-                                       config=config))
-        if key is not None:
-            _CACHE[key] = cached
-    return cached
+    return _prepared(a, b, out, out_dtype, backend, kernel, config)[0]
 
 
 def gemv(
@@ -339,7 +382,8 @@ def gemv(
         from . import library
 
         return library.traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
-    return prepared(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config).run(a, b, out)
+    cached, pointers = _prepared(a, b, out, out_dtype, backend, kernel, config)
+    return cached.run(a, b, out, pointers)
 
 
 def clear_cache() -> None:

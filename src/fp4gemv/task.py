@@ -351,9 +351,10 @@ def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
     prepared = _LAUNCHES.get(key) if key is not None else None
     if prepared is not None:
         a, b, _, _, sfa_permuted, sfb_permuted, c = data
-        prepared.launch_pointers({"a_data": a, "a_scales": sfa_permuted, "b_data": b, "b_scales": sfb_permuted,
-                                  "out": c})
-        return data[6]
+        # The FP4Tensor views share these addresses (ops.SLOTS order; the task has no global scales).
+        prepared.launch((a.data_ptr(), sfa_permuted.data_ptr(), 0, b.data_ptr(), sfb_permuted.data_ptr(), 0,
+                         c.data_ptr()))
+        return c
     weights, activation, out = _task_views(data)
     prepared = ops.prepared(weights, activation, out=out, out_dtype=out.dtype, backend=backend)
     prepared.run(weights, activation, out)

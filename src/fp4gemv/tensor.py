@@ -76,8 +76,8 @@ class FP4Tensor:
         scale_layout: ``"linear"`` or ``"swizzled"``.
         global_scale: None, a Python number (stored as fp32) or a one-element float32 tensor on data's device.
 
-    Tensors are kept as given (viewed as uint8, never copied).  Raises TypeError / ValueError naming the
-    argument, the expected and the actual.
+    Tensors are kept as given (viewed as uint8, never copied); the attributes cannot be rebound afterwards.
+    Raises TypeError / ValueError naming the argument, the expected and the actual.
     """
 
     __slots__ = ("data", "scales", "fmt", "scale_layout", "global_scale")
@@ -123,11 +123,16 @@ class FP4Tensor:
             )
         if scales.device != data.device:
             raise ValueError(f"scales: expected device {data.device} like data, got {scales.device}")
-        self.data = formats.as_uint8(data)
-        self.scales = formats.as_uint8(scales)
-        self.fmt = fmt
-        self.scale_layout = scale_layout
-        self.global_scale = _global_scale_tensor(global_scale, data.device)
+        # Attributes are set once: what was checked here stays true (the op layer's cache relies on it).
+        init = object.__setattr__
+        init(self, "data", formats.as_uint8(data))
+        init(self, "scales", formats.as_uint8(scales))
+        init(self, "fmt", fmt)
+        init(self, "scale_layout", scale_layout)
+        init(self, "global_scale", _global_scale_tensor(global_scale, data.device))
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"FP4Tensor is immutable: make a new one instead of setting {name!r}")
 
     # --- shape ---------------------------------------------------------------------------------------------
 
