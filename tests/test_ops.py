@@ -187,11 +187,13 @@ def test_choice_follows_the_target():
 def test_calls_with_the_same_metadata_share_one_plan():
     a, x = _fp4(2, 128, 64), _x(2, 3, 64)
     out = torch.empty(2, 128, 3, dtype=torch.float16)
-    first = ops.prepared(a, x, out=out)
-    assert ops.prepared(_fp4(2, 128, 64, seed=5), _x(2, 3, 64, seed=6), out=torch.empty_like(out)) is first
-    assert ops.prepared(a, x, out=out, out_dtype=torch.float16, backend="auto") is first
-    assert ops.prepared(a, x) is not first  # a new result tensor: another plan
-    assert ops.prepared(a, x[:, :2], out=out[:, :, :2]) is not first
+    def prepared(a, x, out=None):
+        return ops.prepared(a, x, out, torch.float16, "auto", None, None)[0]
+
+    first = prepared(a, x, out)
+    assert prepared(_fp4(2, 128, 64, seed=5), _x(2, 3, 64, seed=6), torch.empty_like(out)) is first
+    assert prepared(a, x) is not first  # a new result tensor: another plan
+    assert prepared(a, x[:, :2], out[:, :, :2]) is not first
 
 
 def test_a_bad_call_after_a_cached_one_still_raises_before_writing():
@@ -329,7 +331,7 @@ def test_cached_launches_on_gpu_match_the_first_call():
         a = random_fp4((2, 640, 4096), "nvfp4", "swizzled", seed=10 + i, device="cuda")
         x = random_activation((2, 5, 4096), torch.float16, seed=20 + i, device="cuda")
         out = torch.full((2, 640, 5), float("nan"), dtype=torch.float16, device="cuda")
-        prepared = ops.prepared(a, x, out=out)
+        prepared, _ = ops.prepared(a, x, out, torch.float16, "auto", None, None)
         assert prepared.compiled is not None or i == 0
         gemv(a, x, out=out)
         ops.clear_cache()

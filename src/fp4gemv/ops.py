@@ -313,7 +313,9 @@ def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
 _CACHE: dict[tuple, PreparedGemv] = {}
 
 
-def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
+def prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
+    """The (cached) :class:`PreparedGemv` that :func:`gemv` runs for these arguments (same meaning, all given),
+    validating them when their metadata is new, and the operands' addresses (None when not cached)."""
     key, pointers = _key_and_pointers(a, b, out, out_dtype, backend, kernel, config)
     cached = None
     if key is not None:
@@ -327,21 +329,6 @@ def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGe
         if key is not None:
             _CACHE[key] = cached
     return cached, pointers
-
-
-def prepared(
-    a: FP4Tensor,
-    b: FP4Tensor | torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float16,
-    backend: Backend = "auto",
-    kernel: str | None = None,
-    config=None,
-) -> PreparedGemv:
-    """The (cached) :class:`PreparedGemv` that :func:`gemv` runs for these arguments (same meaning); validates
-    them when their metadata is new.  ``prepared(...).run(a, b, out)`` is ``gemv(a, b, out=out, ...)``."""
-    return _prepared(a, b, out, out_dtype, backend, kernel, config)[0]
 
 
 def gemv(
@@ -382,7 +369,7 @@ def gemv(
         from . import library
 
         return library.traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
-    cached, pointers = _prepared(a, b, out, out_dtype, backend, kernel, config)
+    cached, pointers = prepared(a, b, out, out_dtype, backend, kernel, config)
     return cached.run(a, b, out, pointers)
 
 

@@ -356,8 +356,8 @@ def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
                          c.data_ptr()))
         return c
     weights, activation, out = _task_views(data)
-    prepared = ops.prepared(weights, activation, out=out, out_dtype=out.dtype, backend=backend)
-    prepared.run(weights, activation, out)
+    prepared, pointers = ops.prepared(weights, activation, out, out.dtype, backend, None, None)
+    prepared.run(weights, activation, out, pointers)
     if key is not None and prepared.compiled is not None:
         _LAUNCHES[key] = prepared
     return data[6]
