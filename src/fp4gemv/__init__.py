@@ -1,12 +1,14 @@
 """fp4gemv: fast FP4 (NVFP4 / MXFP4) matrix-vector products for LLM decoding on NVIDIA GPUs.
 
-Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``) and
-:func:`gemv` (FP4 weights times FP4 or float activations).
+Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``),
+:func:`quantize` (floats to an FP4Tensor, a Triton kernel on CUDA) and :func:`gemv` (FP4 weights times FP4 or
+float activations).
 """
 
 from .gemv import gemv
+from .quantize import quantize
 from .tensor import FP4Tensor
 
-__all__ = ["FP4Tensor", "gemv", "__version__"]
+__all__ = ["FP4Tensor", "gemv", "quantize", "__version__"]
 
 __version__ = "0.1.0"

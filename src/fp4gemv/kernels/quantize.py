@@ -1,0 +1,273 @@
+"""Triton kernels that quantize floats to NVFP4 / MXFP4 and dequantize them back, bit for bit as ``formats``.
+
+``quantize_kernel`` computes exactly what ``formats.quantize`` computes (its docstring is the definition);
+``dequantize_kernel`` exactly what ``formats.dequantize`` rounds to.  Only IEEE float32 / float64 operations
+that round to nearest even are used (``tl.div_rn``, never the approximate ``/``; no fused multiply-add;
+no flush-to-zero), so the GPU and the CPU-side interpreter (NumPy) give the same bits; roundings to the
+narrow formats are done by hand where Triton's interpreter and the GPU disagree.
+
+Both kernels read or write floats as *pairs*: a 16-bit tensor viewed as int32, a float32 one as int64, so
+element 2j sits in the low half of word j, as e2m1 element 2j sits in the low nibble of byte j.  A program
+owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of ``BLOCK_SIZE`` elements, held as
+``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction over the last axis and the
+packed bytes come out in the words' own layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from ._common import decode_scale, scale_row_offset
+
+__all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES"]
+
+# How a kernel names the float dtype of its pair words.
+FLOAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+_F32_EXPONENT_MASK = tl.constexpr(0x7F800000)
+_F32_MAGNITUDE_MASK = tl.constexpr(0x7FFFFFFF)
+# float32 bits of 2^22: adding a magnitude below 2 rounds it to a multiple of 0.5 (the e2m1 step there).
+_TWO_POW_22_BITS = tl.constexpr(0x4A800000)
+
+
+class QuantizeConfig(NamedTuple):
+    """One launch: ``rows`` rows x ``blocks`` scale blocks per program, ``num_warps`` warps."""
+
+    rows: int
+    blocks: int
+    num_warps: int = 4
+
+
+def quantize_config(block_size: int, element_bytes: int) -> QuantizeConfig:
+    """A tile of 8 rows x 512 K-elements (8 KB of bf16 input): 32 words per thread in 4 warps, so each
+    thread has several 16-byte loads in flight.  Not yet tuned on the GPU (``benchmarks/quantize_speed.py``
+    sweeps the alternatives)."""
+    return QuantizeConfig(8, 512 // block_size)
+
+
+@triton.jit
+def _unpack_pairs(words, FLOAT_CODE: tl.constexpr):
+    """(float32 bits of element 2j, of element 2j + 1) from pair words, as int32; widening is exact."""
+    if FLOAT_CODE == 0:  # float32 pairs in int64
+        return words.to(tl.int32), (words >> 32).to(tl.int32)
+    elif FLOAT_CODE == 1:  # bf16 is the top half of a float32
+        return words << 16, words & -65536
+    else:
+        lo = (words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_codes(q):
+    """e2m1 codes (int32 0..15) of float32 ``q``: nearest, ties to even code, saturating at ±6; sign kept.
+
+    Adding C = 2^22, 2^23 or 2^24 rounds a magnitude below 2, 4 or 6 (nearest even) to a multiple of the
+    e2m1 step there (0.5, 1, 2), and an even multiple is exactly an even code; the integer difference of the
+    sum's bits from C's is then the code, less 0, 2 or 4.  (NaN only reaches here from blocks the caller
+    overwrites.)
+    """
+    bits = q.to(tl.int32, bitcast=True)
+    mag = tl.minimum((bits & _F32_MAGNITUDE_MASK).to(tl.float32, bitcast=True), 6.0)
+    binade = (mag >= 2.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
+    c_bits = _TWO_POW_22_BITS + (binade << 23)
+    rounded = (mag + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return (rounded - c_bits + 2 * binade) | ((bits >> 28) & 8)
+
+
+@triton.jit
+def _e4m3_round(s):
+    """``s`` in [2^-9, 448] rounded to e4m3 (nearest even): (its byte, its value as float32).
+
+    Adding C = 2^(e + 20) (e: s's binade; 2^14 below e4m3's normal range, where the step is 2^-9 throughout)
+    leaves float32 a step of 2^(e - 3), e4m3's, so ``(s + C) - C`` is the rounded value, a carry into the next
+    binade included.
+    """
+    c_bits = tl.maximum((s.to(tl.int32, bitcast=True) & _F32_EXPONENT_MASK) + (20 << 23), 0x46800000)
+    c = c_bits.to(tl.float32, bitcast=True)
+    value = (s + c) - c
+    value_bits = value.to(tl.int32, bitcast=True)
+    # Normal: e4m3 exponent = float32 exponent - 120, and the top 3 mantissa bits; subnormal: value * 2^9.
+    byte = tl.where(value >= 0.015625, (value_bits >> 20) - (120 << 3), (value * 512.0).to(tl.int32))
+    return byte, value
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    gs_ptr,
+    rows,
+    n_blocks,
+    x_stride_l,
+    x_stride_r,
+    data_stride_l,
+    data_stride_r,
+    sf_stride_l,
+    sf_row_tile,
+    sf_r32,
+    sf_r4,
+    sf_col_tile,
+    FLOAT_CODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Quantize pair words ``x`` ``[L, rows, K/2]`` into packed bytes ``[L, rows, K/2]`` and scale bytes
+    (addressed by ``ScaleAddressing``); ``gs_ptr``: the fp32 global scale, read when HAS_GLOBAL."""
+    PAIRS: tl.constexpr = BLOCK_SIZE // 2
+    pid_l = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    r3 = r[:, None, None]
+    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    # The mask depends on the row and the block only, so it is constant along each block's words.
+    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    words = tl.load(x_ptr + pid_l * x_stride_l + r3 * x_stride_r + col, mask=mask, other=0)
+    lo_bits, hi_bits = _unpack_pairs(words, FLOAT_CODE)
+    lo = lo_bits.to(tl.float32, bitcast=True)
+    hi = hi_bits.to(tl.float32, bitcast=True)
+    if HAS_GLOBAL:
+        g = tl.load(gs_ptr)
+    if BLOCK_SIZE == 16:
+        # The largest magnitude as the largest integer of magnitude bits: NaN and infinity sort above it.
+        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+        finite = amax_bits < _F32_EXPONENT_MASK
+        amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
+        if HAS_GLOBAL:
+            s = tl.div_rn(amax, 6.0 * g)
+        else:
+            s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        s = tl.where(s == 0.0, 1.0, s)
+        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
+        scale_byte, scale = _e4m3_round(s)
+        if HAS_GLOBAL:
+            scale = scale * g
+        lo = tl.div_rn(lo, scale[:, :, None])
+        hi = tl.div_rn(hi, scale[:, :, None])
+        scale_byte = tl.where(finite, scale_byte, 0x7F)
+    else:
+        if HAS_GLOBAL:
+            lo = tl.div_rn(lo, g)
+            hi = tl.div_rn(hi, g)
+            lo_bits = lo.to(tl.int32, bitcast=True)
+            hi_bits = hi.to(tl.int32, bitcast=True)
+        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+        finite = amax_bits < _F32_EXPONENT_MASK
+        # floor(log2(amax)) - 2 from the biased exponent (0 for zero and subnormals: clamps to -127 anyway).
+        exponent = tl.minimum(tl.maximum((amax_bits >> 23) - 129, -127), 127)
+        inverse_scale = (tl.minimum(tl.maximum(127 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+        lo = lo * inverse_scale[:, :, None]
+        hi = hi * inverse_scale[:, :, None]
+        scale_byte = tl.where(finite, exponent + 127, 0xFF)
+    packed = _e2m1_codes(lo) | (_e2m1_codes(hi) << 4)
+    packed = tl.where(finite[:, :, None], packed, 0).to(tl.uint8)
+    tl.store(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, packed, mask=mask)
+    sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
+                 + (b // 4 * sf_col_tile + b % 4)[None, :])
+    tl.store(scales_ptr + sf_offset, scale_byte.to(tl.uint8), mask=(r[:, None] < rows) & (b[None, :] < n_blocks))
+
+
+@triton.jit
+def _e2m1_values(codes):
+    """float32 values of e2m1 codes (int32 0..15): 0 and 0.5 by hand, then 2^(c/2 - 1) * (1 + (c & 1) / 2)."""
+    mag = codes & 7
+    bits = tl.where(mag < 2, mag * 0x3F000000, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22))
+    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_odd_f32(exact):
+    """float64 ``exact`` rounded to float32 *to odd*: truncated, the last bit set when anything was cut.
+
+    float32 keeps more than two bits beyond bf16's and fp16's significands, so rounding this once more to
+    either (nearest even) equals rounding ``exact`` to it directly (``reference.round_from_float64``).
+    """
+    nearest = exact.to(tl.float32)
+    back = nearest.to(tl.float64)
+    bits = nearest.to(tl.int32, bitcast=True)
+    bits = tl.where(tl.abs(back) > tl.abs(exact), bits - 1, bits)  # toward zero: magnitude bits down one
+    bits = tl.where(back != exact, bits | 1, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _narrow_bits(v, FLOAT_CODE: tl.constexpr):
+    """Bits of float32 ``v`` rounded once (nearest even) to the output float: int64 for float32, else int32
+    holding the 16 bits.  bf16 by hand: Triton's interpreter truncates fp32 -> bf16 casts."""
+    if FLOAT_CODE == 0:
+        return v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    elif FLOAT_CODE == 1:
+        bits = v.to(tl.int32, bitcast=True)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        return tl.where(v != v, 0x7FC0, rounded) & 0xFFFF  # a NaN stays NaN (a carry could make it infinite)
+    else:
+        return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+
+
+@triton.jit
+def dequantize_kernel(
+    data_ptr,
+    scales_ptr,
+    gs_ptr,
+    out_ptr,
+    rows,
+    n_blocks,
+    data_stride_l,
+    data_stride_r,
+    sf_stride_l,
+    sf_row_tile,
+    sf_r32,
+    sf_r4,
+    sf_col_tile,
+    out_stride_l,
+    out_stride_r,
+    FLOAT_CODE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Dequantize packed bytes ``[L, rows, K/2]`` with their scale bytes into pair words ``out``
+    ``[L, rows, K/2]``: each value the exact ``e2m1 * scale (* global)`` rounded once to the output float."""
+    PAIRS: tl.constexpr = BLOCK_SIZE // 2
+    pid_l = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    r3 = r[:, None, None]
+    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    packed = tl.load(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, mask=mask, other=0).to(tl.int32)
+    sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
+                 + (b // 4 * sf_col_tile + b % 4)[None, :])
+    raw = tl.load(scales_ptr + sf_offset, mask=(r[:, None] < rows) & (b[None, :] < n_blocks), other=0)
+    scale = decode_scale(raw, BLOCK_SIZE)[:, :, None]
+    lo = _e2m1_values(packed & 0xF)
+    hi = _e2m1_values(packed >> 4)
+    if HAS_GLOBAL:
+        # In float64 the product is exact (2 + 4 + 24 significant bits, no overflow): one rounding after.
+        g = tl.load(gs_ptr).to(tl.float64)
+        scale64 = scale.to(tl.float64)
+        lo_exact = lo.to(tl.float64) * scale64 * g
+        hi_exact = hi.to(tl.float64) * scale64 * g
+        if FLOAT_CODE == 0:
+            lo = lo_exact.to(tl.float32)
+            hi = hi_exact.to(tl.float32)
+        else:
+            lo = _round_to_odd_f32(lo_exact)
+            hi = _round_to_odd_f32(hi_exact)
+    else:
+        # Exact in float32: at most 6 significant bits, and every e8m0 product that overflows float32 also
+        # overflows the narrower outputs.
+        lo = lo * scale
+        hi = hi * scale
+    if FLOAT_CODE == 0:
+        words = _narrow_bits(lo, FLOAT_CODE) | (_narrow_bits(hi, FLOAT_CODE) << 32)
+    else:
+        words = _narrow_bits(lo, FLOAT_CODE) | (_narrow_bits(hi, FLOAT_CODE) << 16)
+    tl.store(out_ptr + pid_l * out_stride_l + r3 * out_stride_r + col, words, mask=mask)
