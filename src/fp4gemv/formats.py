@@ -218,7 +218,8 @@ def quantize(
       scale byte ``X + 127``, elements ``q = v * 2^-X`` (exact unless it underflows).
 
     Then each code is the nearest e2m1 value of ``q``, ties to the even code, saturating at ±6
-    (:func:`encode_e2m1`; -0.0 and negatives that round to zero get code 8, as ModelOpt does not).  A block
+    (:func:`encode_e2m1`); a zero quotient, -0.0 included, gets code 0 and negatives that round to zero
+    code 8, both as in ModelOpt.  A block
     holding a NaN or an infinity (of ``v`` for MXFP4) gets the NaN scale byte (:data:`NAN_SCALE_BYTE`) and
     codes 0, so it dequantizes to NaN; ``fp4gemv.quantize`` raises on it by default.
 
@@ -245,5 +246,7 @@ def quantize(
         q = blocks * inverse_scale.unsqueeze(-1)
     finite = torch.isfinite(amax)
     scale_bytes = torch.where(finite, scale_bytes, NAN_SCALE_BYTE[fmt.name])
-    q = torch.where(finite.unsqueeze(-1), q, 0.0)
+    # + 0.0 turns -0.0 into +0.0 (and changes nothing else): a zero gets code 0 whatever its sign, as
+    # ModelOpt's sign bit is ``q < 0``; negatives that round to zero keep theirs (code 8).
+    q = torch.where(finite.unsqueeze(-1), q + 0.0, 0.0)
     return pack_e2m1(encode_e2m1(q.reshape(x.shape))), scale_bytes

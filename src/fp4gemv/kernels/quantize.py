@@ -29,8 +29,6 @@ FLOAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 _F32_EXPONENT_MASK = tl.constexpr(0x7F800000)
 _F32_MAGNITUDE_MASK = tl.constexpr(0x7FFFFFFF)
-# float32 bits of 2^22: adding a magnitude below 2 rounds it to a multiple of 0.5 (the e2m1 step there).
-_TWO_POW_22_BITS = tl.constexpr(0x4A800000)
 
 
 class QuantizeConfig(NamedTuple):
@@ -65,17 +63,18 @@ def _unpack_pairs(words, FLOAT_CODE: tl.constexpr):
 def _e2m1_codes(q):
     """e2m1 codes (int32 0..15) of float32 ``q``: nearest, ties to even code, saturating at ±6; sign kept.
 
-    Adding C = 2^22, 2^23 or 2^24 rounds a magnitude below 2, 4 or 6 (nearest even) to a multiple of the
-    e2m1 step there (0.5, 1, 2), and an even multiple is exactly an even code; the integer difference of the
-    sum's bits from C's is then the code, less 0, 2 or 4.  (NaN only reaches here from blocks the caller
-    overwrites.)
+    Adding C = 2^22, 2^23 or 2^24 (by the binade E of the magnitude: below 2, below 4, up to 6) rounds it,
+    nearest even, to a multiple of the e2m1 step there (0.5, 1, 2), and an even multiple is an even code;
+    the sum's bits less C's are then the code less 2 (E - 127).  (NaN only reaches here from blocks the
+    caller overwrites.)  The sign bit is ``q < 0``, so a zero of either sign gets code 0 (``formats.quantize``;
+    not ``q + 0.0``: the compiler may fuse that addition into the multiplication that made ``q``, and a fused
+    ``a * b + 0.0`` keeps the sign of an underflowing product).
     """
-    bits = q.to(tl.int32, bitcast=True)
-    mag = tl.minimum((bits & _F32_MAGNITUDE_MASK).to(tl.float32, bitcast=True), 6.0)
-    binade = (mag >= 2.0).to(tl.int32) + (mag >= 4.0).to(tl.int32)
-    c_bits = _TWO_POW_22_BITS + (binade << 23)
-    rounded = (mag + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
-    return (rounded - c_bits + 2 * binade) | ((bits >> 28) & 8)
+    mag = tl.minimum(tl.abs(q), 6.0)
+    binade = tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, 127)
+    c = ((binade + 22) << 23).to(tl.float32, bitcast=True)
+    rounded = (mag + c).to(tl.int32, bitcast=True)
+    return (rounded - (binade * ((1 << 23) - 2) + ((22 << 23) + 254))) | tl.where(q < 0.0, 8, 0)
 
 
 @triton.jit
@@ -148,8 +147,14 @@ def quantize_kernel(
         scale_byte, scale = _e4m3_round(s)
         if HAS_GLOBAL:
             scale = scale * g
-        lo = tl.div_rn(lo, scale[:, :, None])
-        hi = tl.div_rn(hi, scale[:, :, None])
+        # x / scale rounded to float32 through float64: with R = 1 / scale (float64, rounded once per block),
+        # x * R is within 2^-52 (relative) of x / scale, and an exact quotient of two float32 numbers is
+        # at least 2^-49 away from every midpoint between normal float32 numbers.  So rounding x * R to
+        # float32 decides every comparison the e2m1 rounding makes as rounding x / scale would (below
+        # 2^-126, where a tie is possible, the code is 0 either way), without a division per element.
+        inverse = (1.0 / scale.to(tl.float64))[:, :, None]
+        lo = (lo.to(tl.float64) * inverse).to(tl.float32)
+        hi = (hi.to(tl.float64) * inverse).to(tl.float32)
         scale_byte = tl.where(finite, scale_byte, 0x7F)
     else:
         if HAS_GLOBAL:
@@ -175,10 +180,27 @@ def quantize_kernel(
 
 @triton.jit
 def _e2m1_values(codes):
-    """float32 values of e2m1 codes (int32 0..15): 0 and 0.5 by hand, then 2^(c/2 - 1) * (1 + (c & 1) / 2)."""
+    """float32 values of e2m1 codes (int32, low 4 bits; higher bits ignored).
+
+    The code's exponent and mantissa bits placed at float32's bits 24..22 read as e2m1 * 2^-126 (code 1, 0.5,
+    as the subnormal 2^-127, which is how e2m1 encodes it too); the multiplication by 2^126 is exact.
+    """
+    shifted = codes << 22
+    bits = (shifted & 0x01C00000) | ((shifted << 6) & -2147483648)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _scaled_e2m1(codes, base_one, base_three_halves):
+    """e2m1 codes times a block's scale, from the scale times 1 and times 1.5 (both already rounded to the
+    output float): every e2m1 magnitude is 0, or 1 or 1.5 times 2^k (k = -1..2), and scaling by 2^k is exact
+    (the caller keeps every product in the normal range)."""
     mag = codes & 7
-    bits = tl.where(mag < 2, mag * 0x3F000000, (((mag >> 1) + 126) << 23) | ((mag & 1) << 22))
-    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+    # Magnitudes 3, 5, 7 (1.5, 3, 6) are 1.5 * 2^k: bits 3, 5 and 7 of 0xA8.
+    base = tl.where(((0xA8 >> mag) & 1) != 0, base_three_halves, base_one)
+    power = tl.where(mag == 0, 0.0, (((mag >> 1) + 126) << 23).to(tl.float32, bitcast=True))
+    bits = (power * base).to(tl.int32, bitcast=True)
+    return (bits ^ ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # the code's sign times the scale's
 
 
 @triton.jit
@@ -197,17 +219,33 @@ def _round_to_odd_f32(exact):
 
 
 @triton.jit
-def _narrow_bits(v, FLOAT_CODE: tl.constexpr):
-    """Bits of float32 ``v`` rounded once (nearest even) to the output float: int64 for float32, else int32
-    holding the 16 bits.  bf16 by hand: Triton's interpreter truncates fp32 -> bf16 casts."""
+def _round_to_output(exact, FLOAT_CODE: tl.constexpr):
+    """float64 ``exact`` rounded once (nearest even) to the output float, returned as the float32 that holds
+    it exactly.  bf16 by hand: Triton's interpreter truncates fp32 -> bf16 casts."""
     if FLOAT_CODE == 0:
-        return v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    elif FLOAT_CODE == 1:
-        bits = v.to(tl.int32, bitcast=True)
-        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        return tl.where(v != v, 0x7FC0, rounded) & 0xFFFF  # a NaN stays NaN (a carry could make it infinite)
+        return exact.to(tl.float32)
+    odd = _round_to_odd_f32(exact)
+    if FLOAT_CODE == 1:
+        bits = odd.to(tl.int32, bitcast=True)
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
+        return tl.where(odd != odd, odd, rounded.to(tl.float32, bitcast=True))  # a carry could make NaN infinite
     else:
-        return v.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return odd.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _pack_pair(lo, hi, FLOAT_CODE: tl.constexpr):
+    """Output words of element pairs given as float32: exact for float32; bf16 takes the top half (the callers
+    pass values bf16 holds exactly, or NaN); fp16 rounds once, nearest even (exact or single rounding)."""
+    if FLOAT_CODE == 0:
+        lo_bits = lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        return lo_bits | (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+    elif FLOAT_CODE == 1:
+        lo_bits = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        return lo_bits | (hi.to(tl.int32, bitcast=True) & -65536)
+    else:
+        lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo_bits | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -246,28 +284,34 @@ def dequantize_kernel(
     sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
                  + (b // 4 * sf_col_tile + b % 4)[None, :])
     raw = tl.load(scales_ptr + sf_offset, mask=(r[:, None] < rows) & (b[None, :] < n_blocks), other=0)
-    scale = decode_scale(raw, BLOCK_SIZE)[:, :, None]
-    lo = _e2m1_values(packed & 0xF)
-    hi = _e2m1_values(packed >> 4)
+    scale = decode_scale(raw, BLOCK_SIZE)
+    if BLOCK_SIZE == 16:  # e4m3 0x7F / 0xFF are NaN: Triton's interpreter decodes them as ±480
+        scale = tl.where((raw & 0x7F) == 0x7F, tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True),
+                         scale)
+    scale = scale[:, :, None]
     if HAS_GLOBAL:
-        # In float64 the product is exact (2 + 4 + 24 significant bits, no overflow): one rounding after.
-        g = tl.load(gs_ptr).to(tl.float64)
-        scale64 = scale.to(tl.float64)
-        lo_exact = lo.to(tl.float64) * scale64 * g
-        hi_exact = hi.to(tl.float64) * scale64 * g
-        if FLOAT_CODE == 0:
-            lo = lo_exact.to(tl.float32)
-            hi = hi_exact.to(tl.float32)
+        # scale * g is exact in float64 (4 + 24 significant bits); rounded once to the output float for the
+        # magnitudes 1 and 1.5, it gives every other by an exact power of two, while all products stay in
+        # the output's normal range (then rounding commutes with the power of two).  Otherwise, and for NaN
+        # scales, the tile takes the exact product per element.
+        scale_g = scale.to(tl.float64) * tl.load(gs_ptr).to(tl.float64)
+        base_one = _round_to_output(scale_g, FLOAT_CODE)
+        base_three_halves = _round_to_output(scale_g * 1.5, FLOAT_CODE)
+        if FLOAT_CODE == 2:
+            in_range = (base_one >= 0.000244140625) & (base_three_halves <= 8192.0)  # 2^-12, 2^13
         else:
-            lo = _round_to_odd_f32(lo_exact)
-            hi = _round_to_odd_f32(hi_exact)
+            in_range = (base_one >= 4.70197740328915e-38) & (base_three_halves <= 4.253529586511731e37)  # 2^-124, 2^125
+        fast = tl.min(tl.where((scale == 0.0) | in_range, 1, 0)) == 1
+        if fast:
+            lo = _scaled_e2m1(packed & 0xF, base_one, base_three_halves)
+            hi = _scaled_e2m1(packed >> 4, base_one, base_three_halves)
+        else:
+            lo = _round_to_output(_e2m1_values(packed & 0xF).to(tl.float64) * scale_g, FLOAT_CODE)
+            hi = _round_to_output(_e2m1_values(packed >> 4).to(tl.float64) * scale_g, FLOAT_CODE)
     else:
-        # Exact in float32: at most 6 significant bits, and every e8m0 product that overflows float32 also
-        # overflows the narrower outputs.
-        lo = lo * scale
-        hi = hi * scale
-    if FLOAT_CODE == 0:
-        words = _narrow_bits(lo, FLOAT_CODE) | (_narrow_bits(hi, FLOAT_CODE) << 32)
-    else:
-        words = _narrow_bits(lo, FLOAT_CODE) | (_narrow_bits(hi, FLOAT_CODE) << 16)
+        # Exact in float32 (at most 6 significant bits; an e8m0 product that overflows float32 overflows
+        # every output), and bf16 holds each exactly too (2^-128 as a subnormal).
+        lo = _e2m1_values(packed & 0xF) * scale
+        hi = _e2m1_values(packed >> 4) * scale
+    words = _pack_pair(lo, hi, FLOAT_CODE)
     tl.store(out_ptr + pid_l * out_stride_l + r3 * out_stride_r + col, words, mask=mask)
