@@ -4,9 +4,10 @@ The CPU path (``formats.quantize``, ``formats.dequantize``) is the definition; i
 independent transcriptions of its sources (NVIDIA ModelOpt's NVFP4 recipe, the OCP MX rule, the exact value
 rounded once) and on hand-made edge cases.  The kernels must then give the same bytes and bits: on a CPU-only
 machine they run in Triton's interpreter (conftest sets TRITON_INTERPRET), on a GPU compiled (``gpu`` tests).
-The fuzz builds blocks of every troublesome kind: zeros and negative zeros, all-equal blocks, elements exactly
-at the e2m1 rounding ties of their block's scale and one ulp either side, blocks spanning many binades, the
-input dtype's largest and subnormal values.
+The fuzz (``quantize_fuzz.py``, shared with ``benchmarks/quantize_speed.py``) builds blocks of every
+troublesome kind: zeros and negative zeros, all-equal blocks, elements exactly at the e2m1 rounding ties of
+their block's scale and one ulp either side, blocks spanning many binades, the input dtype's largest and
+subnormal values.
 """
 
 import math
@@ -15,15 +16,15 @@ import pytest
 import torch
 
 import fp4gemv
-from fp4gemv import FP4Tensor, formats, layouts
+from fp4gemv import FP4Tensor, formats
+from fp4gemv.kernels.quantize import QuantizeConfig
 from fp4gemv.quantize import dequantize, nvfp4_global_scale, quantize
 from fp4gemv.reference import round_from_float64
+from quantize_fuzz import E2M1_MAGNITUDES, fuzz_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -50,67 +51,6 @@ def assert_same_quantized(got: FP4Tensor, want: FP4Tensor):
         assert got.global_scale is None
     else:
         assert _bits(got.global_scale.cpu()).item() == _bits(want.global_scale.cpu()).item()
-
-
-# --- the fuzz -------------------------------------------------------------------------------------------
-
-
-# (largest finite, smallest subnormal, exponent range of the blocks' magnitudes) of each input dtype.
-_LIMITS = {
-    torch.float32: (torch.finfo(torch.float32).max, 2.0**-149, (-120, 110)),
-    torch.bfloat16: (torch.finfo(torch.bfloat16).max, 2.0**-133, (-120, 110)),
-    torch.float16: (65504.0, 2.0**-24, (-12, 11)),
-}
-
-
-def fuzz_input(fmt: str, dtype: torch.dtype, shape, seed: int) -> torch.Tensor:
-    """Floats ``shape`` (last dimension a multiple of the block size), each block of one hostile kind:
-    ordinary data at a random binade; zeros and -0; all equal; e2m1 values and ties of a unit the quantizer
-    picks exactly (amax = 6 units, no global scale), some moved one ulp either way; many binades; the dtype's
-    largest values; its subnormals; small negatives (and -0) that round to zero beside one larger value."""
-    g = torch.Generator().manual_seed(seed)
-    bs = formats.FORMATS[fmt].block_size
-    *outer, k = shape
-    n = math.prod(outer) * (k // bs)
-    fmax, tiny, (e_lo, e_hi) = _LIMITS[dtype]
-
-    def rand():
-        return torch.rand(n, bs, generator=g, dtype=torch.float64)
-
-    def sign():
-        return torch.where(rand() < 0.5, -1.0, 1.0).double()
-
-    e = torch.randint(e_lo, e_hi, (n, 1), generator=g).double()
-    if fmt == "nvfp4":  # an e4m3 value from 2^-9 (2^-8 for fp16 ties to stay exact) to 448
-        mantissa = 1 + torch.randint(0, 8, (n, 1), generator=g).double() / 8
-        unit = (mantissa * torch.exp2(e.clamp(min=-9 if dtype != torch.float16 else -8))).clamp(max=448.0)
-    else:
-        unit = torch.exp2(e)
-    grid = torch.tensor(TIES + E2M1_MAGNITUDES, dtype=torch.float64)
-    ties = grid[torch.randint(0, len(grid), (n, bs), generator=g)] * unit * sign()
-    lonely = torch.randint(0, bs, (n,), generator=g)
-    ties[torch.arange(n), lonely] = 6.0 * unit[:, 0]
-    small = -rand() * torch.exp2(e - 4)
-    small[torch.arange(n), lonely] = (torch.exp2(e[:, 0]) * sign()[:, 0])
-    kinds = torch.stack([
-        torch.randn(n, bs, generator=g, dtype=torch.float64) * torch.exp2(e),
-        torch.where(rand() < 0.5, -0.0, 0.0).double(),
-        (sign()[:, :1] * (1 + rand()[:, :1]) * torch.exp2(e)).expand(n, bs),
-        ties,
-        ties,
-        sign() * (1 + rand()) * torch.exp2(torch.randint(e_lo, e_hi, (n, bs), generator=g).double()),
-        sign() * fmax * torch.where(rand() < 0.5, 1.0, rand()),
-        sign() * tiny * torch.randint(0, 64, (n, bs), generator=g).double(),
-        small,
-    ])
-    kind = torch.randint(0, len(kinds), (n,), generator=g)
-    x = kinds[kind, torch.arange(n)].reshape(*outer, k).to(dtype)
-    # Kind 4: the ties moved one ulp up or down in the input dtype, onto the rounding boundaries' sides.
-    step = torch.randint(-1, 2, x.shape, generator=g)
-    nudge = (kind == 4).repeat_interleave(bs).reshape(x.shape) & (step != 0) & (x != 0)
-    away = torch.where(step > 0, torch.full_like(x, math.inf), torch.full_like(x, -math.inf))
-    nudged = torch.nextafter(x, away)
-    return torch.where(nudge & torch.isfinite(nudged), nudged, x)
 
 
 # --- conventions of the CPU path -----------------------------------------------------------------------
@@ -281,6 +221,8 @@ def test_global_scale_device_and_unchecked_tensor():
         (torch.ones(2, 48), {"fmt": "mxfp4"}, ValueError, "block size 32, got K = 48"),
         (torch.ones(2, 16), {"scale_layout": "tiled"}, ValueError, "scale_layout: expected 'linear' or 'swizzled'"),
         (torch.ones(2, 16), {"backend": "ptx"}, ValueError, "backend: expected one of 'auto', 'triton', 'reference'"),
+        (torch.ones(2, 16), {"config": (8, 32)}, TypeError, "config: expected a QuantizeConfig or None, got tuple"),
+        (torch.ones(2, 16), {"config": QuantizeConfig(8, 24)}, ValueError, "config: expected powers of two"),
     ],
 )
 def test_quantize_names_the_bad_argument(x, kwargs, exc, message):
@@ -302,6 +244,27 @@ def test_public_api_and_fp4tensor_delegate():
     assert_same_quantized(FP4Tensor.quantize(x, "mxfp4", "swizzled"), quantize(x, "mxfp4", "swizzled"))
     q = quantize(x)
     assert_same_floats(q.dequantize(torch.bfloat16), dequantize(q, torch.bfloat16))
+
+
+def test_division_through_a_float64_reciprocal_rounds_like_division():
+    """The NVFP4 kernel's premise: for float32 x and d, x * RN64(1 / d) rounded to float32 equals RN32(x / d)
+    whenever that is a normal number (an exact quotient stays 2^-49 away from every midpoint between normal
+    float32 numbers; the float64 route errs by at most 2^-52).  Checked on random pairs and on pairs built to
+    land within an ulp of a midpoint."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 20
+    d = (torch.rand(n, generator=g) + 0.5) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    # Near-midpoints: x = RN32(m * d) for m halfway between two float32 numbers, nudged by an ulp.
+    m = (torch.rand(n, generator=g) + 1).double() + 2.0**-24  # float32 in [1, 2) plus half an ulp
+    near = (m * d.double()).float()
+    near = torch.nextafter(near, torch.where(torch.rand(n, generator=g) < 0.5, 0.0, math.inf))
+    for xs in (x, near):
+        via_reciprocal = (xs.double() * (1.0 / d.double())).float()
+        quotient = xs / d
+        normal = quotient.abs() >= 2.0**-126
+        assert normal.float().mean() > 0.9
+        assert torch.equal(via_reciprocal[normal], quotient[normal])
 
 
 # --- the kernel against the CPU path ---------------------------------------------------------------------
@@ -341,6 +304,19 @@ def test_kernel_matches_cpu_path_bit_for_bit(case):
     assert_same_quantized(got, want)
 
 
+@pytest.mark.parametrize("config, shape", [(QuantizeConfig(1, 1, 1), (2, 3, 32)), (QuantizeConfig(16, 8, 2), (2, 19, 192)),
+                                           (QuantizeConfig(4, 64, 8), (2, 19, 192))])
+def test_kernels_with_other_tiles(config, shape):
+    """Tiles smaller and larger than the shape (one row and block per program; a partial last program)."""
+    x = fuzz_input("nvfp4", torch.bfloat16, shape, seed=12)
+    want = quantize(x, "nvfp4", "swizzled", "auto", backend="reference")
+    got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "auto", backend="triton", config=config)
+    assert_same_quantized(got, want)
+    for out_dtype in OUT_DTYPES:
+        assert_same_floats(dequantize(got, out_dtype, backend="triton", config=config).cpu(),
+                           want.dequantize(out_dtype))
+
+
 def test_kernel_reads_strided_inputs():
     """Rows at any stride (a column slice), an odd stride that forbids the pair view (copied), K-strided input
     (copied), float64 (rounded to float32 first)."""
@@ -350,7 +326,8 @@ def test_kernel_reads_strided_inputs():
         got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "auto", backend="triton")
         assert_same_quantized(got, want)
     odd = torch.empty(8, 97, dtype=torch.bfloat16)[:, 1:97].copy_(base[:8, :96])  # row stride 97, offset 1
-    assert_same_quantized(quantize(odd.to(DEVICE), "mxfp4", backend="triton"), quantize(odd, "mxfp4", backend="reference"))
+    want = quantize(odd, "mxfp4", backend="reference")
+    assert_same_quantized(quantize(odd.to(DEVICE), "mxfp4", backend="triton"), want)
     x64 = base[:8, :64].double() * (1 + 2.0**-30)
     assert_same_quantized(quantize(x64.to(DEVICE), backend="triton"), quantize(x64, backend="reference"))
 

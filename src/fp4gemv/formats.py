@@ -233,7 +233,8 @@ def quantize(
     if fmt.name == "nvfp4":
         amax = blocks.abs().amax(dim=-1)
         scale_bytes = nvfp4_block_scales(amax, g)
-        divisor = decode_e4m3(scale_bytes) if g is None else decode_e4m3(scale_bytes) * g
+        scale = scale_bytes.view(torch.float8_e4m3fn).to(torch.float32)  # exact; as decode_e4m3, but faster
+        divisor = scale if g is None else scale * g
         q = blocks / divisor.unsqueeze(-1)
     else:
         if g is not None:

@@ -67,10 +67,13 @@ def _global_scale(global_scale, fmt: formats.FP4Format, x: torch.Tensor, check_v
             )
         return nvfp4_global_scale(x)
     if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
-        raise TypeError(f"global_scale: expected None, 'auto', a number or a tensor, got {type(global_scale).__name__}")
+        raise TypeError(
+            f"global_scale: expected None, 'auto', a number or a tensor, got {type(global_scale).__name__}"
+        )
     if isinstance(global_scale, torch.Tensor):
         if global_scale.dtype != torch.float32:
-            raise TypeError(f"global_scale: expected dtype float32, got {str(global_scale.dtype).replace('torch.', '')}")
+            dtype = str(global_scale.dtype).replace("torch.", "")
+            raise TypeError(f"global_scale: expected dtype float32, got {dtype}")
         if global_scale.numel() != 1:
             raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
         if global_scale.device != x.device:
@@ -83,6 +86,15 @@ def _global_scale(global_scale, fmt: formats.FP4Format, x: torch.Tensor, check_v
     if value is not None and not (_F32_SMALLEST_NORMAL <= value < float("inf")):
         raise ValueError(f"global_scale: expected a positive normal float32 (2^-126 or more, finite), got {value}")
     return g
+
+
+def _check_config(config: QuantizeConfig | None) -> None:
+    if config is None:
+        return
+    if not isinstance(config, QuantizeConfig):
+        raise TypeError(f"config: expected a QuantizeConfig or None, got {type(config).__name__}")
+    if any(v < 1 or v & (v - 1) for v in config):
+        raise ValueError(f"config: expected powers of two, got {config}")
 
 
 def _pairs(t: torch.Tensor) -> torch.Tensor:
@@ -121,7 +133,7 @@ def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: to
         scales = (torch.zeros if padded else torch.empty)((*batch, rows_p * cols_p), dtype=torch.uint8,
                                                           device=x.device)
     w3, d3 = _as_3d(words), _as_3d(data)
-    cfg = config or quantize_config(fmt.block_size, x.element_size())
+    cfg = config or quantize_config(fmt.block_size)
     grid = (triton.cdiv(rows, cfg.rows), triton.cdiv(cols, cfg.blocks), w3.shape[0])
     quantize_kernel[grid](
         w3, d3, scales, data if g is None else g, rows, cols, w3.stride(0), w3.stride(1), d3.stride(0),
@@ -187,6 +199,7 @@ def quantize(
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
     resolved = _resolve_backend(backend, x.device)
+    _check_config(config)
     g = _global_scale(global_scale, fmt, x, check_values)
     if resolved == "reference":
         data, scales = formats.quantize(x, fmt, g)
@@ -202,25 +215,33 @@ def quantize(
     return FP4Tensor(data, scales, fmt, scale_layout, g)
 
 
-def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32, *, backend: QuantizeBackend = "auto") -> torch.Tensor:
+def dequantize(
+    t: FP4Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    backend: QuantizeBackend = "auto",
+    config: QuantizeConfig | None = None,
+) -> torch.Tensor:
     """Values ``[L?, R, K]`` of ``t`` in ``dtype``: each exact value ``e2m1 * scale (* global)`` rounded once.
 
     float64 is the exact value itself (the CPU path on any device).  For float32, float16 and bfloat16,
     ``backend="auto"`` runs the Triton kernel on CUDA (for prefill: dequantize, then ``F.linear``) and
     ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``reference.round_from_float64``).
-    ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``.  Returns a new contiguous tensor.
+    ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
+    picks one).  Returns a new contiguous tensor.
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
     if dtype not in (*_OUTPUT_DTYPES, torch.float64):
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
     resolved = _resolve_backend(backend, t.device)
+    _check_config(config)
     if resolved == "reference" or dtype == torch.float64:
         return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
     cols = t.k // t.fmt.block_size
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     o3, d3 = _as_3d(_pairs(out)), _as_3d(t.data)
-    cfg = quantize_config(t.fmt.block_size, 1)
+    cfg = config or quantize_config(t.fmt.block_size)
     grid = (triton.cdiv(t.rows, cfg.rows), triton.cdiv(cols, cfg.blocks), d3.shape[0])
     g = t.global_scale
     dequantize_kernel[grid](

@@ -39,10 +39,10 @@ class QuantizeConfig(NamedTuple):
     num_warps: int = 4
 
 
-def quantize_config(block_size: int, element_bytes: int) -> QuantizeConfig:
-    """A tile of 8 rows x 512 K-elements (8 KB of bf16 input): 32 words per thread in 4 warps, so each
-    thread has several 16-byte loads in flight.  Not yet tuned on the GPU (``benchmarks/quantize_speed.py``
-    sweeps the alternatives)."""
+def quantize_config(block_size: int) -> QuantizeConfig:
+    """The tile of both kernels: 8 rows x 512 K-elements (8 KB of bf16 input or output), 32 elements per thread
+    in 4 warps, so each thread has several 16-byte loads in flight.  Not yet tuned on the GPU
+    (``benchmarks/quantize_speed.py`` sweeps the alternatives)."""
     return QuantizeConfig(8, 512 // block_size)
 
 
@@ -66,15 +66,17 @@ def _e2m1_codes(q):
     Adding C = 2^22, 2^23 or 2^24 (by the binade E of the magnitude: below 2, below 4, up to 6) rounds it,
     nearest even, to a multiple of the e2m1 step there (0.5, 1, 2), and an even multiple is an even code;
     the sum's bits less C's are then the code less 2 (E - 127).  (NaN only reaches here from blocks the
-    caller overwrites.)  The sign bit is ``q < 0``, so a zero of either sign gets code 0 (``formats.quantize``;
-    not ``q + 0.0``: the compiler may fuse that addition into the multiplication that made ``q``, and a fused
-    ``a * b + 0.0`` keeps the sign of an underflowing product).
+    caller overwrites.)  The sign bit is ``q < 0``, so a zero of either sign gets code 0 (``formats.quantize``),
+    tested on the bits: negative nonzero floats are the unsigned integers above 0x80000000.  (Not ``q + 0.0``,
+    which the compiler may fuse into the multiplication that made ``q``, keeping the sign of an underflowing
+    product; nor ``q < 0.0``, which it hoists above a float64 -> float32 conversion into a float64 compare.)
     """
+    negative = q.to(tl.uint32, bitcast=True) > 0x80000000
     mag = tl.minimum(tl.abs(q), 6.0)
     binade = tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, 127)
     c = ((binade + 22) << 23).to(tl.float32, bitcast=True)
     rounded = (mag + c).to(tl.int32, bitcast=True)
-    return (rounded - (binade * ((1 << 23) - 2) + ((22 << 23) + 254))) | tl.where(q < 0.0, 8, 0)
+    return (rounded - (binade * ((1 << 23) - 2) + ((22 << 23) + 254))) | tl.where(negative, 8, 0)
 
 
 @triton.jit
@@ -192,15 +194,13 @@ def _e2m1_values(codes):
 
 @triton.jit
 def _scaled_e2m1(codes, base_one, base_three_halves):
-    """e2m1 codes times a block's scale, from the scale times 1 and times 1.5 (both already rounded to the
-    output float): every e2m1 magnitude is 0, or 1 or 1.5 times 2^k (k = -1..2), and scaling by 2^k is exact
-    (the caller keeps every product in the normal range)."""
-    mag = codes & 7
-    # Magnitudes 3, 5, 7 (1.5, 3, 6) are 1.5 * 2^k: bits 3, 5 and 7 of 0xA8.
-    base = tl.where(((0xA8 >> mag) & 1) != 0, base_three_halves, base_one)
-    power = tl.where(mag == 0, 0.0, (((mag >> 1) + 126) << 23).to(tl.float32, bitcast=True))
-    bits = (power * base).to(tl.int32, bitcast=True)
-    return (bits ^ ((codes & 8) << 28)).to(tl.float32, bitcast=True)  # the code's sign times the scale's
+    """e2m1 codes times a block's scale, given the scale times 1 and times 1.5 already rounded to the output
+    float: every e2m1 magnitude is 0, or 1 or 1.5 times 2^k (k = -1..2), and scaling by 2^k is exact (the
+    caller keeps every product in the normal range).  As float32, 1.5 * 2^k is the only e2m1 value with
+    mantissa bit 22 set; clearing it leaves 2^k (or 0, 0.5).  The product carries both signs."""
+    bits = _e2m1_values(codes).to(tl.int32, bitcast=True)
+    power = (bits & ~0x00400000).to(tl.float32, bitcast=True)
+    return power * tl.where((bits & 0x00400000) != 0, base_three_halves, base_one)
 
 
 @triton.jit
