@@ -304,7 +304,8 @@ def test_kernel_matches_cpu_path_bit_for_bit(case):
     assert_same_quantized(got, want)
 
 
-@pytest.mark.parametrize("config, shape", [(QuantizeConfig(1, 1, 1), (2, 3, 32)), (QuantizeConfig(16, 8, 2), (2, 19, 192)),
+@pytest.mark.parametrize("config, shape", [(QuantizeConfig(1, 1, 1), (2, 3, 32)),
+                                           (QuantizeConfig(16, 8, 2), (2, 19, 192)),
                                            (QuantizeConfig(4, 64, 8), (2, 19, 192))])
 def test_kernels_with_other_tiles(config, shape):
     """Tiles smaller and larger than the shape (one row and block per program; a partial last program)."""
@@ -509,6 +510,16 @@ def test_gpu_quantize_matches_cpu_on_a_large_fuzz(fmt, dtype):
         x = fuzz_input(fmt, dtype, shape, seed=seed)
         want = quantize(x, fmt, layout, gs, backend="reference")
         assert_same_quantized(quantize(x.cuda(), fmt, layout, gs), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_reference_backend_matches_the_cpu(fmt):
+    """The CPU path's torch ops on CUDA tensors give the same bytes (no reciprocal-multiply division)."""
+    x = fuzz_input(fmt, torch.bfloat16, (300, 1024), seed=13)
+    for gs in (None, "auto") if fmt == "nvfp4" else (None,):
+        assert_same_quantized(quantize(x.cuda(), fmt, "swizzled", gs, backend="reference"),
+                              quantize(x, fmt, "swizzled", gs, backend="reference"))
 
 
 @pytest.mark.gpu

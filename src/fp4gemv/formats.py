@@ -185,7 +185,9 @@ def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor | None) ->
     all-zero block), clamped below at 2^-9, cast to e4m3 (nearest even).  Here also clamped above at 448,
     so a block scale saturates where ``g`` is too small instead of becoming NaN; ``g = 1`` when None.
     """
-    s = amax / (6.0 if global_scale is None else 6.0 * global_scale)
+    # A tensor divisor: PyTorch's CUDA division by a Python number multiplies by its rounded reciprocal.
+    six_g = torch.full((), 6.0, device=amax.device) if global_scale is None else 6.0 * global_scale
+    s = amax / six_g
     s = torch.where(s == 0, torch.ones_like(s), s).clamp(_E4M3_MIN, _E4M3_MAX)
     return s.to(torch.float8_e4m3fn).view(torch.uint8)
 
@@ -219,9 +221,9 @@ def quantize(
 
     Then each code is the nearest e2m1 value of ``q``, ties to the even code, saturating at ±6
     (:func:`encode_e2m1`); a zero quotient, -0.0 included, gets code 0 and negatives that round to zero
-    code 8, both as in ModelOpt.  A block
-    holding a NaN or an infinity (of ``v`` for MXFP4) gets the NaN scale byte (:data:`NAN_SCALE_BYTE`) and
-    codes 0, so it dequantizes to NaN; ``fp4gemv.quantize`` raises on it by default.
+    code 8, both as in ModelOpt.  A block holding a NaN or an infinity (of ``v`` for MXFP4) gets the NaN
+    scale byte (:data:`NAN_SCALE_BYTE`) and codes 0, so it dequantizes to NaN; ``fp4gemv.quantize`` raises
+    on it by default.
 
     global_scale: None or a positive normal float32 (a Python number is rounded to float32).
     """

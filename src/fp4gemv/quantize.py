@@ -160,7 +160,9 @@ def quantize(
     The bytes are ``formats.quantize``'s, which documents each rounding: NVFP4 as NVIDIA ModelOpt's
     ``NVFP4QTensor`` computes it (block scale ``e4m3(amax / (6 g))``, elements ``x / (scale * g)`` rounded
     to nearest-even e2m1, saturating at ±6), MXFP4 per the OCP Microscaling spec v1.0 (shared exponent
-    ``floor(log2(amax)) - 2``, elements ``x / 2^X`` likewise).
+    ``floor(log2(amax)) - 2``, elements ``x / 2^X`` likewise).  compressed-tensors' NVFP4 recipe stores the
+    reciprocal, ``weight_global_scale = 6 * 448 / amax`` (a divisor), multiplies by it rather than dividing
+    by ``g`` and gives all-zero blocks scale 0.125, so its bytes can differ from these in rare roundings.
 
     Args:
         x: float32, float16, bfloat16 (or float64, rounded to float32 first: a copy), any strides with stride 1

@@ -2,12 +2,16 @@
 
 ``quantize_kernel`` computes exactly what ``formats.quantize`` computes (its docstring is the definition);
 ``dequantize_kernel`` exactly what ``formats.dequantize`` rounds to.  Only IEEE float32 / float64 operations
-that round to nearest even are used (``tl.div_rn``, never the approximate ``/``; no fused multiply-add;
-no flush-to-zero), so the GPU and the CPU-side interpreter (NumPy) give the same bits; roundings to the
-narrow formats are done by hand where Triton's interpreter and the GPU disagree.
+that round to nearest even are used (``tl.div_rn`` or float64, never float32's approximate ``/``; no fused
+multiply-add; no flush-to-zero), so the GPU and the CPU-side interpreter (NumPy) give the same bits; roundings
+to the narrow formats are done by hand where Triton's interpreter and the GPU disagree.  Where the kernels
+compute differently from ``formats`` (e2m1 and e4m3 rounding by magic-number addition, NVFP4 division through
+a float64 reciprocal, dequantization from per-block rounded products), the comments give the reason the
+result is the same; tests/test_quantize.py checks it bit for bit.
 
 Both kernels read or write floats as *pairs*: a 16-bit tensor viewed as int32, a float32 one as int64, so
-element 2j sits in the low half of word j, as e2m1 element 2j sits in the low nibble of byte j.  A program
+element 2j sits in the low half of word j (little-endian), as e2m1 element 2j sits in the low nibble of
+byte j.  A program
 owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of ``BLOCK_SIZE`` elements, held as
 ``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction over the last axis and the
 packed bytes come out in the words' own layout.
