@@ -136,14 +136,17 @@ def time_dequantize(fmt, layout, with_global, out_dtype, config):
     return us, nbytes, count
 
 
-def sweep_configs(block_size, quick):
-    """The default tile first, then others of 16 to 64 elements per thread."""
+def sweep_configs(block_size, quick, divisions=False):
+    """The default tile first, then others of 16 to 64 elements per thread (``divisions``: and the default
+    tile dividing by ``tl.div_rn`` instead of the float64 reciprocal)."""
     default = quantize_config(block_size)
     if quick:
         return [default]
     configs = {QuantizeConfig(rows, k_elems // block_size, warps)
                for rows in (4, 8, 16, 32) for k_elems in (256, 512, 1024) for warps in (4, 8)
                if 16 <= rows * k_elems // (32 * warps) <= 64}
+    if divisions:
+        configs.add(default._replace(float64_reciprocal=False))
     return [default] + sorted(configs - {default})
 
 
@@ -169,12 +172,12 @@ def main(argv=None):
         row = dict(case=label, config=list(config), default=default, us=us, bytes=nbytes, gbps=gbps,
                    copy_us=copies[nbytes], copy_gbps=copy_gbps, fraction_of_copy=copies[nbytes] / us)
         results[kind].append(row)
-        print(f"{'*' if default else ' '} {kind:10s} {label:46s} {str(tuple(config)):13s} {us:9.1f} us "
+        print(f"{'*' if default else ' '} {kind:10s} {label:48s} {str(tuple(config)):26s} {us:9.1f} us "
               f"{gbps:6.0f} GB/s (copy {copy_gbps:5.0f} GB/s) {row['fraction_of_copy']:6.1%}")
 
     shape = f"{BIG[0]}x{BIG[1]}"
-    print("\n  op         case                                           tile (rows, blocks, warps): device time, "
-          "GB/s of the bytes read + written, fraction of a copy moving as many (* the default tile)")
+    print("\nop, case, tile (rows, blocks, warps, float64 reciprocal): device time, GB/s of the bytes read + "
+          "written, fraction of a copy moving as many bytes (* the default tile)")
     for fmt, dtype, gs, layout in (("nvfp4", torch.bfloat16, "tensor", "swizzled"),
                                    ("nvfp4", torch.bfloat16, "tensor", "linear"),
                                    ("nvfp4", torch.bfloat16, None, "swizzled"),
@@ -184,7 +187,7 @@ def main(argv=None):
         block_size = 16 if fmt == "nvfp4" else 32
         default = quantize_config(block_size)
         sweep = (dtype, layout) == (torch.bfloat16, "swizzled")
-        for config in sweep_configs(block_size, args.quick) if sweep else [default]:
+        for config in sweep_configs(block_size, args.quick, divisions=fmt == "nvfp4") if sweep else [default]:
             report("quantize", f"{fmt} {DTYPE_NAMES[dtype]} {shape} {layout} global={gs}",
                    time_quantize(dtype, fmt, layout, gs, config), config, config == default)
     report("quantize", f"nvfp4 bf16 {shape} swizzled global='auto' (+ amax)",

@@ -222,7 +222,7 @@ def test_global_scale_device_and_unchecked_tensor():
         (torch.ones(2, 16), {"scale_layout": "tiled"}, ValueError, "scale_layout: expected 'linear' or 'swizzled'"),
         (torch.ones(2, 16), {"backend": "ptx"}, ValueError, "backend: expected one of 'auto', 'triton', 'reference'"),
         (torch.ones(2, 16), {"config": (8, 32)}, TypeError, "config: expected a QuantizeConfig or None, got tuple"),
-        (torch.ones(2, 16), {"config": QuantizeConfig(8, 24)}, ValueError, "config: expected powers of two"),
+        (torch.ones(2, 16), {"config": QuantizeConfig(8, 24)}, ValueError, "config: expected powers of two rows"),
     ],
 )
 def test_quantize_names_the_bad_argument(x, kwargs, exc, message):
@@ -306,9 +306,10 @@ def test_kernel_matches_cpu_path_bit_for_bit(case):
 
 @pytest.mark.parametrize("config, shape", [(QuantizeConfig(1, 1, 1), (2, 3, 32)),
                                            (QuantizeConfig(16, 8, 2), (2, 19, 192)),
-                                           (QuantizeConfig(4, 64, 8), (2, 19, 192))])
+                                           (QuantizeConfig(4, 64, 8, float64_reciprocal=False), (2, 19, 192))])
 def test_kernels_with_other_tiles(config, shape):
-    """Tiles smaller and larger than the shape (one row and block per program; a partial last program)."""
+    """Tiles smaller and larger than the shape (one row and block per program; a partial last program), and
+    the per-element division."""
     x = fuzz_input("nvfp4", torch.bfloat16, shape, seed=12)
     want = quantize(x, "nvfp4", "swizzled", "auto", backend="reference")
     got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "auto", backend="triton", config=config)
@@ -455,7 +456,7 @@ from fp4gemv.kernels.quantize import quantize_kernel, dequantize_kernel
 
 D = CUDABackend.parse_attr("D")
 count = 0
-for kernel, first in ((quantize_kernel, "x_ptr"), (dequantize_kernel, "data_ptr")):
+for kernel in (quantize_kernel, dequantize_kernel):
     names = kernel.arg_names
     for code in (0, 1, 2):
         for bs in (16, 32):
@@ -467,6 +468,8 @@ for kernel, first in ((quantize_kernel, "x_ptr"), (dequantize_kernel, "data_ptr"
                 else:
                     sig.update(data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", out_ptr=words)
                 const = dict(FLOAT_CODE=code, BLOCK_SIZE=bs, HAS_GLOBAL=has_global, ROWS=8, BLOCKS=512 // bs)
+                if kernel is quantize_kernel:
+                    const["FLOAT64_RECIPROCAL"] = code != 2  # the fp16 variants divide element by element
                 sig.update({n: "constexpr" for n in const})
                 aligned = [n for n in names[:15] if n not in ("gs_ptr", "rows")]
                 attrs = {(names.index(n),): D for n in aligned}

@@ -19,7 +19,10 @@ def test_quantize_speed_script_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(script, "BIG", (8, 64))
     monkeypatch.setattr(script, "FUZZ_SHAPES", (("swizzled", (3, 64)), ("linear", (2, 2, 64))))
     monkeypatch.setattr(script, "DISTINCT_BYTES", 1)
-    monkeypatch.setattr(script, "sweep_configs", lambda block_size, quick: [script.quantize_config(block_size)])
+    sweep = script.sweep_configs(16, quick=False, divisions=True)
+    assert sweep[0] == script.quantize_config(16) and len(set(sweep)) == len(sweep) > 10
+    assert sweep[0]._replace(float64_reciprocal=False) in sweep
+    monkeypatch.setattr(script, "sweep_configs", lambda block_size, *args, **kw: [script.quantize_config(block_size)])
     calls = []
 
     def device_time_us(launch, inputs, replays=15):

@@ -93,8 +93,8 @@ def _check_config(config: QuantizeConfig | None) -> None:
         return
     if not isinstance(config, QuantizeConfig):
         raise TypeError(f"config: expected a QuantizeConfig or None, got {type(config).__name__}")
-    if any(v < 1 or v & (v - 1) for v in config):
-        raise ValueError(f"config: expected powers of two, got {config}")
+    if any(v < 1 or v & (v - 1) for v in (config.rows, config.blocks, config.num_warps)):
+        raise ValueError(f"config: expected powers of two rows, blocks and num_warps, got {config}")
 
 
 def _pairs(t: torch.Tensor) -> torch.Tensor:
@@ -139,7 +139,7 @@ def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: to
         w3, d3, scales, data if g is None else g, rows, cols, w3.stride(0), w3.stride(1), d3.stride(0),
         d3.stride(1), *_scale_addressing(scales, layout, cols),
         FLOAT_CODES[str(x.dtype).replace("torch.", "")], fmt.block_size, g is not None, cfg.rows, cfg.blocks,
-        num_warps=cfg.num_warps,
+        cfg.float64_reciprocal, num_warps=cfg.num_warps,
     )
     return data, scales
 
