@@ -107,10 +107,11 @@ def _as_3d(t: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_addressing(scales: torch.Tensor, layout: str, cols: int):
-    s3 = _as_3d(scales) if layout == "linear" else (scales if scales.dim() == 2 else scales.unsqueeze(0))
+    """The kernels' scale addressing of linear ``[L?, R, cols]`` or swizzled ``[L?, R_p * C_p]`` scale bytes."""
     if layout == "linear":
+        s3 = _as_3d(scales)
         return linear_scale_addressing(s3.stride(0), s3.stride(1))
-    return swizzled_scale_addressing(s3.stride(0), cols)
+    return swizzled_scale_addressing(scales.stride(0) if scales.dim() == 2 else 0, cols)
 
 
 def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
