@@ -1,13 +1,15 @@
 """fp4gemv: fast FP4 (NVFP4 / MXFP4) matrix-vector products for LLM decoding on NVIDIA GPUs.
 
 Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``),
-:func:`gemv` (FP4 weights times FP4 or float activations) and :func:`select_kernel` (which kernel gemv runs).
+:func:`quantize` (floats to an FP4Tensor, a Triton kernel on CUDA), :func:`gemv` (FP4 weights times FP4 or float
+activations) and :func:`select_kernel` (which kernel gemv runs).
 """
 
 from . import library  # noqa: F401 -- registers torch.ops.fp4gemv.*
 from .ops import gemv, select_kernel
+from .quantize import quantize
 from .tensor import FP4Tensor
 
-__all__ = ["FP4Tensor", "gemv", "select_kernel", "__version__"]
+__all__ = ["FP4Tensor", "gemv", "quantize", "select_kernel", "__version__"]
 
 __version__ = "0.1.0"

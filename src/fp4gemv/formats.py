@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .reference import round_from_float64
+
 __all__ = [
     "E2M1_VALUES",
     "FP4Format",
@@ -28,6 +30,9 @@ __all__ = [
     "encode_e8m0",
     "decode_scales",
     "dequantize",
+    "NAN_SCALE_BYTE",
+    "nvfp4_block_scales",
+    "mx_shared_exponents",
     "quantize",
 ]
 
@@ -36,6 +41,8 @@ E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
+# (midpoint between neighbouring e2m1 magnitudes, whether the code above it is even), in increasing order.
+_E2M1_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 @dataclass(frozen=True)
@@ -72,19 +79,19 @@ def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
 def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     """Round float values to e2m1 codes (uint8 0..15): nearest, ties to even code, saturating at ±6.
 
-    The sign bit follows the input's sign bit, so -0.0 and small negatives that round to zero give code 8.
-    NaN has no e2m1 encoding and raises.
+    Compared in ``x``'s own dtype (every midpoint is exact in each float dtype).  The sign bit follows the
+    input's sign bit, so -0.0 and small negatives that round to zero give code 8.  NaN has no e2m1 encoding
+    and raises.
     """
     if torch.isnan(x).any():
         raise ValueError("x: NaN has no e2m1 encoding")
-    mag = x.abs().to(torch.float32)
-    # Midpoints between neighbouring magnitudes 0,.5,1,1.5,2,3,4,6; a tie rounds up only to an even code.
-    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)
-    next_code_even = torch.tensor([False, True, False, True, False, True, False], device=x.device)
-    above = (mag.unsqueeze(-1) > mids) | ((mag.unsqueeze(-1) == mids) & next_code_even)
-    code = above.sum(-1).to(torch.uint8)
-    sign = torch.signbit(x).to(torch.uint8) << 3
-    return code | sign
+    mag = x.abs()
+    # Midpoints between neighbouring magnitudes 0,.5,1,1.5,2,3,4,6: a tie rounds up only to an even code,
+    # so crossing a midpoint below an even code needs >=, below an odd code >.
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for midpoint, next_code_even in _E2M1_MIDPOINTS:
+        code += (mag >= midpoint) if next_code_even else (mag > midpoint)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -146,69 +153,103 @@ def dequantize(
 ) -> torch.Tensor:
     """Dequantize packed e2m1 ``[..., K/2]`` with linear-layout scales ``[..., K/block_size]`` to ``[..., K]``.
 
-    In float64 every value is exact: an e2m1 value times an e4m3 or e8m0 scale (times an fp32 global scale)
-    needs at most 4 + 24 significant bits.
+    The exact value ``e2m1 * scale (* global_scale)`` is formed in float64 (at most 2 + 4 + 24 significant
+    bits, and float64's range holds every e8m0 scale), then rounded once to ``dtype``, nearest even
+    (``reference.round_from_float64``): float64 is the exact value itself.  A NaN scale byte (e4m3 0x7F /
+    0xFF, e8m0 0xFF) gives NaN for its whole block.
     """
-    values = decode_e2m1(unpack_e2m1(data)).to(dtype)
+    values = decode_e2m1(unpack_e2m1(data)).to(torch.float64)
     k = values.shape[-1]
     if scales.shape[-1] * fmt.block_size != k:
         raise ValueError(
             f"scales: expected K/{fmt.block_size} = {k // fmt.block_size} scales per row, got {scales.shape[-1]}"
         )
-    s = decode_scales(scales, fmt).to(dtype).repeat_interleave(fmt.block_size, dim=-1)
+    s = decode_scales(scales, fmt).to(torch.float64).repeat_interleave(fmt.block_size, dim=-1)
     out = values * s
     if global_scale is not None:
-        out = out * torch.as_tensor(global_scale, dtype=dtype, device=out.device)
-    return out
+        out = out * torch.as_tensor(global_scale, dtype=torch.float64, device=out.device)
+    return round_from_float64(out, dtype)
 
 
-def _mx_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
-    """The smallest power-of-two exponent e with ``amax <= 6 * 2^e``, clamped to e8m0's -127 .. 127.
+# Scale bytes of a block that holds a NaN or an infinity: each scale format's NaN.
+NAN_SCALE_BYTE = {"nvfp4": 0x7F, "mxfp4": 0xFF}
+_E4M3_MIN = 2.0**-9  # e4m3's smallest subnormal: ModelOpt's lower clamp, so no block scale is 0
+_E2M1_EMAX = 2  # 6 = 1.5 * 2^2
 
-    From ``amax = m * 2^p`` (m in [0.5, 1)): ``6 * 2^(p-3) = 0.75 * 2^p`` covers m <= 0.75, and
-    ``6 * 2^(p-2)`` covers the rest; ``6 * 2^(p-4)`` is below every such amax.  Integer arithmetic on the
-    exponent, so no log2 rounding can pick a power too small.
+
+def nvfp4_block_scales(amax: torch.Tensor, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4 scale bytes from float32 block maxima, as NVIDIA ModelOpt computes them.
+
+    ``NVFP4QTensor.get_weights_scaling_factor`` (modelopt/torch/quantization/qtensor/nvfp4_tensor.py):
+    ``s = amax / (6 * g)`` in float32 (``6 * g`` rounded, then the quotient), ``s = 1`` where it is 0 (an
+    all-zero block), clamped below at 2^-9, cast to e4m3 (nearest even).  Here also clamped above at 448,
+    so a block scale saturates where ``g`` is too small instead of becoming NaN; ``g = 1`` when None.
     """
-    mantissa, exponent = torch.frexp(amax)
-    e = torch.where(mantissa <= 0.75, exponent - 3, exponent - 2)
-    return e.clamp(-127, 127)
+    # A tensor divisor: PyTorch's CUDA division by a Python number multiplies by its rounded reciprocal.
+    six_g = torch.full((), 6.0, device=amax.device) if global_scale is None else 6.0 * global_scale
+    s = amax / six_g
+    s = torch.where(s == 0, torch.ones_like(s), s).clamp(_E4M3_MIN, _E4M3_MAX)
+    return s.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def mx_shared_exponents(amax: torch.Tensor) -> torch.Tensor:
+    """OCP MX shared exponents (int32) from float32 block maxima: ``floor(log2(amax)) - 2``, clamped to -127..127.
+
+    OCP Microscaling Formats v1.0, section 6.3: the scale is the largest power of two not above ``amax``
+    divided by the largest power of two of the element format (e2m1's emax is 2), so ``amax / 2^X`` lies in
+    [4, 8) and elements above 6 saturate.  Zero (and every amax below 2^-125) gives -127, e8m0's smallest.
+    """
+    _, exponent = torch.frexp(amax)  # amax = m * 2^exponent, m in [0.5, 1): floor(log2(amax)) = exponent - 1
+    return torch.where(amax > 0, exponent - 1 - _E2M1_EMAX, -127).clamp(-127, 127).to(torch.int32)
 
 
 def quantize(
     x: torch.Tensor, fmt: FP4Format = NVFP4, global_scale: float | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-quantize finite floats ``[..., K]`` to packed e2m1 ``[..., K/2]`` and linear scale bytes ``[..., K/bs]``.
+    """Block-quantize floats ``[..., K]`` to packed e2m1 ``[..., K/2]`` and linear scale bytes ``[..., K/bs]``.
 
-    Each block of ``fmt.block_size`` elements of ``x / global_scale`` gets a scale from its largest
-    magnitude ``amax``, then every element is rounded to the nearest e2m1 value of ``x / (global * scale)``
-    (ties to even, saturating at ±6; :func:`encode_e2m1`):
+    The reference of ``fp4gemv.quantize``, whose Triton kernel computes the same bytes.  Every step is a
+    float32 IEEE operation rounded to nearest even (``x`` is rounded to float32 first: exact for fp16 and
+    bf16), with ``amax`` a block's largest magnitude and ``g`` the global scale:
 
-    * NVFP4: ``scale = e4m3(amax / 6)``, round to nearest, saturating at 448 (the usual NVFP4 recipe; pick
-      ``global_scale = amax(x) / (6 * 448)`` so that no block saturates).  A rounded-down scale can push an
-      element past 6, where it saturates: with a normal e4m3 scale (relative rounding error <= 2^-4) by at
-      most ``6 / (1 - 2^-4) - 6 = 0.4`` scale units, less than half the gap between 4 and 6.  Subnormal
-      scales (``amax < 6 * 2^-6``) are coarser.
-    * MXFP4: ``scale = 2^ceil(log2(amax / 6))``, the smallest power of two that keeps every element within
-      ±6, so no element saturates.  (The OCP MX recipe rounds the exponent down instead and clips.)
+    * NVFP4, per NVIDIA ModelOpt (``NVFP4QTensor.quantize``): scale byte ``e4m3(amax / (6 g))`` as
+      :func:`nvfp4_block_scales` details; elements ``q = x / (scale * g)`` (the product rounded, then the
+      quotient).  ``g = None`` computes as ``g = 1``.
+    * MXFP4, per the OCP Microscaling spec (:func:`mx_shared_exponents`): ``v = x / g`` (``v = x`` without
+      a global scale, which MX itself does not have), shared exponent ``X`` of the block's ``amax(|v|)``,
+      scale byte ``X + 127``, elements ``q = v * 2^-X`` (exact unless it underflows).
 
-    An all-zero block (or one whose scale underflows e4m3) gets scale 0 and codes 0.  Values already of the
-    form ``code * scale * global_scale`` with a ±6 in each block quantize back exactly.  Computed in float64.
+    Then each code is the nearest e2m1 value of ``q``, ties to the even code, saturating at ±6
+    (:func:`encode_e2m1`); a zero quotient, -0.0 included, gets code 0 and negatives that round to zero
+    code 8, both as in ModelOpt.  A block holding a NaN or an infinity (of ``v`` for MXFP4) gets the NaN
+    scale byte (:data:`NAN_SCALE_BYTE`) and codes 0, so it dequantizes to NaN; ``fp4gemv.quantize`` raises
+    on it by default.
+
+    global_scale: None or a positive normal float32 (a Python number is rounded to float32).
     """
-    if not torch.isfinite(x).all():
-        raise ValueError("x: expected finite values (NaN and infinity have no FP4 encoding)")
     k = x.shape[-1]
     if k % fmt.block_size:
         raise ValueError(f"x: expected K a multiple of the {fmt.name} block size {fmt.block_size}, got K = {k}")
-    values = x.to(torch.float64)
-    if global_scale is not None:
-        values = values / torch.as_tensor(global_scale, dtype=torch.float64, device=x.device)
-    blocks = values.reshape(*values.shape[:-1], k // fmt.block_size, fmt.block_size)
-    amax = blocks.abs().amax(dim=-1)
-    if fmt.scale_dtype == torch.float8_e4m3fn:
-        scale_bytes = encode_e4m3(amax / 6)
+    g = None if global_scale is None else torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    blocks = x.to(torch.float32).reshape(*x.shape[:-1], k // fmt.block_size, fmt.block_size)
+    if fmt.name == "nvfp4":
+        amax = blocks.abs().amax(dim=-1)
+        scale_bytes = nvfp4_block_scales(amax, g)
+        scale = scale_bytes.view(torch.float8_e4m3fn).to(torch.float32)  # exact; as decode_e4m3, but faster
+        divisor = scale if g is None else scale * g
+        q = blocks / divisor.unsqueeze(-1)
     else:
-        scale_bytes = (_mx_scale_exponent(amax) + 127).to(torch.uint8)
-    scale = decode_scales(scale_bytes, fmt).to(torch.float64).unsqueeze(-1)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scaled = torch.where(scale > 0, blocks / safe, torch.zeros_like(blocks))
-    return pack_e2m1(encode_e2m1(scaled.reshape(values.shape))), scale_bytes
+        if g is not None:
+            blocks = blocks / g
+        amax = blocks.abs().amax(dim=-1)
+        exponent = mx_shared_exponents(amax)
+        scale_bytes = (exponent + 127).to(torch.uint8)
+        # 2^-X from its float32 exponent field: -X is in -125..127 for every float32 amax, a normal number.
+        inverse_scale = ((127 - exponent).clamp(1, 254) << 23).view(torch.float32)
+        q = blocks * inverse_scale.unsqueeze(-1)
+    finite = torch.isfinite(amax)
+    scale_bytes = torch.where(finite, scale_bytes, NAN_SCALE_BYTE[fmt.name])
+    # + 0.0 turns -0.0 into +0.0 (and changes nothing else): a zero gets code 0 whatever its sign, as
+    # ModelOpt's sign bit is ``q < 0``; negatives that round to zero keep theirs (code 8).
+    q = torch.where(finite.unsqueeze(-1), q + 0.0, 0.0)
+    return pack_e2m1(encode_e2m1(q.reshape(x.shape))), scale_bytes

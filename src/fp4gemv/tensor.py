@@ -173,12 +173,11 @@ class FP4Tensor:
         return layouts.unswizzle_scales(self.scales, self.rows, self.k // self.fmt.block_size)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Values ``[L?, R, K]`` in ``dtype`` via ``formats.dequantize``.
+        """Values ``[L?, R, K]`` in ``dtype``, each exact value rounded once (``fp4gemv.quantize.dequantize``:
+        a Triton kernel on CUDA, ``formats.dequantize`` elsewhere, the same bits; float64 is exact)."""
+        from .quantize import dequantize
 
-        float64 is always exact; float32 is exact without a global scale (e2m1 x e4m3 needs 6 significant
-        bits; e8m0 scales fit fp32's exponent range, 2^-127 as a subnormal), else rounded once per element.
-        """
-        return formats.dequantize(self.data, self.linear_scales(), self.fmt, self.global_scale, dtype)
+        return dequantize(self, dtype)
 
     def with_scale_layout(self, scale_layout: ScaleLayout) -> FP4Tensor:
         """The same values with scales in ``scale_layout`` (this tensor when already so; else a scale copy)."""
@@ -258,15 +257,7 @@ class FP4Tensor:
         scale_layout: ScaleLayout = "linear",
         global_scale: float | torch.Tensor | None = None,
     ) -> FP4Tensor:
-        """Quantize finite floats ``[L?, R, K]`` (``formats.quantize`` documents the scale choice and rounding).
+        """``fp4gemv.quantize(x, fmt, scale_layout, global_scale)``: its docstring has the details."""
+        from .quantize import quantize
 
-        global_scale: divides ``x`` before the block scales are chosen and multiplies on dequantization; for
-        NVFP4 ``x.abs().max() / (6 * 448)`` uses e4m3's whole range without saturating.
-        """
-        _check_tensor("x", x, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
-        if x.dim() not in (2, 3):
-            raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
-        fmt = _resolve_format(fmt)
-        gs = _global_scale_tensor(global_scale, x.device)
-        data, scales = formats.quantize(x, fmt, gs)
-        return cls(data, scales, fmt, "linear", gs).with_scale_layout(scale_layout)
+        return quantize(x, fmt, scale_layout, global_scale)

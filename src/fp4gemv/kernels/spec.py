@@ -24,7 +24,8 @@ from ..formats import FP4Format
 from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
-           "Src", "ScaleAddressing", "alignment", "check_powers_of_two"]
+           "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
+           "check_powers_of_two"]
 
 
 def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
@@ -48,6 +49,18 @@ class ScaleAddressing(NamedTuple):
     r32: int
     r4: int
     col_tile: int
+
+
+def linear_scale_addressing(stride_batch: int, stride_row: int) -> ScaleAddressing:
+    """Linear ``[L, rows, cols]`` scales, column stride 1: the formula reduces to ``l * stride_batch``
+    ``+ row * stride_row + col``."""
+    return ScaleAddressing(stride_batch, 128 * stride_row, stride_row, 32 * stride_row, 4)
+
+
+def swizzled_scale_addressing(stride_batch: int, cols: int) -> ScaleAddressing:
+    """The 128x4 swizzle of ``cols`` scale columns (``layouts.swizzled_offset``): 512-byte atoms of 32 lines x 16."""
+    _, cols_p = layouts.padded_scale_shape(1, cols)
+    return ScaleAddressing(stride_batch, layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
 
 
 @dataclass(frozen=True)
@@ -118,11 +131,9 @@ class GemvCase:
 def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
     """Metadata of FP4Tensor ``t`` whose batched views are ``data`` ``[L, rows, K/2]`` and ``scales``."""
     if t.scale_layout == "linear":  # [L, rows, cols]
-        addressing = ScaleAddressing(scales.stride(0), 128 * scales.stride(1), scales.stride(1),
-                                     32 * scales.stride(1), 4)
+        addressing = linear_scale_addressing(scales.stride(0), scales.stride(1))
     else:  # [L, rows_p * cols_p]
-        _, cols_p = layouts.padded_scale_shape(1, t.k // t.fmt.block_size)
-        addressing = ScaleAddressing(scales.stride(0), layouts.ROWS_PER_ATOM * cols_p, 16, 4, 512)
+        addressing = swizzled_scale_addressing(scales.stride(0), t.k // t.fmt.block_size)
     return FP4Meta(
         rows=data.shape[1], batch_stride=data.stride(0), row_stride=data.stride(1),
         align=alignment(data, data.stride()[:2]), scale_layout=t.scale_layout, scales=addressing,

@@ -1,0 +1,340 @@
+"""Triton kernels that quantize floats to NVFP4 / MXFP4 and dequantize them back, bit for bit as ``formats``.
+
+``quantize_kernel`` computes exactly what ``formats.quantize`` computes (its docstring is the definition);
+``dequantize_kernel`` exactly what ``formats.dequantize`` rounds to.  Only IEEE float32 / float64 operations
+that round to nearest even are used (``tl.div_rn`` or float64, never float32's approximate ``/``; no fused
+multiply-add; no flush-to-zero), so the GPU and the CPU-side interpreter (NumPy) give the same bits; roundings
+to the narrow formats are done by hand where Triton's interpreter and the GPU disagree.  Where the kernels
+compute differently from ``formats`` (e2m1 and e4m3 rounding by magic-number addition, NVFP4 division through
+a float64 reciprocal, dequantization from per-block rounded products), the comments give the reason the
+result is the same; tests/test_quantize.py checks it bit for bit.
+
+Both kernels read or write floats as *pairs*: a 16-bit tensor viewed as int32, a float32 one as int64, so
+element 2j sits in the low half of word j (little-endian), as e2m1 element 2j sits in the low nibble of
+byte j.  A program
+owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of ``BLOCK_SIZE`` elements, held as
+``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction over the last axis and the
+packed bytes come out in the words' own layout.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import triton
+import triton.language as tl
+
+from ._common import decode_scale, scale_row_offset
+
+__all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES"]
+
+# How a kernel names the float dtype of its pair words.
+FLOAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
+
+_F32_EXPONENT_MASK = tl.constexpr(0x7F800000)
+_F32_MAGNITUDE_MASK = tl.constexpr(0x7FFFFFFF)
+
+
+class QuantizeConfig(NamedTuple):
+    """One launch: ``rows`` rows x ``blocks`` scale blocks per program, ``num_warps`` warps.
+
+    ``float64_reciprocal``: NVFP4 quantization divides each element through a float64 reciprocal of its
+    block's divisor (True) or by ``tl.div_rn`` (False); the bytes are the same, the speed is not.
+    """
+
+    rows: int
+    blocks: int
+    num_warps: int = 4
+    float64_reciprocal: bool = True
+
+
+def quantize_config(block_size: int) -> QuantizeConfig:
+    """The tile of both kernels: 8 rows x 512 K-elements (8 KB of bf16 input or output), 32 elements per thread
+    in 4 warps, so each thread has several 16-byte loads in flight.  Not yet tuned on the GPU
+    (``benchmarks/quantize_speed.py`` sweeps the alternatives)."""
+    return QuantizeConfig(8, 512 // block_size)
+
+
+@triton.jit
+def _unpack_pairs(words, FLOAT_CODE: tl.constexpr):
+    """(float32 bits of element 2j, of element 2j + 1) from pair words, as int32; widening is exact."""
+    if FLOAT_CODE == 0:  # float32 pairs in int64
+        return words.to(tl.int32), (words >> 32).to(tl.int32)
+    elif FLOAT_CODE == 1:  # bf16 is the top half of a float32
+        return words << 16, words & -65536
+    else:
+        lo = (words & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (words >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo.to(tl.int32, bitcast=True), hi.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_codes(q):
+    """e2m1 codes (int32 0..15) of float32 ``q``: nearest, ties to even code, saturating at ±6; sign kept.
+
+    Adding C = 2^22, 2^23 or 2^24 (by the binade E of the magnitude: below 2, below 4, up to 6) rounds it,
+    nearest even, to a multiple of the e2m1 step there (0.5, 1, 2), and an even multiple is an even code;
+    the sum's bits less C's are then the code less 2 (E - 127).  (NaN only reaches here from blocks the
+    caller overwrites.)  The sign bit is ``q < 0``, so a zero of either sign gets code 0 (``formats.quantize``),
+    tested on the bits: negative nonzero floats are the unsigned integers above 0x80000000.  (Not ``q + 0.0``,
+    which the compiler may fuse into the multiplication that made ``q``, keeping the sign of an underflowing
+    product; nor ``q < 0.0``, which it hoists above a float64 -> float32 conversion into a float64 compare.)
+    """
+    negative = q.to(tl.uint32, bitcast=True) > 0x80000000
+    mag = tl.minimum(tl.abs(q), 6.0)
+    binade = tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, 127)
+    c = ((binade + 22) << 23).to(tl.float32, bitcast=True)
+    rounded = (mag + c).to(tl.int32, bitcast=True)
+    return (rounded - (binade * ((1 << 23) - 2) + ((22 << 23) + 254))) | tl.where(negative, 8, 0)
+
+
+@triton.jit
+def _e4m3_round(s):
+    """``s`` in [2^-9, 448] rounded to e4m3 (nearest even): (its byte, its value as float32).
+
+    Adding C = 2^(e + 20) (e: s's binade; 2^14 below e4m3's normal range, where the step is 2^-9 throughout)
+    leaves float32 a step of 2^(e - 3), e4m3's, so ``(s + C) - C`` is the rounded value, a carry into the next
+    binade included.
+    """
+    c_bits = tl.maximum((s.to(tl.int32, bitcast=True) & _F32_EXPONENT_MASK) + (20 << 23), 0x46800000)
+    c = c_bits.to(tl.float32, bitcast=True)
+    value = (s + c) - c
+    value_bits = value.to(tl.int32, bitcast=True)
+    # Normal: e4m3 exponent = float32 exponent - 120, and the top 3 mantissa bits; subnormal: value * 2^9.
+    byte = tl.where(value >= 0.015625, (value_bits >> 20) - (120 << 3), (value * 512.0).to(tl.int32))
+    return byte, value
+
+
+@triton.jit
+def quantize_kernel(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    gs_ptr,
+    rows,
+    n_blocks,
+    x_stride_l,
+    x_stride_r,
+    data_stride_l,
+    data_stride_r,
+    sf_stride_l,
+    sf_row_tile,
+    sf_r32,
+    sf_r4,
+    sf_col_tile,
+    FLOAT_CODE: tl.constexpr,
+    FORMAT: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    FLOAT64_RECIPROCAL: tl.constexpr = True,
+):
+    """Quantize pair words ``x`` ``[L, rows, K/2]`` into packed bytes ``[L, rows, K/2]`` and scale bytes
+    (addressed by ``ScaleAddressing``) of ``FORMAT`` ("nvfp4" or "mxfp4"); ``gs_ptr``: the fp32 global scale,
+    read when HAS_GLOBAL."""
+    if FORMAT == "nvfp4":
+        BLOCK_SIZE: tl.constexpr = 16
+    else:
+        BLOCK_SIZE: tl.constexpr = 32
+    PAIRS: tl.constexpr = BLOCK_SIZE // 2
+    pid_l = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    r3 = r[:, None, None]
+    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    # The mask depends on the row and the block only, so it is constant along each block's words.
+    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    words = tl.load(x_ptr + pid_l * x_stride_l + r3 * x_stride_r + col, mask=mask, other=0)
+    lo_bits, hi_bits = _unpack_pairs(words, FLOAT_CODE)
+    lo = lo_bits.to(tl.float32, bitcast=True)
+    hi = hi_bits.to(tl.float32, bitcast=True)
+    if HAS_GLOBAL:
+        g = tl.load(gs_ptr)
+    if FORMAT == "nvfp4":
+        # The largest magnitude as the largest integer of magnitude bits: NaN and infinity sort above it.
+        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+        finite = amax_bits < _F32_EXPONENT_MASK
+        amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
+        if HAS_GLOBAL:
+            s = tl.div_rn(amax, 6.0 * g)
+        else:
+            s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+        s = tl.where(s == 0.0, 1.0, s)
+        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
+        scale_byte, scale = _e4m3_round(s)
+        if HAS_GLOBAL:
+            scale = scale * g
+        # x / scale rounded to float32 through float64: with R = 1 / scale (float64, rounded once per block),
+        # x * R is within 2^-52 (relative) of x / scale, and an exact quotient of two float32 numbers is
+        # at least 2^-49 away from every midpoint between normal float32 numbers.  So rounding x * R to
+        # float32 decides every comparison the e2m1 rounding makes as rounding x / scale would (below
+        # 2^-126, where a tie is possible, the code is 0 either way), without a division per element.
+        if FLOAT64_RECIPROCAL:
+            inverse = (1.0 / scale.to(tl.float64))[:, :, None]
+            lo = (lo.to(tl.float64) * inverse).to(tl.float32)
+            hi = (hi.to(tl.float64) * inverse).to(tl.float32)
+        else:
+            lo = tl.div_rn(lo, scale[:, :, None])
+            hi = tl.div_rn(hi, scale[:, :, None])
+        scale_byte = tl.where(finite, scale_byte, 0x7F)
+    else:
+        if HAS_GLOBAL:
+            lo = tl.div_rn(lo, g)
+            hi = tl.div_rn(hi, g)
+            lo_bits = lo.to(tl.int32, bitcast=True)
+            hi_bits = hi.to(tl.int32, bitcast=True)
+        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+        finite = amax_bits < _F32_EXPONENT_MASK
+        # floor(log2(amax)) - 2 from the biased exponent (0 for zero and subnormals: clamps to -127 anyway).
+        exponent = tl.minimum(tl.maximum((amax_bits >> 23) - 129, -127), 127)
+        inverse_scale = (tl.minimum(tl.maximum(127 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+        lo = lo * inverse_scale[:, :, None]
+        hi = hi * inverse_scale[:, :, None]
+        scale_byte = tl.where(finite, exponent + 127, 0xFF)
+    packed = _e2m1_codes(lo) | (_e2m1_codes(hi) << 4)
+    packed = tl.where(finite[:, :, None], packed, 0).to(tl.uint8)
+    tl.store(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, packed, mask=mask)
+    sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
+                 + (b // 4 * sf_col_tile + b % 4)[None, :])
+    tl.store(scales_ptr + sf_offset, scale_byte.to(tl.uint8), mask=(r[:, None] < rows) & (b[None, :] < n_blocks))
+
+
+@triton.jit
+def _e2m1_values(codes):
+    """float32 values of e2m1 codes (int32, low 4 bits; higher bits ignored).
+
+    The code's exponent and mantissa bits placed at float32's bits 24..22 read as e2m1 * 2^-126 (code 1, 0.5,
+    as the subnormal 2^-127, which is how e2m1 encodes it too); the multiplication by 2^126 is exact.
+    """
+    shifted = codes << 22
+    bits = (shifted & 0x01C00000) | ((shifted << 6) & -2147483648)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # 2^126
+
+
+@triton.jit
+def _scaled_e2m1(codes, base_one, base_three_halves):
+    """e2m1 codes times a block's scale, given the scale times 1 and times 1.5 already rounded to the output
+    float: every e2m1 magnitude is 0, or 1 or 1.5 times 2^k (k = -1..2), and scaling by 2^k is exact (the
+    caller keeps every product in the normal range).  As float32, 1.5 * 2^k is the only e2m1 value with
+    mantissa bit 22 set; clearing it leaves 2^k (or 0, 0.5).  The product carries both signs."""
+    bits = _e2m1_values(codes).to(tl.int32, bitcast=True)
+    power = (bits & ~0x00400000).to(tl.float32, bitcast=True)
+    return power * tl.where((bits & 0x00400000) != 0, base_three_halves, base_one)
+
+
+@triton.jit
+def _round_to_odd_f32(exact):
+    """float64 ``exact`` rounded to float32 *to odd*: truncated, the last bit set when anything was cut.
+
+    float32 keeps more than two bits beyond bf16's and fp16's significands, so rounding this once more to
+    either (nearest even) equals rounding ``exact`` to it directly (``reference.round_from_float64``).
+    """
+    nearest = exact.to(tl.float32)
+    back = nearest.to(tl.float64)
+    bits = nearest.to(tl.int32, bitcast=True)
+    bits = tl.where(tl.abs(back) > tl.abs(exact), bits - 1, bits)  # toward zero: magnitude bits down one
+    bits = tl.where(back != exact, bits | 1, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _round_to_output(exact, FLOAT_CODE: tl.constexpr):
+    """float64 ``exact`` rounded once (nearest even) to the output float, returned as the float32 that holds
+    it exactly.  bf16 by hand: Triton's interpreter truncates fp32 -> bf16 casts."""
+    if FLOAT_CODE == 0:
+        return exact.to(tl.float32)
+    odd = _round_to_odd_f32(exact)
+    if FLOAT_CODE == 1:
+        bits = odd.to(tl.int32, bitcast=True)
+        rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16) << 16
+        return tl.where(odd != odd, odd, rounded.to(tl.float32, bitcast=True))  # a carry could make NaN infinite
+    else:
+        return odd.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _pack_pair(lo, hi, FLOAT_CODE: tl.constexpr):
+    """Output words of element pairs given as float32: exact for float32; bf16 takes the top half (the callers
+    pass values bf16 holds exactly, or NaN); fp16 rounds once, nearest even (exact or single rounding)."""
+    if FLOAT_CODE == 0:
+        lo_bits = lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        return lo_bits | (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+    elif FLOAT_CODE == 1:
+        lo_bits = (lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+        return lo_bits | (hi.to(tl.int32, bitcast=True) & -65536)
+    else:
+        lo_bits = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        return lo_bits | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def dequantize_kernel(
+    data_ptr,
+    scales_ptr,
+    gs_ptr,
+    out_ptr,
+    rows,
+    n_blocks,
+    data_stride_l,
+    data_stride_r,
+    sf_stride_l,
+    sf_row_tile,
+    sf_r32,
+    sf_r4,
+    sf_col_tile,
+    out_stride_l,
+    out_stride_r,
+    FLOAT_CODE: tl.constexpr,
+    FORMAT: tl.constexpr,
+    HAS_GLOBAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Dequantize packed bytes ``[L, rows, K/2]`` with their ``FORMAT`` scale bytes into pair words ``out``
+    ``[L, rows, K/2]``: each value the exact ``e2m1 * scale (* global)`` rounded once to the output float."""
+    if FORMAT == "nvfp4":
+        BLOCK_SIZE: tl.constexpr = 16
+    else:
+        BLOCK_SIZE: tl.constexpr = 32
+    PAIRS: tl.constexpr = BLOCK_SIZE // 2
+    pid_l = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    r3 = r[:, None, None]
+    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    packed = tl.load(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, mask=mask, other=0).to(tl.int32)
+    sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
+                 + (b // 4 * sf_col_tile + b % 4)[None, :])
+    raw = tl.load(scales_ptr + sf_offset, mask=(r[:, None] < rows) & (b[None, :] < n_blocks), other=0)
+    scale = decode_scale(raw, FORMAT)
+    if FORMAT == "nvfp4":  # e4m3 0x7F / 0xFF are NaN: Triton's interpreter decodes them as ±480
+        scale = tl.where((raw & 0x7F) == 0x7F, tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True),
+                         scale)
+    scale = scale[:, :, None]
+    if HAS_GLOBAL:
+        # scale * g is exact in float64 (4 + 24 significant bits); rounded once to the output float for the
+        # magnitudes 1 and 1.5, it gives every other by an exact power of two, while all products stay in
+        # the output's normal range (then rounding commutes with the power of two).  Otherwise, and for NaN
+        # scales, the tile takes the exact product per element.
+        scale_g = scale.to(tl.float64) * tl.load(gs_ptr).to(tl.float64)
+        base_one = _round_to_output(scale_g, FLOAT_CODE)
+        base_three_halves = _round_to_output(scale_g * 1.5, FLOAT_CODE)
+        if FLOAT_CODE == 2:
+            in_range = (base_one >= 0.000244140625) & (base_three_halves <= 8192.0)  # 2^-12, 2^13
+        else:
+            in_range = (base_one >= 4.70197740328915e-38) & (base_three_halves <= 4.253529586511731e37)  # 2^-124, 2^125
+        fast = tl.min(tl.where((scale == 0.0) | in_range, 1, 0)) == 1
+        if fast:
+            lo = _scaled_e2m1(packed & 0xF, base_one, base_three_halves)
+            hi = _scaled_e2m1(packed >> 4, base_one, base_three_halves)
+        else:
+            lo = _round_to_output(_e2m1_values(packed & 0xF).to(tl.float64) * scale_g, FLOAT_CODE)
+            hi = _round_to_output(_e2m1_values(packed >> 4).to(tl.float64) * scale_g, FLOAT_CODE)
+    else:
+        # Exact in float32 (at most 6 significant bits; an e8m0 product that overflows float32 overflows
+        # every output), and bf16 holds each exactly too (2^-128 as a subnormal).
+        lo = _e2m1_values(packed & 0xF) * scale
+        hi = _e2m1_values(packed >> 4) * scale
+    words = _pack_pair(lo, hi, FLOAT_CODE)
+    tl.store(out_ptr + pid_l * out_stride_l + r3 * out_stride_r + col, words, mask=mask)

@@ -1,0 +1,256 @@
+"""``fp4gemv.quantize``: floats to an NVFP4 / MXFP4 ``FP4Tensor``, and ``dequantize``: back to floats.
+
+Both run a Triton kernel on CUDA tensors (``kernels/quantize.py``) and the exact CPU path of ``formats``
+elsewhere; the two give the same bytes (quantize) and the same bits (dequantize) on the same input, so the
+CPU path is the definition: ``formats.quantize`` documents every rounding (NVFP4 per NVIDIA ModelOpt, MXFP4
+per the OCP Microscaling spec), ``formats.dequantize`` the single rounding of the exact value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import triton
+
+from . import formats, layouts
+from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
+from .target import interpreting
+from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
+from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, _resolve_format
+
+__all__ = ["quantize", "dequantize", "nvfp4_global_scale", "QuantizeBackend", "QUANTIZE_BACKENDS"]
+
+QuantizeBackend = Literal["auto", "triton", "reference"]
+QUANTIZE_BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_F32_SMALLEST_NORMAL = 2.0**-126
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    """'auto': the Triton kernel on CUDA, the CPU path elsewhere; 'triton' off CUDA only under TRITON_INTERPRET=1."""
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, QUANTIZE_BACKENDS))}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "reference"
+    if backend == "triton" and device.type != "cuda" and not interpreting():
+        raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+    return backend
+
+
+def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's NVFP4 per-tensor scale ``amax(|x|) / (6 * 448)`` as a 0-d float32 tensor on x's device.
+
+    ``NVFP4QTensor.get_weights_scaling_factor_2``: the largest block maximum then maps to e4m3's largest
+    scale, 448.  The quotient is the IEEE float32 one (divided by a tensor: PyTorch's CUDA division by a
+    Python number multiplies by its reciprocal), raised to 2^-126 when smaller (an all-zero or all-tiny x;
+    ModelOpt would divide by zero), and 1 when ``x`` holds a NaN or infinity.  No device synchronisation.
+    """
+    amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
+    g = amax / torch.full((), 6.0 * 448.0, dtype=torch.float32, device=x.device)
+    g = torch.clamp(g, min=_F32_SMALLEST_NORMAL)
+    return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+
+
+def _global_scale(global_scale, fmt: formats.FP4Format, x: torch.Tensor, check_values: bool) -> torch.Tensor | None:
+    """The global scale as a 0-d float32 tensor on x's device, or None; validated before anything is written."""
+    if global_scale is None:
+        return None
+    if isinstance(global_scale, str):
+        if global_scale != "auto":
+            raise ValueError(f"global_scale: expected None, 'auto', a number or a tensor, got {global_scale!r}")
+        if fmt.name != "nvfp4":
+            raise ValueError(
+                "global_scale: 'auto' is NVFP4's per-tensor scale amax / (6 * 448); MXFP4 has none (its e8m0 "
+                "block scales span 2^-127..2^127): pass None or an explicit scale"
+            )
+        return nvfp4_global_scale(x)
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
+        raise TypeError(
+            f"global_scale: expected None, 'auto', a number or a tensor, got {type(global_scale).__name__}"
+        )
+    if isinstance(global_scale, torch.Tensor):
+        if global_scale.dtype != torch.float32:
+            dtype = str(global_scale.dtype).replace("torch.", "")
+            raise TypeError(f"global_scale: expected dtype float32, got {dtype}")
+        if global_scale.numel() != 1:
+            raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
+        if global_scale.device != x.device:
+            raise ValueError(f"global_scale: expected device {x.device} like x, got {global_scale.device}")
+        g = global_scale.reshape(())
+        value = g.item() if check_values else None  # a device synchronisation: only when asked
+    else:
+        g = torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
+        value = float(torch.tensor(float(global_scale), dtype=torch.float32))
+    if value is not None and not (_F32_SMALLEST_NORMAL <= value < float("inf")):
+        raise ValueError(f"global_scale: expected a positive normal float32 (2^-126 or more, finite), got {value}")
+    return g
+
+
+def _check_config(config: QuantizeConfig | None) -> None:
+    if config is None:
+        return
+    if not isinstance(config, QuantizeConfig):
+        raise TypeError(f"config: expected a QuantizeConfig or None, got {type(config).__name__}")
+    if any(v < 1 or v & (v - 1) for v in (config.rows, config.blocks, config.num_warps)):
+        raise ValueError(f"config: expected powers of two rows, blocks and num_warps, got {config}")
+
+
+def _pairs(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (float, stride 1 along an even last dimension) viewed as words holding two elements each."""
+    return t.view(torch.int64 if t.dtype == torch.float32 else torch.int32)
+
+
+def _as_3d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 3 else t.unsqueeze(0)
+
+
+def _scale_addressing(scales: torch.Tensor, layout: str, cols: int):
+    """The kernels' scale addressing of linear ``[L?, R, cols]`` or swizzled ``[L?, R_p * C_p]`` scale bytes."""
+    if layout == "linear":
+        s3 = _as_3d(scales)
+        return linear_scale_addressing(s3.stride(0), s3.stride(1))
+    return swizzled_scale_addressing(scales.stride(0) if scales.dim() == 2 else 0, cols)
+
+
+def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
+                     config: QuantizeConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    *batch, rows, k = x.shape
+    cols = k // fmt.block_size
+    if x.dtype == torch.float64:
+        x = x.to(torch.float32)  # formats.quantize rounds float64 to float32 first too
+    try:
+        words = _pairs(x)
+    except RuntimeError:  # an odd row stride or offset: the pairs need an even-aligned copy
+        words = _pairs(x.contiguous())
+    data = torch.empty((*batch, rows, k // 2), dtype=torch.uint8, device=x.device)
+    if layout == "linear":
+        scales = torch.empty((*batch, rows, cols), dtype=torch.uint8, device=x.device)
+    else:
+        rows_p, cols_p = layouts.padded_scale_shape(rows, cols)
+        padded = rows_p != rows or cols_p != cols
+        # Padding scales must be zero; the kernel writes only the real ones.
+        scales = (torch.zeros if padded else torch.empty)((*batch, rows_p * cols_p), dtype=torch.uint8,
+                                                          device=x.device)
+    w3, d3 = _as_3d(words), _as_3d(data)
+    cfg = config or quantize_config(fmt.block_size)
+    grid = (triton.cdiv(rows, cfg.rows), triton.cdiv(cols, cfg.blocks), w3.shape[0])
+    quantize_kernel[grid](
+        w3, d3, scales, data if g is None else g, rows, cols, w3.stride(0), w3.stride(1), d3.stride(0),
+        d3.stride(1), *_scale_addressing(scales, layout, cols),
+        FLOAT_CODES[str(x.dtype).replace("torch.", "")], fmt.name, g is not None, cfg.rows, cfg.blocks,
+        cfg.float64_reciprocal, num_warps=cfg.num_warps,
+    )
+    return data, scales
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | formats.FP4Format = "nvfp4",
+    scale_layout: ScaleLayout = "linear",
+    global_scale: float | torch.Tensor | Literal["auto"] | None = None,
+    *,
+    backend: QuantizeBackend = "auto",
+    check_values: bool = True,
+    config: QuantizeConfig | None = None,
+) -> FP4Tensor:
+    """Quantize floats ``[R, K]`` or ``[L, R, K]`` to an :class:`FP4Tensor` (NVFP4: e4m3 scale per 16 elements;
+    MXFP4: e8m0 per 32).
+
+    The bytes are ``formats.quantize``'s, which documents each rounding: NVFP4 as NVIDIA ModelOpt's
+    ``NVFP4QTensor`` computes it (block scale ``e4m3(amax / (6 g))``, elements ``x / (scale * g)`` rounded
+    to nearest-even e2m1, saturating at ±6), MXFP4 per the OCP Microscaling spec v1.0 (shared exponent
+    ``floor(log2(amax)) - 2``, elements ``x / 2^X`` likewise).  compressed-tensors' NVFP4 recipe stores the
+    reciprocal, ``weight_global_scale = 6 * 448 / amax`` (a divisor), multiplies by it rather than dividing
+    by ``g`` and gives all-zero blocks scale 0.125, so its bytes can differ from these in rare roundings.
+
+    Args:
+        x: float32, float16, bfloat16 (or float64, rounded to float32 first: a copy), any strides with stride 1
+            along K (otherwise copied); K a multiple of the block size.  Rows and batches are independent.
+        fmt: ``"nvfp4"`` or ``"mxfp4"`` (or an ``FP4Format``).
+        scale_layout: ``"linear"`` ``[L?, R, K/bs]`` or ``"swizzled"`` (the 128x4 layout, written directly
+            by the kernel; padding zero).
+        global_scale: None; ``"auto"`` (NVFP4 only: ModelOpt's ``amax(|x|) / (6 * 448)``, see
+            :func:`nvfp4_global_scale`; one extra read of ``x``); a Python number (rounded to float32); or a
+            one-element float32 tensor on x's device.  It must be a positive normal float32.  NVFP4 divides by
+            ``scale * g``; MXFP4 divides ``x`` by ``g`` before choosing its exponents.  The result carries it.
+        backend: ``"auto"`` (the Triton kernel on CUDA, ``formats.quantize`` elsewhere), ``"triton"`` (also on
+            CPU tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
+        check_values: raise ValueError when ``x`` holds a NaN or infinity, and check a tensor global scale's
+            value.  Each costs a device synchronisation (the finiteness is read back from the scale bytes after
+            the kernel, no extra pass over ``x``); pass False inside CUDA graphs.  Unchecked, a block holding
+            a NaN or infinity gets the NaN scale byte and dequantizes to NaN.
+        config: the kernel's tile (``kernels.quantize.QuantizeConfig``); None picks one.
+
+    Returns a new FP4Tensor on x's device (data uint8 ``[L?, R, K/2]``, element 2i in the low nibble).
+    Raises TypeError / ValueError naming the argument, the expected and the actual.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x: expected dtype float16 or bfloat16 or float32 or float64, got {x.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"x: expected sizes >= 1, got shape {tuple(x.shape)}")
+    fmt = _resolve_format(fmt)
+    if x.shape[-1] % fmt.block_size:
+        raise ValueError(
+            f"x: expected K a multiple of the {fmt.name} block size {fmt.block_size}, got K = {x.shape[-1]}"
+        )
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+    resolved = _resolve_backend(backend, x.device)
+    _check_config(config)
+    g = _global_scale(global_scale, fmt, x, check_values)
+    if resolved == "reference":
+        data, scales = formats.quantize(x, fmt, g)
+        if scale_layout == "swizzled":
+            scales = layouts.swizzle_scales(scales)
+    else:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        data, scales = _launch_quantize(x, fmt, scale_layout, g, config)
+    if check_values and bool((scales == formats.NAN_SCALE_BYTE[fmt.name]).any()):
+        where = "x / global_scale" if fmt.name == "mxfp4" and g is not None else "x"
+        raise ValueError(f"{where}: expected finite values (NaN and infinity have no FP4 encoding)")
+    return FP4Tensor(data, scales, fmt, scale_layout, g)
+
+
+def dequantize(
+    t: FP4Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    backend: QuantizeBackend = "auto",
+    config: QuantizeConfig | None = None,
+) -> torch.Tensor:
+    """Values ``[L?, R, K]`` of ``t`` in ``dtype``: each exact value ``e2m1 * scale (* global)`` rounded once.
+
+    float64 is the exact value itself (the CPU path on any device).  For float32, float16 and bfloat16,
+    ``backend="auto"`` runs the Triton kernel on CUDA (for prefill: dequantize, then ``F.linear``) and
+    ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``reference.round_from_float64``).
+    ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
+    picks one).  Returns a new contiguous tensor.
+    """
+    if not isinstance(t, FP4Tensor):
+        raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
+    if dtype not in (*_OUTPUT_DTYPES, torch.float64):
+        raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
+    resolved = _resolve_backend(backend, t.device)
+    _check_config(config)
+    if resolved == "reference" or dtype == torch.float64:
+        return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
+    cols = t.k // t.fmt.block_size
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    o3, d3 = _as_3d(_pairs(out)), _as_3d(t.data)
+    cfg = config or quantize_config(t.fmt.block_size)
+    grid = (triton.cdiv(t.rows, cfg.rows), triton.cdiv(cols, cfg.blocks), d3.shape[0])
+    g = t.global_scale
+    dequantize_kernel[grid](
+        d3, t.scales, t.data if g is None else g, o3, t.rows, cols, d3.stride(0), d3.stride(1),
+        *_scale_addressing(t.scales, t.scale_layout, cols), o3.stride(0), o3.stride(1),
+        FLOAT_CODES[str(dtype).replace("torch.", "")], t.fmt.name, g is not None, cfg.rows, cfg.blocks,
+        num_warps=cfg.num_warps,
+    )
+    return out

@@ -1,0 +1,551 @@
+"""fp4gemv.quantize / dequantize: the CPU path's conventions, and the Triton kernels bit for bit against it.
+
+The CPU path (``formats.quantize``, ``formats.dequantize``) is the definition; it is checked here against
+independent transcriptions of its sources (NVIDIA ModelOpt's NVFP4 recipe, the OCP MX rule, the exact value
+rounded once) and on hand-made edge cases.  The kernels must then give the same bytes and bits: on a CPU-only
+machine they run in Triton's interpreter (conftest sets TRITON_INTERPRET), on a GPU compiled (``gpu`` tests).
+The fuzz (``quantize_fuzz.py``, shared with ``benchmarks/quantize_speed.py``) builds blocks of every
+troublesome kind: zeros and negative zeros, all-equal blocks, elements exactly at the e2m1 rounding ties of
+their block's scale and one ulp either side, blocks spanning many binades, the input dtype's largest and
+subnormal values.
+"""
+
+import math
+
+import pytest
+import torch
+
+import fp4gemv
+from fp4gemv import FP4Tensor, formats
+from fp4gemv.kernels.quantize import QuantizeConfig
+from fp4gemv.quantize import dequantize, nvfp4_global_scale, quantize
+from fp4gemv.reference import round_from_float64
+from quantize_fuzz import E2M1_MAGNITUDES, fuzz_input
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT[t.dtype])
+
+
+def assert_same_floats(got: torch.Tensor, want: torch.Tensor):
+    """Equal bit for bit, except that any NaN matches any NaN (its payload is not specified)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan), "NaN positions differ"
+    diff = (_bits(got) != _bits(want)) & ~nan
+    assert not diff.any(), f"{int(diff.sum())} values differ, first at {diff.nonzero()[0].tolist()}"
+
+
+def assert_same_quantized(got: FP4Tensor, want: FP4Tensor):
+    assert (got.fmt, got.scale_layout, got.shape) == (want.fmt, want.scale_layout, want.shape)
+    bad = (got.data.cpu() != want.data.cpu())
+    assert not bad.any(), f"{int(bad.sum())} data bytes differ, first at {bad.nonzero()[0].tolist()}"
+    bad = (got.scales.cpu() != want.scales.cpu())
+    assert not bad.any(), f"{int(bad.sum())} scale bytes differ, first at {bad.nonzero()[0].tolist()}"
+    if want.global_scale is None:
+        assert got.global_scale is None
+    else:
+        assert _bits(got.global_scale.cpu()).item() == _bits(want.global_scale.cpu()).item()
+
+
+# --- conventions of the CPU path -----------------------------------------------------------------------
+
+
+def _modelopt_nvfp4(x: torch.Tensor, scale_2: torch.Tensor):
+    """A transcription of NVIDIA ModelOpt's ``NVFP4QTensor.get_weights_scaling_factor`` and ``quantize``
+    (modelopt/torch/quantization/qtensor/nvfp4_tensor.py): (packed bytes, e4m3 scale bytes)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 16)
+    per_block_amax = blocks.abs().amax(dim=-1).float()
+    per_block_scale = per_block_amax / (6.0 * scale_2)
+    per_block_scale[per_block_scale == 0] = 1.0
+    per_block_scale = per_block_scale.clamp_(min=2**-9).to(torch.float8_e4m3fn)
+    scaled = (blocks / (per_block_scale.to(torch.float32) * scale_2).unsqueeze(-1)).reshape(x.shape)
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5])
+    sign_bit = (scaled < 0).to(torch.uint8)
+    weight_abs = scaled.abs()
+    ordinal = torch.searchsorted(bounds, weight_abs, out_int32=True).to(torch.uint8)
+    equals_odd_bounds = torch.any(weight_abs.unsqueeze(-1) == bounds[[1, 3, 5]], dim=-1).to(torch.uint8)
+    q = (sign_bit << 3) + ordinal + equals_odd_bounds
+    return (q[..., 1::2] << 4) | q[..., 0::2], per_block_scale.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvfp4_matches_modelopt(dtype):
+    """Same bytes as ModelOpt's recipe with its own per-tensor scale (the fuzz has -0.0 and underflows)."""
+    x = fuzz_input("nvfp4", dtype, (24, 256), seed=1)
+    scale_2 = x.float().abs().amax() / (6.0 * 448.0)  # get_weights_scaling_factor_2
+    data, scales = _modelopt_nvfp4(x, scale_2)
+    q = quantize(x, "nvfp4", global_scale="auto", backend="reference")
+    assert q.global_scale.item() == scale_2.item()
+    assert torch.equal(q.scales, scales)
+    assert torch.equal(q.data, data)
+
+
+def test_nvfp4_definition_by_hand():
+    """Zero blocks get scale 1.0, tiny ones 2^-9, subnormal scales stay subnormal, ties go to the even code."""
+    x = torch.zeros(1, 6 * 16)
+    x[0, 16:32] = torch.tensor([6.0, 5.0, -3.5, 2.5, 1.75, 1.25, 0.75, 0.25, -0.25, 1e-3, 4.9, 5.1, -6, 0, -0.0, 3])
+    x[0, 32:48] = 1e-9  # amax / 6 below 2^-9: clamps at the smallest subnormal
+    x[0, 48:64] = 6 * 3 * 2.0**-9  # a subnormal e4m3 scale, 3 * 2^-9 (byte 0x03)
+    x[0, 64:80] = -7.0  # all equal: scale e4m3(7/6) = 1.125, elements -7/1.125 = -6.22 saturate to -6
+    x[0, 80:96] = 2.0**20  # amax / 6 above 448 (no global scale): the scale saturates, so do the elements
+    q = quantize(x, "nvfp4", backend="reference")
+    assert q.scales[0].tolist() == [0x38, 0x38, 0x01, 0x03, 0x39, 0x7E]
+    codes = formats.unpack_e2m1(q.data)[0]
+    assert codes[:16].tolist() == [0] * 16
+    # 6, 5 -> 4 (even), -3.5 -> -4, 2.5 -> 2, 1.75 -> 2, 1.25 -> 1, 0.75 -> 1, 0.25 -> 0, -0.25 -> -0, tiny,
+    # 4.9 -> 4, 5.1 -> 6, -6, 0, -0 -> +0 (as ModelOpt), 3.
+    assert codes[16:32].tolist() == [7, 6, 14, 4, 4, 2, 2, 0, 8, 0, 6, 7, 15, 0, 0, 5]
+    assert codes[32:48].tolist() == [0] * 16  # 1e-9 / 2^-9 rounds to zero
+    assert codes[48:64].tolist() == [7] * 16
+    assert codes[64:80].tolist() == [15] * 16
+    assert codes[80:96].tolist() == [7] * 16
+
+
+def test_mxfp4_follows_the_ocp_rule():
+    """X = floor(log2(amax)) - 2 clamped to e8m0's range, elements x / 2^X nearest even, saturating at 6,
+    against float64 ``log2`` written out here."""
+    x = fuzz_input("mxfp4", torch.float32, (16, 512), seed=2).float()
+    q = quantize(x, "mxfp4", backend="reference")
+    blocks = x.double().reshape(16, -1, 32)
+    amax = blocks.abs().amax(-1)
+    expected_x = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, -127.0).clamp(-127, 127)
+    assert torch.equal(q.scales.double() - 127, expected_x)
+    v = blocks / torch.exp2(expected_x).unsqueeze(-1)
+    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64)
+    got = formats.decode_e2m1(formats.unpack_e2m1(q.data)).double().reshape(16, -1, 32)
+    distance = (v.abs().clamp(max=6).unsqueeze(-1) - grid).abs()
+    assert torch.all((got.abs() - v.abs().clamp(max=6)).abs() <= distance.amin(-1))  # a nearest value
+    ratio = amax / torch.exp2(expected_x)
+    assert torch.all((expected_x == -127) | (ratio >= 4) & (ratio < 8))
+    assert (expected_x == -127).any() and (ratio > 6).any()  # the fuzz reaches the clamp and the saturation
+
+
+def test_mxfp4_edges():
+    x = torch.zeros(4, 64)
+    x[0, :32] = torch.finfo(torch.float32).max  # X = 127 - 2
+    x[1, :32] = 2.0**-140  # below 2^-125: X clamps at -127 (byte 0), x * 2^127 = 2^-13 rounds to 0
+    x[1, 32:] = 2.0**-125 * 7  # floor(log2) = -123, X = -125: elements 7 -> saturate at 6
+    x[2, :32] = 4.0
+    x[2, 32:] = 7.99  # floor(log2) = 2 as for 4: the same scale, and 7.99 saturates
+    q = quantize(x, "mxfp4", backend="reference")
+    assert q.scales.tolist() == [[252, 0], [0, 2], [127, 127], [0, 0]]
+    codes = formats.unpack_e2m1(q.data)
+    assert codes[0, :32].unique().tolist() == [7] and codes[1, :32].unique().tolist() == [0]  # max / 2^125 -> 6
+    assert codes[1, 32:].unique().tolist() == [7] and codes[2, :32].unique().tolist() == [6]
+    assert codes[2, 32:].unique().tolist() == [7] and codes[3].unique().tolist() == [0]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_non_finite_values_raise_or_give_nan_blocks(fmt):
+    x = torch.full((3, 64), 6.0)  # scale 1 (NVFP4) or 2^0 (MXFP4), quantized exactly
+    x[1, 5] = math.nan
+    x[2, 40] = -math.inf
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        quantize(x, fmt, backend="reference")
+    q = quantize(x, fmt, backend="reference", check_values=False)
+    nan_byte = formats.NAN_SCALE_BYTE[fmt]
+    bs = q.fmt.block_size
+    nan_blocks = (q.scales == nan_byte)
+    assert nan_blocks.nonzero().tolist() == [[1, 5 // bs], [2, 40 // bs]]
+    values = q.dequantize(torch.float64)
+    assert torch.isnan(values).reshape(3, -1, bs).all(-1).equal(nan_blocks)
+    assert (values[0] == 6).all()
+
+
+def test_float64_input_is_rounded_to_float32_first():
+    x = torch.randn(8, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * (1 + 2.0**-40)
+    for fmt in ("nvfp4", "mxfp4"):
+        assert_same_quantized(quantize(x, fmt, backend="reference"), quantize(x.float(), fmt, backend="reference"))
+
+
+# --- global scales ---------------------------------------------------------------------------------------
+
+
+def test_auto_global_scale_is_modelopts_and_defined_at_the_edges():
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    g = nvfp4_global_scale(x)
+    assert g.dtype == torch.float32 and g.shape == ()
+    assert g.item() == (x.float().abs().max() / torch.tensor(2688.0)).item()
+    assert nvfp4_global_scale(torch.zeros(2, 16)).item() == 2.0**-126
+    assert nvfp4_global_scale(torch.tensor([[1.0, math.inf]])).item() == 1.0
+    assert nvfp4_global_scale(torch.tensor([[1.0, math.nan]])).item() == 1.0
+    q = quantize(x, "nvfp4", global_scale="auto")
+    assert q.global_scale.item() == g.item()
+    assert q.scales.view(torch.float8_e4m3fn).float().max().item() == 448.0  # the largest block maps to 448
+
+
+@pytest.mark.parametrize(
+    "fmt, global_scale, exc, words",
+    [
+        ("mxfp4", "auto", ValueError, ["global_scale:", "MXFP4 has none"]),
+        ("nvfp4", "max", ValueError, ["global_scale:", "'max'"]),
+        ("nvfp4", 0.0, ValueError, ["global_scale:", "positive normal float32", "0.0"]),
+        ("nvfp4", -1.0, ValueError, ["global_scale:", "-1.0"]),
+        ("nvfp4", math.inf, ValueError, ["global_scale:", "inf"]),
+        ("nvfp4", 1e-40, ValueError, ["global_scale:", "positive normal"]),
+        ("nvfp4", torch.tensor(0.0), ValueError, ["global_scale:", "positive normal"]),
+        ("nvfp4", torch.tensor(1.0, dtype=torch.float64), TypeError, ["global_scale:", "float32", "float64"]),
+        ("nvfp4", torch.ones(2), ValueError, ["global_scale:", "one value", "(2,)"]),
+        ("nvfp4", True, TypeError, ["global_scale:", "bool"]),
+    ],
+)
+def test_global_scale_validation(fmt, global_scale, exc, words):
+    with pytest.raises(exc) as info:
+        quantize(torch.ones(2, 32), fmt, global_scale=global_scale)
+    for w in words:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+
+
+def test_global_scale_device_and_unchecked_tensor():
+    with pytest.raises(ValueError, match="global_scale: expected device cpu like x, got meta"):
+        quantize(torch.ones(2, 32), global_scale=torch.ones((), device="meta"))
+    # Unchecked, a tensor's value is not read (no synchronisation): the caller vouches for it.
+    q = quantize(torch.ones(2, 32), global_scale=torch.tensor(0.5), check_values=False)
+    assert q.global_scale.item() == 0.5
+
+
+@pytest.mark.parametrize(
+    "x, kwargs, exc, message",
+    [
+        ([[1.0] * 16], {}, TypeError, "x: expected a torch.Tensor, got list"),
+        (torch.ones(2, 16, dtype=torch.int32), {}, TypeError, "x: expected dtype float16 or bfloat16"),
+        (torch.ones(16), {}, ValueError, r"x: expected shape \[R, K\] or \[L, R, K\], got \(16,\)"),
+        (torch.ones(0, 16), {}, ValueError, r"x: expected sizes >= 1, got shape \(0, 16\)"),
+        (torch.ones(2, 24), {}, ValueError, "x: expected K a multiple of the nvfp4 block size 16, got K = 24"),
+        (torch.ones(2, 48), {"fmt": "mxfp4"}, ValueError, "block size 32, got K = 48"),
+        (torch.ones(2, 16), {"scale_layout": "tiled"}, ValueError, "scale_layout: expected 'linear' or 'swizzled'"),
+        (torch.ones(2, 16), {"backend": "ptx"}, ValueError, "backend: expected one of 'auto', 'triton', 'reference'"),
+        (torch.ones(2, 16), {"config": (8, 32)}, TypeError, "config: expected a QuantizeConfig or None, got tuple"),
+        (torch.ones(2, 16), {"config": QuantizeConfig(8, 24)}, ValueError, "config: expected powers of two rows"),
+    ],
+)
+def test_quantize_names_the_bad_argument(x, kwargs, exc, message):
+    with pytest.raises(exc, match=message):
+        quantize(x, **kwargs)
+
+
+def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.setitem(__import__("os").environ, "TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"backend: 'triton' needs CUDA tensors \(or TRITON_INTERPRET=1\)"):
+        quantize(torch.ones(2, 16), backend="triton")
+    with pytest.raises(ValueError, match="backend: 'triton' needs CUDA"):
+        dequantize(quantize(torch.ones(2, 16)), backend="triton")
+
+
+def test_public_api_and_fp4tensor_delegate():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    assert fp4gemv.quantize is quantize
+    assert_same_quantized(FP4Tensor.quantize(x, "mxfp4", "swizzled"), quantize(x, "mxfp4", "swizzled"))
+    q = quantize(x)
+    assert_same_floats(q.dequantize(torch.bfloat16), dequantize(q, torch.bfloat16))
+
+
+def test_division_through_a_float64_reciprocal_rounds_like_division():
+    """The NVFP4 kernel's premise: for float32 x and d, x * RN64(1 / d) rounded to float32 equals RN32(x / d)
+    whenever that is a normal number (an exact quotient stays 2^-49 away from every midpoint between normal
+    float32 numbers; the float64 route errs by at most 2^-52).  Checked on random pairs and on pairs built to
+    land within an ulp of a midpoint."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 20
+    d = (torch.rand(n, generator=g) + 0.5) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 60, (n,), generator=g).float())
+    # Near-midpoints: x = RN32(m * d) for m halfway between two float32 numbers, nudged by an ulp.
+    m = (torch.rand(n, generator=g) + 1).double() + 2.0**-24  # float32 in [1, 2) plus half an ulp
+    near = (m * d.double()).float()
+    near = torch.nextafter(near, torch.where(torch.rand(n, generator=g) < 0.5, 0.0, math.inf))
+    for xs in (x, near):
+        via_reciprocal = (xs.double() * (1.0 / d.double())).float()
+        quotient = xs / d
+        normal = quotient.abs() >= 2.0**-126
+        assert normal.float().mean() > 0.9
+        assert torch.equal(via_reciprocal[normal], quotient[normal])
+
+
+# --- the kernel against the CPU path ---------------------------------------------------------------------
+
+# (format, input dtype, global scale, scale layout, shape): every format x dtype, each global scale kind, odd
+# row counts, batches, a tile boundary (K = 1024 > 512 elements per program), tails of rows and scale columns.
+KERNEL_CASES = [
+    ("nvfp4", torch.bfloat16, None, "linear", (37, 256)),
+    ("nvfp4", torch.bfloat16, "auto", "swizzled", (2, 130, 64)),
+    ("nvfp4", torch.float16, 0.37, "swizzled", (9, 1024)),
+    ("nvfp4", torch.float16, "auto", "linear", (3, 5, 96)),
+    ("nvfp4", torch.float32, None, "swizzled", (129, 48)),
+    ("nvfp4", torch.float32, "auto", "linear", (11, 512)),
+    ("nvfp4", torch.float32, 2.0**-120, "linear", (7, 128)),  # block scales clamp at 448, elements saturate
+    ("nvfp4", torch.bfloat16, 3.0e30, "linear", (7, 128)),  # block scales clamp at 2^-9
+    ("mxfp4", torch.bfloat16, None, "swizzled", (2, 33, 256)),
+    ("mxfp4", torch.float16, None, "linear", (21, 1024)),
+    ("mxfp4", torch.float32, None, "linear", (5, 160)),
+    ("mxfp4", torch.float32, 0.37, "swizzled", (130, 64)),
+    ("mxfp4", torch.bfloat16, 2.0**-100, "linear", (3, 2, 64)),
+]
+
+
+def _case_id(case):
+    fmt, dtype, gs, layout, shape = case
+    return f"{fmt}-{str(dtype)[6:]}-{gs}-{layout}-{'x'.join(map(str, shape))}"
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=_case_id)
+def test_kernel_matches_cpu_path_bit_for_bit(case):
+    fmt, dtype, gs, layout, shape = case
+    x = fuzz_input(fmt, dtype, shape, seed=len(shape) * 1000 + shape[-1])
+    # MXFP4 divides x by g first, which overflows on the fuzz's largest values: NaN blocks, left unchecked.
+    check = not (fmt == "mxfp4" and gs is not None)
+    want = quantize(x, fmt, layout, gs, backend="reference", check_values=check)
+    got = quantize(x.to(DEVICE), fmt, layout, gs, backend="triton", check_values=check)
+    assert_same_quantized(got, want)
+
+
+@pytest.mark.parametrize("config, shape", [(QuantizeConfig(1, 1, 1), (2, 3, 32)),
+                                           (QuantizeConfig(16, 8, 2), (2, 19, 192)),
+                                           (QuantizeConfig(4, 64, 8, float64_reciprocal=False), (2, 19, 192))])
+def test_kernels_with_other_tiles(config, shape):
+    """Tiles smaller and larger than the shape (one row and block per program; a partial last program), and
+    the per-element division."""
+    x = fuzz_input("nvfp4", torch.bfloat16, shape, seed=12)
+    want = quantize(x, "nvfp4", "swizzled", "auto", backend="reference")
+    got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "auto", backend="triton", config=config)
+    assert_same_quantized(got, want)
+    for out_dtype in OUT_DTYPES:
+        assert_same_floats(dequantize(got, out_dtype, backend="triton", config=config).cpu(),
+                           want.dequantize(out_dtype))
+
+
+def test_kernel_reads_strided_inputs():
+    """Rows at any stride (a column slice), an odd stride that forbids the pair view (copied), K-strided input
+    (copied), float64 (rounded to float32 first)."""
+    base = fuzz_input("nvfp4", torch.bfloat16, (40, 320), seed=6)
+    for x in (base[:, 32:288], base[::3, 16:80], base.t().contiguous().t()[:, :64]):
+        want = quantize(x, "nvfp4", "swizzled", "auto", backend="reference")
+        got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "auto", backend="triton")
+        assert_same_quantized(got, want)
+    odd = torch.empty(8, 97, dtype=torch.bfloat16)[:, 1:97].copy_(base[:8, :96])  # row stride 97, offset 1
+    want = quantize(odd, "mxfp4", backend="reference")
+    assert_same_quantized(quantize(odd.to(DEVICE), "mxfp4", backend="triton"), want)
+    x64 = base[:8, :64].double() * (1 + 2.0**-30)
+    assert_same_quantized(quantize(x64.to(DEVICE), backend="triton"), quantize(x64, backend="reference"))
+
+
+def test_kernel_reports_non_finite_blocks_like_the_cpu_path():
+    x = fuzz_input("nvfp4", torch.float32, (6, 64), seed=7)
+    x[2, 3], x[4, 60] = math.nan, math.inf
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        quantize(x.to(DEVICE), backend="triton")
+    for fmt in ("nvfp4", "mxfp4"):
+        want = quantize(x, fmt, backend="reference", check_values=False)
+        assert_same_quantized(quantize(x.to(DEVICE), fmt, backend="triton", check_values=False), want)
+
+
+# --- dequantize ------------------------------------------------------------------------------------------
+
+
+def _double_rounding_global_scale():
+    """A float32 g in [1, 2) for which 1.5 * 1.125 * g (exact in float64) rounded to float32 first and then
+    to bf16 differs from rounding it once: found by trying every float32 in [1, 2)."""
+    g = torch.arange(2**23, 2**24, dtype=torch.float64) * 2.0**-23
+    exact = g * (1.5 * 1.125)
+    twice = exact.float().bfloat16()
+    once = round_from_float64(exact, torch.bfloat16)
+    return g[(twice != once).nonzero()[0, 0]].item()
+
+
+def test_dequantize_rounds_the_exact_value_once():
+    g = _double_rounding_global_scale()
+    t = FP4Tensor(torch.tensor([[0x03] * 8], dtype=torch.uint8), torch.tensor([[0x39]], dtype=torch.uint8),
+                  "nvfp4", global_scale=g)  # code 3 (1.5) times scale 0x39 (1.125) times g
+    exact = 1.5 * 1.125 * g
+    assert t.dequantize(torch.float64)[0, 0].item() == exact
+    via_float32 = torch.tensor(exact, dtype=torch.float32).to(torch.bfloat16)
+    once = round_from_float64(torch.tensor(exact, dtype=torch.float64), torch.bfloat16)
+    assert via_float32.item() != once.item(), "the search above must find a double-rounding case"
+    assert t.dequantize(torch.bfloat16)[0, 0].item() == once.item()
+    assert dequantize(t.to(DEVICE), torch.bfloat16, backend="triton")[0, 0].item() == once.item()
+
+
+def _random_fp4(fmt, layout, shape, global_scale, seed, scale_bytes=None):
+    g = torch.Generator().manual_seed(seed)
+    *outer, k = shape
+    bs = formats.FORMATS[fmt].block_size
+    data = torch.randint(0, 256, (*outer, k // 2), dtype=torch.uint8, generator=g)
+    if scale_bytes is None:  # every byte, NaN included
+        scale_bytes = torch.randint(0, 256, (*outer, k // bs), dtype=torch.uint8, generator=g)
+    return FP4Tensor(data, scale_bytes, fmt, "linear", global_scale).with_scale_layout(layout)
+
+
+# (format, layout, shape, global scale, scale-byte range or None for all 256): the tile-wide fast path of the
+# global-scale case (in range), its exact fallback (NaN scales, fp16 subnormals, overflow), and no global scale.
+DEQUANT_CASES = [
+    ("nvfp4", "linear", (37, 256), None, None),
+    ("nvfp4", "swizzled", (2, 130, 96), 0.37, (0x08, 0x7E)),
+    ("nvfp4", "linear", (9, 1024), 1.3e-4, (0x01, 0x7E)),
+    ("nvfp4", "swizzled", (2, 5, 64), 0.37, None),
+    ("nvfp4", "linear", (7, 64), 3.0e33, (0x00, 0x7E)),
+    ("mxfp4", "swizzled", (2, 33, 256), None, None),
+    ("mxfp4", "linear", (21, 512), 0.37, (110, 140)),
+    ("mxfp4", "linear", (5, 64), 1.5, None),
+]
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}-{c[3]}")
+def test_dequantize_kernel_matches_cpu_path_bit_for_bit(case, out_dtype):
+    fmt, layout, shape, gs, byte_range = case
+    scale_bytes = None
+    if byte_range is not None:
+        bs = formats.FORMATS[fmt].block_size
+        scale_bytes = torch.randint(byte_range[0], byte_range[1] + 1, (*shape[:-1], shape[-1] // bs),
+                                    dtype=torch.uint8, generator=torch.Generator().manual_seed(shape[-1]))
+    t = _random_fp4(fmt, layout, shape, gs, seed=sum(shape), scale_bytes=scale_bytes)
+    want = round_from_float64(t.dequantize(torch.float64), out_dtype)
+    assert_same_floats(formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, out_dtype), want)
+    got = dequantize(t.to(DEVICE), out_dtype, backend="triton").cpu()
+    assert_same_floats(got, want)
+
+
+def test_dequantize_kernel_reads_views():
+    """The first rows of swizzled scales (a view), and the task's operands (data strided across batches)."""
+    from fp4gemv import task
+
+    head = _random_fp4("nvfp4", "swizzled", (3, 200, 128), 0.5, seed=8).first_rows(130)
+    want = round_from_float64(head.dequantize(torch.float64), torch.bfloat16)
+    assert_same_floats(dequantize(head.to(DEVICE), torch.bfloat16, backend="triton").cpu(), want)
+    a, _, _, _, sfa_p, _, _ = task.generate_full_range_input(256, 512, 2, seed=3, device="cpu")
+    want = round_from_float64(FP4Tensor.from_task(a, sfa_p).dequantize(torch.float64), torch.float16)
+    view = FP4Tensor.from_task(a.to(DEVICE), sfa_p.to(DEVICE))
+    assert_same_floats(dequantize(view, torch.float16, backend="triton").cpu(), want)
+
+
+def test_dequantize_validation():
+    t = quantize(torch.ones(2, 32))
+    with pytest.raises(TypeError, match="dtype: expected float32, float16, bfloat16 or float64, got torch.int8"):
+        dequantize(t, torch.int8)
+    with pytest.raises(TypeError, match="t: expected an FP4Tensor, got Tensor"):
+        dequantize(torch.ones(2, 32))
+
+
+def test_quantize_dequantize_round_trip_is_exact_on_representable_values():
+    """Values that are e2m1 times an e4m3 scale with a 6 in each block survive quantize + dequantize."""
+    g = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8, generator=g)
+    codes[:, ::16] = 7
+    codes[codes == 8] = 0  # -0 quantizes to +0
+    scales = (torch.randint(0x08, 0x76, (64, 8), dtype=torch.uint8, generator=g))
+    x = FP4Tensor(formats.pack_e2m1(codes), scales).dequantize(torch.float32)
+    for backend in ("reference", "triton"):
+        q = quantize(x.to(DEVICE), backend=backend)
+        assert torch.equal(q.scales.cpu(), scales) and torch.equal(q.data.cpu(), formats.pack_e2m1(codes))
+        assert torch.equal(dequantize(q, torch.float32, backend=backend).cpu(), x)
+
+
+# --- sm_90 compile (no GPU needed) ----------------------------------------------------------------------
+
+_AOT_SCRIPT = r'''
+import re, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.backends.nvidia.compiler import CUDABackend
+from fp4gemv.kernels.quantize import quantize_kernel, dequantize_kernel
+
+D = CUDABackend.parse_attr("D")
+count = 0
+for kernel in (quantize_kernel, dequantize_kernel):
+    names = kernel.arg_names
+    for code in (0, 1, 2):
+        for bs in (16, 32):
+            for has_global in (False, True):
+                words = "*i64" if code == 0 else "*i32"
+                sig = {n: "i32" for n in names[4:15]}
+                if kernel is quantize_kernel:
+                    sig.update(x_ptr=words, data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32")
+                else:
+                    sig.update(data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", out_ptr=words)
+                const = dict(FLOAT_CODE=code, FORMAT="nvfp4" if bs == 16 else "mxfp4", HAS_GLOBAL=has_global,
+                             ROWS=8, BLOCKS=512 // bs)
+                if kernel is quantize_kernel:
+                    const["FLOAT64_RECIPROCAL"] = code != 2  # the fp16 variants divide element by element
+                sig.update({n: "constexpr" for n in const})
+                aligned = [n for n in names[:15] if n not in ("gs_ptr", "rows")]
+                attrs = {(names.index(n),): D for n in aligned}
+                k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                                   options=dict(num_warps=4, num_stages=1))
+                ptx = k.asm["ptx"]
+                label = f"{kernel.__name__} code={code} bs={bs} global={has_global}"
+                bad = [w for w in (".ftz", "div.full", "div.approx", "rcp.approx", "ld.local", "st.local", "fma.rn.f32",
+                                     "fma.rn.f64")
+                       if w in ptx]
+                loads = set(re.findall(r"ld\.global(?:\.\w+)*\.(v\d)\.b(\d+)", ptx))
+                if kernel is quantize_kernel and (("v4", "32") if code else ("v2", "64")) not in loads:
+                    bad.append("no 16-byte input loads: %s" % loads)
+                if kernel is dequantize_kernel and not re.search(r"st\.global(?:\.\w+)*\.v(4\.b32|2\.b64)", ptx):
+                    bad.append("no 16-byte output stores")
+                print(("FAIL " if bad else "ok ") + label, bad)
+                count += 1
+print("compiled", count)
+'''
+
+
+def test_kernels_compile_for_sm90_with_exact_arithmetic(compile_for_sm90):
+    """Every variant compiles for sm_90: no flush-to-zero, no approximate division or reciprocal, no fused
+    multiply-add (the compiler contracts a product and a following addition: the interpreter rounds twice,
+    and an underflowing ``a * b + 0.0`` keeps its sign), no local memory, 16-byte loads (quantize) and
+    stores (dequantize)."""
+    out = compile_for_sm90(_AOT_SCRIPT)
+    assert "FAIL" not in out, out
+    assert "compiled 24" in out, out
+
+
+# --- GPU --------------------------------------------------------------------------------------------------
+
+
+def check_large_fuzz(fmt, dtype, device):
+    """The kernel on ``device`` against the CPU path on three larger fuzzes (the ``gpu`` tests' body)."""
+    for seed, shape, gs, layout in ((0, (515, 2048), None, "swizzled"), (1, (3, 300, 1024), 0.37, "linear"),
+                                    (2, (1024, 4096), "auto" if fmt == "nvfp4" else None, "swizzled")):
+        x = fuzz_input(fmt, dtype, shape, seed=seed)
+        check = not (fmt == "mxfp4" and gs is not None)  # x / g overflows on the fuzz's largest values
+        want = quantize(x, fmt, layout, gs, backend="reference", check_values=check)
+        got = quantize(x.to(device), fmt, layout, gs, backend="triton", check_values=check)
+        assert_same_quantized(got, want)
+        for out_dtype in OUT_DTYPES:
+            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), want.dequantize(out_dtype))
+
+
+def check_real_sized_weight(device, shape=(4096, 7168)):
+    """A weight-like bf16 tensor: kernel == CPU path for both formats, and dequantized to every float."""
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(10)) * 0.02).bfloat16()
+    for fmt, gs in (("nvfp4", "auto"), ("mxfp4", None)):
+        want = quantize(w, fmt, "swizzled", gs, backend="reference")
+        got = quantize(w.to(device), fmt, "swizzled", gs, backend="triton")
+        assert_same_quantized(got, want)
+        for out_dtype in OUT_DTYPES:
+            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), want.dequantize(out_dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_gpu_quantize_matches_cpu_on_a_large_fuzz(fmt, dtype):
+    check_large_fuzz(fmt, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gpu_reference_backend_matches_the_cpu(fmt):
+    """The CPU path's torch ops on CUDA tensors give the same bytes (no reciprocal-multiply division)."""
+    x = fuzz_input(fmt, torch.bfloat16, (300, 1024), seed=13)
+    for gs in (None, "auto") if fmt == "nvfp4" else (None,):
+        assert_same_quantized(quantize(x.cuda(), fmt, "swizzled", gs, backend="reference"),
+                              quantize(x, fmt, "swizzled", gs, backend="reference"))
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_and_dequantize_a_real_sized_weight():
+    check_real_sized_weight("cuda")
