@@ -214,28 +214,29 @@ def test_a_bad_call_after_a_cached_one_still_raises_before_writing():
 # --- torch.library ops and torch.compile ---------------------------------------------------------------------
 
 
-def _w4a4_and_w4a16(x, w):
-    """What a compiled decode step does: quantize an activation row, then both products."""
-    xq = FP4Tensor(x.data, x.scales, x.fmt, x.scale_layout, x.global_scale)
-    return gemv(w, xq, out_dtype=torch.float32), gemv(w, torch.ones(3, w.k, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
+def _decode_step(x, w):
+    """What a compiled decode step does: quantize the activation (NVFP4, its own global scale), then the W4A4
+    and the W4A16 product."""
+    import fp4gemv
+
+    xq = fp4gemv.quantize(x.float(), "nvfp4", global_scale="auto")
+    return gemv(w, xq, out_dtype=torch.float32), gemv(w, x, out_dtype=torch.bfloat16)
 
 
-def test_compiled_gemv_has_no_graph_break_and_matches_eager():
+def test_compiled_decode_step_has_no_graph_break_and_matches_eager():
     import torch._dynamo
 
     w = _fp4(128, 64, layout="swizzled", global_scale=0.5)
-    x = _fp4(1, 64, seed=3)
-    eager = _w4a4_and_w4a16(x, w)
+    x = _x(1, 64, dtype=torch.bfloat16, seed=3)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(_w4a4_and_w4a16)(x, w)
+    explained = torch._dynamo.explain(_decode_step)(x, w)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    compiled = torch.compile(_w4a4_and_w4a16, fullgraph=True)
+    compiled = torch.compile(_decode_step, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for seed in (3, 4):  # new values, same metadata: no recompilation
-            x = _fp4(1, 64, seed=seed)
-            got, want = compiled(x, w), _w4a4_and_w4a16(x, w)
+        for seed in (3, 4, 5):  # new values, same metadata: no recompilation
+            x = _x(1, 64, dtype=torch.bfloat16, seed=seed)
+            got, want = compiled(x, w), _decode_step(x, w)
             assert all(torch.equal(g, e) for g, e in zip(got, want))
-    assert torch.equal(eager[0], _w4a4_and_w4a16(_fp4(1, 64, seed=3), w)[0])
 
 
 def test_compiled_gemv_writes_out():
@@ -262,6 +263,10 @@ def test_custom_ops_pass_opcheck():
     out = torch.empty(2, 128, 3, dtype=torch.float16)
     result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))
     assert set(result.values()) == {"SUCCESS"}, result
+    for fmt, layout, g in (("nvfp4", "swizzled", torch.tensor(0.25)), ("mxfp4", "linear", None)):
+        result = opcheck(torch.ops.fp4gemv.quantize.default, (_x(3, 130, 64, dtype=torch.float32), fmt, layout, g,
+                                                              "auto", True))
+        assert set(result.values()) == {"SUCCESS"}, result
 
 
 # --- GPU: graphs and compiled code ---------------------------------------------------------------------------

@@ -1,11 +1,13 @@
 """fp4gemv's ops registered with PyTorch (``torch.library``), so ``torch.compile`` sees them as single ops.
 
 ``torch.ops.fp4gemv.gemv`` (a new result) and ``torch.ops.fp4gemv.gemv_out`` (writes ``out``, declared as its
-only mutation) take an FP4Tensor's parts as tensors and its format and layout as strings; their real
-implementation is the eager :func:`fp4gemv.gemv` (any device: kernels on CUDA, the reference or the
-interpreter on CPU) and their fake implementation computes the result's shape and dtype only.  Under
-``torch.compile`` :func:`fp4gemv.gemv` checks its arguments' metadata and calls these ops (:func:`traced_gemv`);
-everything that looks at data or addresses (alignment, kernel choice) happens inside the op, at run time.
+only mutation) take an FP4Tensor's parts as tensors and its format and layout as strings;
+``torch.ops.fp4gemv.quantize`` returns the packed data and scale bytes of :func:`fp4gemv.quantize`.  Their real
+implementations are the eager functions (any device: kernels on CUDA, the reference or the interpreter on
+CPU); their fake implementations compute shapes and dtypes only.  Under ``torch.compile`` the public
+functions check their arguments' metadata and call these ops (:func:`traced_gemv`, :func:`traced_quantize`);
+everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens inside the op,
+at run time.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from . import ops
 from .tensor import FP4Tensor
 
-__all__ = ["traced_gemv"]
+__all__ = ["traced_gemv", "traced_quantize"]
 
 
 def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout):
@@ -90,3 +92,34 @@ def traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tenso
     ops._check_out(out, shape, out_dtype, a.device)
     torch.ops.fp4gemv.gemv_out(*args, out, *options)
     return out
+
+
+@torch.library.custom_op("fp4gemv::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, fmt: str, scale_layout: str, global_scale: torch.Tensor | None, backend: str,
+                 check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from .quantize import quantize
+
+    t = quantize(x, fmt, scale_layout, global_scale, backend=backend, check_values=check_values)
+    return t.data, t.scales
+
+
+@_quantize_op.register_fake
+def _(x, fmt, scale_layout, global_scale, backend, check_values):
+    from . import formats, layouts
+
+    *batch, rows, k = x.shape
+    cols = k // formats.FORMATS[fmt].block_size
+    if scale_layout == "linear":
+        scales = (*batch, rows, cols)
+    else:
+        rows_p, cols_p = layouts.padded_scale_shape(rows, cols)
+        scales = (*batch, rows_p * cols_p)
+    return x.new_empty((*batch, rows, k // 2), dtype=torch.uint8), x.new_empty(scales, dtype=torch.uint8)
+
+
+def traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, config) -> FP4Tensor:
+    """:func:`fp4gemv.quantize` under ``torch.compile`` (arguments already checked): the custom op."""
+    if config is not None:
+        raise ValueError("config: a QuantizeConfig is not supported under torch.compile (pass None)")
+    data, scales = torch.ops.fp4gemv.quantize(x, fmt.name, scale_layout, global_scale, backend, check_values)
+    return FP4Tensor(data, scales, fmt, scale_layout, global_scale)

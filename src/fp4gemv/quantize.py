@@ -203,6 +203,11 @@ def quantize(
         raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
     resolved = _resolve_backend(backend, x.device)
     _check_config(config)
+    if torch.compiler.is_compiling():
+        from . import library
+
+        return library.traced_quantize(x, fmt, scale_layout, _global_scale(global_scale, fmt, x, False), backend,
+                                       check_values, config)
     g = _global_scale(global_scale, fmt, x, check_values)
     if resolved == "reference":
         data, scales = formats.quantize(x, fmt, g)
