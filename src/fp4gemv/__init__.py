@@ -1,12 +1,14 @@
 """fp4gemv: fast FP4 (NVFP4 / MXFP4) matrix-vector products for LLM decoding on NVIDIA GPUs.
 
-Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``) and
-:func:`gemv` (FP4 weights times FP4 or float activations).
+Public API: :class:`FP4Tensor` (quantized tensors: ``FP4Tensor.quantize``, ``FP4Tensor.from_task``),
+:func:`gemv` (FP4 weights times FP4 or float activations) and :mod:`fp4gemv.nn` (``FP4Linear``, model
+quantization, checkpoint loading and saving).
 """
 
 from .gemv import gemv
 from .tensor import FP4Tensor
+from . import nn  # noqa: E402  (after gemv and FP4Tensor, which it builds on)
 
-__all__ = ["FP4Tensor", "gemv", "__version__"]
+__all__ = ["FP4Tensor", "gemv", "nn", "__version__"]
 
 __version__ = "0.1.0"

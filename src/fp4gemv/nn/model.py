@@ -107,8 +107,10 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
 
     The scale is :func:`per_tensor_scale` of the largest input magnitude over all calls (ModelOpt's
     ``amax / (6 * 448)``, rounded up to a power of two by default), stored as ``input_scale`` (a
-    multiplier; it replaces any stored scale).  Modules run as they are meanwhile (per-call scales).
-    Returns the scales by module name.
+    multiplier; it replaces any stored scale).  While ``run()`` runs, these modules take their activations
+    unquantized (the weights stay FP4), as ModelOpt's max calibration collects statistics with quantization
+    disabled (``modelopt/torch/quantization/model_calib.py``, ``enable_stats_collection``).  Returns the
+    scales by module name; a module ``run()`` never calls is an error (ValueError).
     """
     targets = {n: m for n, m in model.named_modules()
                if isinstance(m, FP4Linear) and m.activations == "w4a4" and m.fmt == "nvfp4"}
@@ -121,9 +123,13 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in targets.items()]
+    for module in targets.values():
+        module.activations = "weight-only"
     try:
         run()
     finally:
+        for module in targets.values():
+            module.activations = "w4a4"
         for h in handles:
             h.remove()
     scales = {}
