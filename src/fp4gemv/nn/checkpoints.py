@@ -5,23 +5,28 @@ with element 2j in the low nibble and 2j+1 in the high nibble, exactly ``FP4Tens
 the bytes as they are.  Keys are ``<prefix>.<name>``:
 
 * compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor's NVFP4 / NVFP4A16 exports):
-  ``weight_packed`` uint8 ``[N, K/2]`` (``compressed_tensors/compressors/quantized_compressors/
-  fp4_quantized.py``, ``pack_fp4_to_uint8``: ``indices[:, 0] | indices[:, 1] << 4``), ``weight_scale``
+  ``weight_packed`` uint8 ``[N, K/2]`` (vllm-project/compressed-tensors,
+  ``src/compressed_tensors/compressors/quantized_compressors/fp4_quantized.py``, ``pack_fp4_to_uint8``:
+  ``indices[:, 0] | indices[:, 1] << 4``), ``weight_scale``
   float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` fp32 ``[1]``, **a divisor**: value =
-  ``e2m1 * weight_scale / weight_global_scale`` (``compressed_tensors/quantization/lifecycle/
-  forward.py``, ``scale = scale / global_scale``; the recipe's ``generate_gparam`` in
-  ``compressed_tensors/quantization/utils/helpers.py`` picks ``448 * 6 / amax``).  W4A4 adds
+  ``e2m1 * weight_scale / weight_global_scale`` (same repository,
+  ``src/compressed_tensors/quantization/lifecycle/forward.py``: ``scale = scale / global_scale``; the recipe's
+  ``generate_gparam`` in ``src/compressed_tensors/quantization/utils/helpers.py`` picks ``448 * 6 / amax``,
+  and its block scales are ``e4m3(global_scale * amax_block / 6)``).  W4A4 adds
   ``input_global_scale`` fp32 ``[1]``, also a divisor: activations are quantized as ``x * g`` with dynamic
-  e4m3 block scales (vLLM's ``compressed_tensors_w4a4_nvfp4.py`` passes ``input_global_scale`` to its
-  quantizer as the ``1/scale`` it multiplies by, and multiplies the output by
-  ``alpha = 1 / (input_global_scale * weight_global_scale)``).
+  e4m3 block scales (vllm-project/vllm, ``vllm/model_executor/layers/quantization/compressed_tensors/
+  schemes/compressed_tensors_w4a4_nvfp4.py``: ``input_global_scale`` goes to the activation quantizer as
+  the factor it multiplies x by, and the output is multiplied by ``1/input_global_scale *
+  1/weight_global_scale``, each reciprocal in fp32).
 * NVIDIA ModelOpt NVFP4 (``hf_quant_config.json`` ``quant_algo`` ``"NVFP4"`` or ``"W4A16_NVFP4"``):
-  ``weight`` uint8 ``[N, K/2]`` (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``:
+  ``weight`` uint8 ``[N, K/2]`` (NVIDIA/Model-Optimizer, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``:
   ``(q[..., 1::2] << 4) | q[..., 0::2]``), ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_scale_2``
   fp32 scalar, **a multiplier** (``amax / (6 * 448)``; value = ``e2m1 * weight_scale * weight_scale_2``),
-  and for W4A4 ``input_scale`` fp32 scalar, a multiplier too (vLLM's ``modelopt.py`` quantizes x with
-  ``1 / input_scale`` and multiplies the output by ``alpha = input_scale * weight_scale_2``).
-* gpt-oss MXFP4, one matrix (``gpt_oss/torch/weights.py``, ``_get_mxfp4_tensor``): ``weight_blocks`` uint8
+  and for W4A4 ``input_scale`` fp32 scalar, a multiplier too (``amax / (6 * 448)``, same file,
+  ``get_activation_scaling_factor``; vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``
+  quantizes x times ``1 / input_scale`` and multiplies the output by ``input_scale * weight_scale_2``).
+  Here x is divided by ``input_scale`` in float64 before rounding (``FP4Tensor.quantize``).
+* gpt-oss MXFP4, one matrix (openai/gpt-oss, ``gpt_oss/torch/weights.py``, ``_get_mxfp4_tensor``): ``weight_blocks`` uint8
   ``[N, K/32, 16]`` (32 elements per 16 bytes, low nibble first: ``sub[:, 0::2] = lut[blk & 0x0F]``) and
   ``weight_scales`` uint8 ``[N, K/32]``, e8m0 with bias 127 (``ldexp(value, scales - 127)``).
 * ``FP4Linear``'s own state dict: the ModelOpt names, with ``weight_scale`` in its float8 dtype (e4m3:

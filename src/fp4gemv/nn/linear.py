@@ -14,8 +14,8 @@ State dict (everything a checkpoint needs, and the format and scale layout recov
 
 Values: ``w = e2m1 * scale * weight_scale_2`` or ``w = e2m1 * scale / weight_global_scale``.  A divisor g is
 applied as the fp32 multiplier ``fl32(1/g)`` (correctly rounded; vLLM does the same when it loads
-compressed-tensors NVFP4: ``vllm/model_executor/layers/quantization/compressed_tensors/schemes/
-compressed_tensors_w4a4_nvfp4.py``), because ``fp4gemv.gemv`` multiplies by global scales.  1/g is
+compressed-tensors NVFP4: vllm-project/vllm, ``vllm/model_executor/layers/quantization/compressed_tensors/
+schemes/compressed_tensors_w4a4_nvfp4.py``), because ``fp4gemv.gemv`` multiplies by global scales.  1/g is
 exact for powers of two only; otherwise the result can differ from ``e2m1 * scale / g`` in the last bit of
 the output dtype (never more: the two differ by less than 2^-24 relative before the one rounding).
 """
@@ -56,8 +56,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "pow2") -> torch.Tensor:
     """The NVFP4 per-tensor multiplier for a tensor of largest magnitude ``amax`` (a float32 0-d tensor).
 
-    ``"amax"``: ``amax / (6 * 448)`` in fp32, NVIDIA ModelOpt's choice
-    (``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``get_weights_scaling_factor_2``): the
+    ``"amax"``: ``amax / (6 * 448)`` in fp32, NVIDIA ModelOpt's choice (NVIDIA/Model-Optimizer,
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``get_weights_scaling_factor_2``): the
     largest block's e4m3 scale lands on 448.  ``"pow2"``: that value rounded up to a power of two, so that
     the largest block scale lands in (224, 448] (no block saturates; e4m3's relative precision is the same
     over its normal range) and the scale is exact both as a multiplier and as a divisor (1/s is exact), and

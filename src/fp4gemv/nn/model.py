@@ -7,13 +7,14 @@ with ``quant_method``:
 * ``"compressed-tensors"``: ``config_groups`` (``targets``: module names, ``"re:"`` regexes matched from the
   start of the name, or class names such as ``"Linear"``), ``weights`` (4-bit float, group size 16),
   ``input_activations`` (None: weight-only; 4-bit float: W4A4), ``format`` ``"nvfp4-pack-quantized"``, and
-  ``ignore`` with the same matching (``compressed_tensors/utils/match.py``, ``match_name``, ``is_match``);
+  ``ignore`` with the same matching (vllm-project/compressed-tensors, ``src/compressed_tensors/utils/match.py``,
+  ``match_name``, ``is_match``);
 * ``"modelopt"``: ``quant_algo`` ``"NVFP4"`` (W4A4) or ``"W4A16_NVFP4"``, ``group_size`` 16, and
   ``exclude_modules`` (or ``ignore``) of wildcard patterns (``*`` matches anything) matched against the
-  whole module name, as vLLM's ``modelopt.py`` does;
+  whole module name, as vllm-project/vllm's ``vllm/model_executor/layers/quantization/modelopt.py`` does;
 * ``"mxfp4"`` (gpt-oss): ``modules_to_not_convert``, each a regex matched from the start of the name, a
-  dotted prefix of it, or a suffix of it (``transformers/quantizers/quantizers_utils.py``,
-  ``should_convert_module``).
+  dotted prefix of it, or a suffix of it (huggingface/transformers,
+  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``).
 
 Which layers are FP4 is read from the tensors' key names (``checkpoints.detect_convention``) and checked
 against the config: a disagreement is an error, never a silent float layer.
@@ -109,7 +110,8 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
     ``amax / (6 * 448)``, rounded up to a power of two by default), stored as ``input_scale`` (a
     multiplier; it replaces any stored scale).  While ``run()`` runs, these modules take their activations
     unquantized (the weights stay FP4), as ModelOpt's max calibration collects statistics with quantization
-    disabled (``modelopt/torch/quantization/model_calib.py``, ``enable_stats_collection``).  Returns the
+    disabled (NVIDIA/Model-Optimizer, ``modelopt/torch/quantization/model_calib.py``,
+    ``enable_stats_collection``).  Returns the
     scales by module name; a module ``run()`` never calls is an error (ValueError).
     """
     targets = {n: m for n, m in model.named_modules()
