@@ -380,3 +380,44 @@ def test_layer_tensors_names():
     assert float(ct["x.input_global_scale"]) == 4.0 and ct["x.weight_scale"].dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="expected mxfp4 for a gpt-oss checkpoint, got nvfp4"):
         layer_tensors(module, "gpt-oss", "x")
+
+
+def test_config_matching_rules():
+    """Each method's own rules for which modules it leaves in float."""
+    from fp4gemv.nn import QuantizationConfig
+
+    linear = nn.Linear(16, 16)
+    ct = QuantizationConfig("compressed-tensors", {
+        "format": "nvfp4-pack-quantized", "ignore": ["re:.*lm_head$", "model.layers.0.mlp.up"],
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "group_size": 16},
+                                "input_activations": None}}})
+    assert ct.scheme("model.layers.1.mlp.up", linear) == "weight-only"
+    assert ct.scheme("model.layers.0.mlp.up", linear) is None and ct.scheme("lm_head", linear) is None
+    assert ct.scheme("model.layers.0.mlp.up", nn.Conv1d(1, 1, 1)) is None  # not a target ("Linear": class name)
+    modelopt = QuantizationConfig("modelopt", {"quant_algo": "NVFP4", "exclude_modules": ["*self_attn*", "lm_head"]})
+    assert modelopt.scheme("model.layers.3.mlp.up_proj", linear) == "w4a4"
+    assert modelopt.scheme("model.layers.3.self_attn.q_proj", linear) is None
+    assert modelopt.scheme("lm_head_extra", linear) == "w4a4"  # a whole-name match, not a prefix
+    mxfp4 = QuantizationConfig("mxfp4", {"modules_to_not_convert": ["model.layers.*.self_attn", "lm_head", "router"]})
+    assert mxfp4.scheme("model.layers.2.self_attn.o_proj", linear) is None  # regex from the start
+    assert mxfp4.scheme("model.layers.2.mlp.router", linear) is None  # a suffix
+    assert mxfp4.scheme("model.layers.2.mlp.experts", linear) == "weight-only"
+
+
+def test_load_with_a_key_prefix(tmp_path):
+    """A checkpoint saved from a wrapper (keys and config names under "model.") loads into the inner model."""
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner
+
+    quantized = _tiny()
+    quantize_model(quantized, skip=["head"])
+    save_modelopt(Wrapper(quantized), tmp_path)
+    assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"] == ["model.head"]
+    loaded = _tiny(seed=4)
+    assert load_quantized(loaded, tmp_path, prefix="model.") == ["up", "down"]
+    ids = torch.tensor([[5, 6, 7]])
+    assert torch.equal(loaded(ids), quantized(ids))
+    with pytest.raises(ValueError, match="up: the modelopt config quantizes this module but the checkpoint has no FP4"):
+        load_quantized(_tiny(), tmp_path)  # without the prefix no key matches

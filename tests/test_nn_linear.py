@@ -225,3 +225,21 @@ def test_extra_repr():
     for part in ("in_features=128", "out_features=80", "bias=True", "fmt='nvfp4'", "scale_layout='swizzled'",
                  "activations='w4a4'", "weight_scale='multiplier'", "input_scale='per-call'"):
         assert part in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("activations", ["weight-only", "w4a4"])
+@pytest.mark.parametrize("tokens", [1, 8, 16, 40])
+def test_cuda_against_the_oracle(fmt, activations, tokens):
+    """On the GPU the kernels accumulate in fp32: within K * 2^-23 of sum |w x| plus the output rounding."""
+    module = FP4Linear.from_linear(_linear(in_features=512, out_features=384, seed=4), fmt,
+                                   activations=activations).to("cuda", torch.bfloat16)
+    x = torch.randn(tokens, 512, device="cuda").bfloat16()
+    y = module(x).double().cpu()
+    activation = module.quantize_input(x) if activations == "w4a4" else x
+    w64 = module.quantized_weight().dequantize(torch.float64).cpu()
+    x64 = (activation.dequantize(torch.float64) if activations == "w4a4" else x.double()).cpu()
+    exact = x64 @ w64.t() + module.bias.double().cpu()
+    bound = 512 * 2.0**-23 * (x64.abs() @ w64.abs().t()) + 2.0**-7 * exact.abs() + 1e-30
+    assert ((y - exact).abs() <= bound).all()

@@ -272,7 +272,7 @@ def load_quantized(
         for name, module in _float_linears(model):
             key = prefix + name
             convention = detect_convention(tensors, key)
-            scheme = config.scheme(name, module)
+            scheme = config.scheme(key, module)  # the config names modules as the checkpoint does
             if convention is None:
                 if scheme is not None:
                     raise ValueError(f"{key}: the {config.method} config quantizes this module but the checkpoint "
