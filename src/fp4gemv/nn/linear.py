@@ -16,8 +16,10 @@ Values: ``w = e2m1 * scale * weight_scale_2`` or ``w = e2m1 * scale / weight_glo
 applied as the fp32 multiplier ``fl32(1/g)`` (correctly rounded; vLLM does the same when it loads
 compressed-tensors NVFP4: vllm-project/vllm, ``vllm/model_executor/layers/quantization/compressed_tensors/
 schemes/compressed_tensors_w4a4_nvfp4.py``), because ``fp4gemv.gemv`` multiplies by global scales.  1/g is
-exact for powers of two only; otherwise the result can differ from ``e2m1 * scale / g`` in the last bit of
-the output dtype (never more: the two differ by less than 2^-24 relative before the one rounding).
+exact for powers of two only; otherwise a weight-only result can differ from ``e2m1 * scale / g`` in the last
+bit of the output dtype (never more: the two differ by less than 2^-24 relative before the one rounding).
+A W4A4 activation is quantized as ``x / fl32(1/g)``; where ``x * g`` lies on a rounding boundary of e2m1 or
+of its block scale, the two can pick different codes.
 """
 
 from __future__ import annotations
