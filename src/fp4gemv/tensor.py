@@ -157,6 +157,12 @@ class FP4Tensor:
     def device(self) -> torch.device:
         return self.data.device
 
+    def __reduce__(self) -> tuple:
+        # Rebuilt through the constructor from plain tensors and strings, so that
+        # ``torch.load(weights_only=True)`` can load it once the class is allowlisted (below) and a
+        # loaded tensor is validated like a constructed one.
+        return (FP4Tensor, (self.data, self.scales, self.fmt.name, self.scale_layout, self.global_scale))
+
     def __repr__(self) -> str:
         gs = "None" if self.global_scale is None else f"{self.global_scale.item():g}"
         return (
@@ -261,3 +267,7 @@ class FP4Tensor:
         from .quantize import quantize
 
         return quantize(x, fmt, scale_layout, global_scale)
+
+
+# torch.load(weights_only=True) calls only allowlisted classes; FP4Tensor.__reduce__ hands it plain tensors.
+torch.serialization.add_safe_globals([FP4Tensor])

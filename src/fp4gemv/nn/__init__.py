@@ -1,0 +1,38 @@
+"""``fp4gemv.nn``: FP4 models in PyTorch.
+
+:class:`FP4Linear` replaces ``nn.Linear`` (NVFP4 or MXFP4 weights; activations kept in fp16/bf16/fp32 or
+quantized to FP4); :func:`quantize_model` converts a float model; :func:`load_quantized` reads the
+checkpoints people download (compressed-tensors ``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss
+MXFP4) and :func:`save_compressed_tensors`, :func:`save_modelopt`, :func:`save_mxfp4` write them.
+"""
+
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_from_tensors, layer_tensors
+from .linear import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
+from .model import (
+    QuantizationConfig,
+    calibrate_input_scales,
+    load_quantized,
+    quantize_model,
+    read_quantization_config,
+    save_compressed_tensors,
+    save_modelopt,
+    save_mxfp4,
+)
+
+__all__ = [
+    "FP4Linear",
+    "DECODE_MAX_TOKENS",
+    "per_tensor_scale",
+    "quantize_model",
+    "calibrate_input_scales",
+    "load_quantized",
+    "read_quantization_config",
+    "QuantizationConfig",
+    "save_compressed_tensors",
+    "save_modelopt",
+    "save_mxfp4",
+    "SafetensorsDirectory",
+    "detect_convention",
+    "layer_from_tensors",
+    "layer_tensors",
+]

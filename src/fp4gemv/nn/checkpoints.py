@@ -1,0 +1,366 @@
+"""One FP4 linear layer in the checkpoint conventions people download, read and written without repacking.
+
+Every convention below stores the packed weight as uint8 ``[N, K/2]`` (N = out_features, K = in_features)
+with element 2j in the low nibble and 2j+1 in the high nibble, exactly ``FP4Tensor.data``, so loading views
+the bytes as they are.  Keys are ``<prefix>.<name>``:
+
+* compressed-tensors ``nvfp4-pack-quantized`` (llm-compressor's NVFP4 / NVFP4A16 exports):
+  ``weight_packed`` uint8 ``[N, K/2]`` (vllm-project/compressed-tensors,
+  ``src/compressed_tensors/compressors/quantized_compressors/fp4_quantized.py``, ``pack_fp4_to_uint8``:
+  ``indices[:, 0] | indices[:, 1] << 4``), ``weight_scale``
+  float8_e4m3fn ``[N, K/16]``, ``weight_global_scale`` fp32 ``[1]``, **a divisor**: value =
+  ``e2m1 * weight_scale / weight_global_scale`` (same repository,
+  ``src/compressed_tensors/quantization/lifecycle/forward.py``: ``scale = scale / global_scale``; the recipe's
+  ``generate_gparam`` in ``src/compressed_tensors/quantization/utils/helpers.py`` picks ``448 * 6 / amax``,
+  and its block scales are ``e4m3(global_scale * amax_block / 6)``).  W4A4 adds
+  ``input_global_scale`` fp32 ``[1]``, also a divisor: activations are quantized as ``x * g`` with dynamic
+  e4m3 block scales (vllm-project/vllm, ``vllm/model_executor/layers/quantization/compressed_tensors/
+  schemes/compressed_tensors_w4a4_nvfp4.py``: ``input_global_scale`` goes to the activation quantizer as
+  the factor it multiplies x by, and the output is multiplied by ``1/input_global_scale *
+  1/weight_global_scale``, each reciprocal in fp32).
+* NVIDIA ModelOpt NVFP4 (``hf_quant_config.json`` ``quant_algo`` ``"NVFP4"`` or ``"W4A16_NVFP4"``):
+  ``weight`` uint8 ``[N, K/2]`` (NVIDIA/Model-Optimizer, ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``:
+  ``(q[..., 1::2] << 4) | q[..., 0::2]``), ``weight_scale`` float8_e4m3fn ``[N, K/16]``, ``weight_scale_2``
+  fp32 scalar, **a multiplier** (``amax / (6 * 448)``; value = ``e2m1 * weight_scale * weight_scale_2``),
+  and for W4A4 ``input_scale`` fp32 scalar, a multiplier too (``amax / (6 * 448)``, same file,
+  ``get_activation_scaling_factor``; vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``
+  quantizes x times ``1 / input_scale`` and multiplies the output by ``input_scale * weight_scale_2``).
+  Here x is divided by ``input_scale`` in float64 before rounding (``FP4Tensor.quantize``).
+* gpt-oss MXFP4, one matrix (openai/gpt-oss, ``gpt_oss/torch/weights.py``, ``_get_mxfp4_tensor``): ``weight_blocks`` uint8
+  ``[N, K/32, 16]`` (32 elements per 16 bytes, low nibble first: ``sub[:, 0::2] = lut[blk & 0x0F]``) and
+  ``weight_scales`` uint8 ``[N, K/32]``, e8m0 with bias 127 (``ldexp(value, scales - 127)``).
+* ``FP4Linear``'s own state dict: the ModelOpt names, with ``weight_scale`` in its float8 dtype (e4m3:
+  NVFP4; e8m0: MXFP4) and linear ``[N, K/bs]`` or swizzled ``[R_p * C_p]``, and a divisor stored under the
+  compressed-tensors names (``weight_global_scale``, ``input_global_scale``) when it came from one.
+
+A divisor g becomes the fp32 multiplier ``fl32(1/g)`` (see ``fp4gemv.nn.linear``).  Writing a multiplier m
+as a compressed-tensors divisor needs ``1/m`` exact in fp32 (m a power of two, as ``quantize_model``
+picks by default); the writer refuses otherwise rather than change the values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from .. import formats
+from ..tensor import FP4Tensor
+from .linear import ACTIVATIONS, FP4Linear
+
+__all__ = [
+    "CONVENTIONS",
+    "SafetensorsDirectory",
+    "detect_convention",
+    "layer_keys",
+    "layer_from_tensors",
+    "layer_tensors",
+]
+
+CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "gpt-oss")
+_LAYER_NAMES = {
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
+                           "weight_zero_point", "weight_shape", "bias"),
+    "modelopt": ("weight", "weight_scale", "weight_scale_2", "weight_global_scale", "input_scale",
+                 "input_global_scale", "bias"),
+    "gpt-oss": ("weight_blocks", "weight_scales", "bias"),
+}
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _key(prefix: str, name: str) -> str:
+    prefix = prefix.rstrip(".")
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def detect_convention(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> str | None:
+    """``"compressed-tensors"``, ``"modelopt"`` (also FP4Linear's own state dict), ``"gpt-oss"`` or None
+    (no FP4 layer at ``prefix``: a float ``weight`` alone is not one), by the key names alone."""
+    if _key(prefix, "weight_packed") in tensors:
+        return "compressed-tensors"
+    if _key(prefix, "weight_blocks") in tensors:
+        return "gpt-oss"
+    if _key(prefix, "weight") in tensors and _key(prefix, "weight_scale") in tensors:
+        return "modelopt"
+    return None
+
+
+def layer_keys(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> list[str]:
+    """The keys the layer at ``prefix`` is made of (those present), for a loader to know what is left."""
+    convention = detect_convention(tensors, prefix)
+    if convention is None:
+        return []
+    return [_key(prefix, name) for name in _LAYER_NAMES[convention] if _key(prefix, name) in tensors]
+
+
+def _get(tensors: Mapping[str, torch.Tensor], prefix: str, name: str, required: bool = True) -> torch.Tensor | None:
+    key = _key(prefix, name)
+    if key not in tensors:
+        if required:
+            raise KeyError(f"{key}: missing (the layer's other keys name its convention, which needs it)")
+        return None
+    t = tensors[key]
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{key}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _check_dtype(key: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in dtypes:
+        raise TypeError(f"{key}: expected dtype {' or '.join(_dtype_name(d) for d in dtypes)}, got {_dtype_name(t.dtype)}")
+
+
+def _per_tensor(tensors, prefix: str, name: str) -> torch.Tensor | None:
+    """A per-tensor scale as a positive finite fp32 0-d tensor (bf16 / fp16 widen exactly), or None."""
+    t = _get(tensors, prefix, name, required=False)
+    if t is None:
+        return None
+    key = _key(prefix, name)
+    _check_dtype(key, t, _SCALE_DTYPES)
+    if t.numel() != 1:
+        raise ValueError(f"{key}: expected one value (a per-tensor scale), got shape {tuple(t.shape)}")
+    t = t.reshape(()).to(torch.float32)
+    value = float(t)
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"{key}: expected a positive finite scale, got {value}")
+    return t
+
+
+def layer_from_tensors(
+    tensors: Mapping[str, torch.Tensor],
+    prefix: str = "",
+    *,
+    activations: str | None = None,
+    scale_layout: str | None = None,
+    device: torch.device | str | None = None,
+) -> FP4Linear:
+    """An ``FP4Linear`` from one layer's tensors in any of the conventions of this module (see its docstring).
+
+    The packed bytes and scales are used as they are (views; ``device`` moves them, nothing is repacked).
+    activations: None: ``"w4a4"`` when the layer has a static input scale, else ``"weight-only"``;
+    ``"weight-only"`` drops a stored input scale; ``"w4a4"`` without one picks the scale per call.
+    Raises KeyError (a missing key), TypeError / ValueError naming the key, the expected and the actual.
+    """
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
+    if scale_layout not in (None, "linear", "swizzled"):
+        raise ValueError(f"scale_layout: expected None, 'linear' or 'swizzled', got {scale_layout!r}")
+    convention = detect_convention(tensors, prefix)
+    if convention is None:
+        near = sorted(k for k in tensors if k.startswith(_key(prefix, "")))[:8] if prefix else sorted(tensors)[:8]
+        raise KeyError(
+            f"{prefix or '<state dict>'}: no FP4 layer: expected {_key(prefix, 'weight_packed')!r} "
+            f"(compressed-tensors), {_key(prefix, 'weight')!r} with {_key(prefix, 'weight_scale')!r} (ModelOpt / "
+            f"FP4Linear) or {_key(prefix, 'weight_blocks')!r} (gpt-oss MXFP4); found {near}"
+        )
+
+    weight_divisor = input_divisor = None
+    weight_multiplier = input_multiplier = None
+    if convention == "compressed-tensors":
+        data_key = _key(prefix, "weight_packed")
+        data = _get(tensors, prefix, "weight_packed")
+        scales = _get(tensors, prefix, "weight_scale")
+        fmt = "nvfp4"
+        _check_dtype(_key(prefix, "weight_scale"), scales, (torch.float8_e4m3fn, torch.uint8))
+        weight_divisor = _per_tensor(tensors, prefix, "weight_global_scale")
+        if weight_divisor is None:
+            raise KeyError(f"{_key(prefix, 'weight_global_scale')}: missing (compressed-tensors NVFP4 has one)")
+        input_divisor = _per_tensor(tensors, prefix, "input_global_scale")
+        zero_point = _get(tensors, prefix, "weight_zero_point", required=False)
+        if zero_point is not None and bool((zero_point != 0).any()):
+            raise ValueError(f"{_key(prefix, 'weight_zero_point')}: expected zeros (symmetric FP4), got nonzero values")
+    elif convention == "modelopt":
+        data_key = _key(prefix, "weight")
+        data = _get(tensors, prefix, "weight")
+        scales = _get(tensors, prefix, "weight_scale")
+        scale_key = _key(prefix, "weight_scale")
+        _check_dtype(scale_key, scales, (torch.float8_e4m3fn, torch.float8_e8m0fnu))
+        fmt = "nvfp4" if scales.dtype == torch.float8_e4m3fn else "mxfp4"
+        weight_multiplier = _per_tensor(tensors, prefix, "weight_scale_2")
+        weight_divisor = _per_tensor(tensors, prefix, "weight_global_scale")
+        input_multiplier = _per_tensor(tensors, prefix, "input_scale")
+        input_divisor = _per_tensor(tensors, prefix, "input_global_scale")
+        for a, b in (("weight_scale_2", "weight_global_scale"), ("input_scale", "input_global_scale")):
+            if _key(prefix, a) in tensors and _key(prefix, b) in tensors:
+                raise ValueError(f"{_key(prefix, b)}: expected either {a} (a multiplier) or {b} (a divisor), got both")
+    else:
+        blocks_key = _key(prefix, "weight_blocks")
+        blocks = _get(tensors, prefix, "weight_blocks")
+        scales = _get(tensors, prefix, "weight_scales")
+        _check_dtype(blocks_key, blocks, (torch.uint8,))
+        _check_dtype(_key(prefix, "weight_scales"), scales, (torch.uint8,))
+        if blocks.dim() != 3 or blocks.shape[-1] != 16:
+            raise ValueError(f"{blocks_key}: expected shape [N, K/32, 16] (16 bytes per 32-element block), "
+                             f"got {tuple(blocks.shape)}")
+        if tuple(scales.shape) != tuple(blocks.shape[:2]):
+            raise ValueError(f"{_key(prefix, 'weight_scales')}: expected shape {tuple(blocks.shape[:2])} "
+                             f"(one e8m0 byte per block of {blocks_key}), got {tuple(scales.shape)}")
+        data_key = blocks_key
+        data = blocks.reshape(blocks.shape[0], -1)
+        scales = scales.view(torch.float8_e8m0fnu)
+        fmt = "mxfp4"
+
+    _check_dtype(data_key, data, (torch.uint8,))
+    if data.dim() != 2 or min(data.shape) < 1:
+        raise ValueError(f"{data_key}: expected shape [N, K/2] (uint8, two e2m1 codes per byte), got {tuple(data.shape)}")
+    out_features, in_features = data.shape[0], 2 * data.shape[1]
+    fmt_desc = formats.FORMATS[fmt]
+    cols = in_features // fmt_desc.block_size
+    if in_features % fmt_desc.block_size:
+        raise ValueError(f"{data_key}: expected K = {in_features} a multiple of the {fmt} block size "
+                         f"{fmt_desc.block_size}")
+    scale_key = _key(prefix, "weight_scales" if convention == "gpt-oss" else "weight_scale")
+    if scales.dtype == torch.uint8:
+        scales = scales.view(fmt_desc.scale_dtype)
+    stored_layout = "linear" if scales.dim() == 2 else "swizzled"
+    if stored_layout == "linear" and tuple(scales.shape) != (out_features, cols):
+        raise ValueError(f"{scale_key}: expected shape ({out_features}, {cols}) = [N, K/{fmt_desc.block_size}] "
+                         f"for {data_key} of shape {tuple(data.shape)}, got {tuple(scales.shape)}")
+    weight_shape = _get(tensors, prefix, "weight_shape", required=False)
+    if weight_shape is not None and [int(v) for v in weight_shape.reshape(-1)] != [out_features, in_features]:
+        raise ValueError(f"{_key(prefix, 'weight_shape')}: expected [{out_features}, {in_features}] from {data_key}, "
+                         f"got {[int(v) for v in weight_shape.reshape(-1)]}")
+    bias = _get(tensors, prefix, "bias", required=False)
+    if bias is not None:
+        _check_dtype(_key(prefix, "bias"), bias, (torch.float32, torch.bfloat16, torch.float16))
+        if tuple(bias.shape) != (out_features,):
+            raise ValueError(f"{_key(prefix, 'bias')}: expected shape ({out_features},), got {tuple(bias.shape)}")
+
+    has_input_scale = input_multiplier is not None or input_divisor is not None
+    if activations is None:
+        activations = "w4a4" if has_input_scale else "weight-only"
+    if activations == "weight-only":
+        input_multiplier = input_divisor = None
+    device = torch.device(device) if device is not None else data.device
+
+    # Validated by FP4Tensor (shapes of swizzled scales, devices) before the module takes the tensors.
+    tensor = FP4Tensor(data.to(device), scales.to(device), fmt, stored_layout)
+    if scale_layout is not None:
+        tensor = tensor.with_scale_layout(scale_layout)
+    module = FP4Linear(
+        in_features, out_features, bias is not None, fmt=fmt, scale_layout=tensor.scale_layout,
+        activations=activations,
+        weight_scale="multiplier" if weight_multiplier is not None else "divisor" if weight_divisor is not None else None,
+        input_scale="multiplier" if input_multiplier is not None else "divisor" if input_divisor is not None else None,
+        device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype,
+    )
+    module._buffers["weight"] = tensor.data
+    module._buffers["weight_scale"] = tensor.scales.view(fmt_desc.scale_dtype)
+    for name, value in (("weight_scale_2", weight_multiplier), ("weight_global_scale", weight_divisor),
+                        ("input_scale", input_multiplier), ("input_global_scale", input_divisor)):
+        if value is not None:
+            module._buffers[name] = value.to(device)
+    if bias is not None:
+        module.bias = torch.nn.Parameter(bias.to(device), requires_grad=False)
+    return module
+
+
+def _exact_reciprocal(value: torch.Tensor, what: str) -> torch.Tensor:
+    """``1 / value`` in fp32 when it is exact (the product of two fp32 numbers is exact in float64)."""
+    inverse = torch.reciprocal(value.to(torch.float32))
+    if float(inverse.double() * value.double()) != 1.0:
+        raise ValueError(
+            f"{what}: {float(value)!r} has no exact fp32 reciprocal, so the other convention cannot hold the same "
+            f"values (quantize with per_tensor='pow2' for scales exact in every convention)"
+        )
+    return inverse
+
+
+def layer_tensors(module: FP4Linear, convention: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The layer's tensors under ``convention``'s key names (see this module's docstring), linear scales.
+
+    ``"compressed-tensors"`` and ``"modelopt"`` hold NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale.
+    A static input scale is written for W4A4; W4A4 with a per-call scale has none to write (ValueError: run
+    ``fp4gemv.nn.calibrate_input_scales`` first).  Values are kept exactly (ValueError otherwise).
+    """
+    if not isinstance(module, FP4Linear):
+        raise TypeError(f"module: expected an FP4Linear, got {type(module).__name__}")
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
+    name = prefix or "<module>"
+    want_fmt = "mxfp4" if convention == "gpt-oss" else "nvfp4"
+    if module.fmt != want_fmt:
+        raise ValueError(f"{name}: expected {want_fmt} for a {convention} checkpoint, got {module.fmt}")
+    if module.activations == "w4a4" and module.input_scale_kind() is None:
+        raise ValueError(f"{name}: W4A4 with a per-call activation scale has no static input scale to write; "
+                         f"run fp4gemv.nn.calibrate_input_scales first")
+    scales = module.quantized_weight().linear_scales()
+    out: dict[str, torch.Tensor] = {}
+    if convention == "gpt-oss":
+        if module.weight_scale_kind() is not None and float(module.weight_multiplier()) != 1.0:
+            raise ValueError(f"{name}: gpt-oss MXFP4 has no per-tensor scale, got {float(module.weight_multiplier())}")
+        if module.activations == "w4a4":
+            raise ValueError(f"{name}: gpt-oss MXFP4 checkpoints are weight-only, got activations='w4a4'")
+        out["weight_blocks"] = module.weight.reshape(module.out_features, -1, 16)
+        out["weight_scales"] = scales.view(torch.uint8)
+    elif convention == "modelopt":
+        out["weight"] = module.weight
+        out["weight_scale"] = scales.view(torch.float8_e4m3fn)
+        multiplier = module.weight_multiplier()
+        out["weight_scale_2"] = torch.ones(()) if multiplier is None else multiplier.reshape(())
+        if module.activations == "w4a4":
+            out["input_scale"] = module.input_multiplier().reshape(())
+    else:
+        out["weight_packed"] = module.weight
+        out["weight_scale"] = scales.view(torch.float8_e4m3fn)
+        kind = module.weight_scale_kind()
+        if kind is None:
+            divisor = torch.ones(())
+        elif kind == "divisor":
+            divisor = module.weight_global_scale
+        else:
+            divisor = _exact_reciprocal(module.weight_scale_2, f"{name}.weight_scale_2")
+        out["weight_global_scale"] = divisor.reshape(1)
+        if module.activations == "w4a4":
+            if module.input_scale_kind() == "divisor":
+                out["input_global_scale"] = module.input_global_scale.reshape(1)
+            else:
+                out["input_global_scale"] = _exact_reciprocal(module.input_scale, f"{name}.input_scale").reshape(1)
+    if module.bias is not None:
+        out["bias"] = module.bias.detach()
+    return {_key(prefix, k): v.detach().to(torch.float32) if v.dtype == torch.float64 else v.detach()
+            for k, v in out.items()}
+
+
+class SafetensorsDirectory(Mapping):
+    """Every tensor of a directory's ``*.safetensors`` files as one read-only mapping, read on access.
+
+    Uses ``safetensors.safe_open`` (the files are memory-mapped; a tensor is read when it is looked up).
+    Raises ValueError when there is no file, or a key is in two files.  ``close()`` releases the files.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        directory = Path(directory)
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"directory: expected *.safetensors files in {directory}, found none")
+        self._handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+        self._where: dict[str, int] = {}
+        for i, handle in enumerate(self._handles):
+            for key in handle.keys():
+                if key in self._where:
+                    raise ValueError(f"{key}: in both {files[self._where[key]].name} and {files[i].name}")
+                self._where[key] = i
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._handles[self._where[key]].get_tensor(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        self._handles = []
+        self._where = {}

@@ -1,0 +1,355 @@
+"""``FP4Linear``: a drop-in ``nn.Linear`` whose weight is block-scaled FP4 (NVFP4 or MXFP4).
+
+State dict (everything a checkpoint needs, and the format and scale layout recoverable from it):
+
+* ``weight``: uint8 ``[out_features, in_features/2]``, two e2m1 codes per byte, element 2j in the low nibble;
+* ``weight_scale``: ``float8_e4m3fn`` (NVFP4, one per 16 elements) or ``float8_e8m0fnu`` (MXFP4, one per 32)
+  block scales, ``[out_features, in_features/bs]`` in the linear layout or ``[R_p * C_p]`` swizzled
+  (``fp4gemv.layouts``): the dtype names the format, the number of dimensions the layout;
+* a per-tensor weight scale, at most one of ``weight_scale_2`` (fp32, a multiplier, as NVIDIA ModelOpt
+  names it) and ``weight_global_scale`` (fp32, a divisor, as compressed-tensors names it);
+* for W4A4 with a static activation scale, at most one of ``input_scale`` (multiplier) and
+  ``input_global_scale`` (divisor);
+* ``bias`` (optional), a parameter in the activations' dtype.
+
+Values: ``w = e2m1 * scale * weight_scale_2`` or ``w = e2m1 * scale / weight_global_scale``.  A divisor g is
+applied as the fp32 multiplier ``fl32(1/g)`` (correctly rounded; vLLM does the same when it loads
+compressed-tensors NVFP4: vllm-project/vllm, ``vllm/model_executor/layers/quantization/compressed_tensors/
+schemes/compressed_tensors_w4a4_nvfp4.py``), because ``fp4gemv.gemv`` multiplies by global scales.  1/g is
+exact for powers of two only; otherwise a weight-only result can differ from ``e2m1 * scale / g`` in the last
+bit of the output dtype (never more: the two differ by less than 2^-24 relative before the one rounding).
+A W4A4 activation is quantized as ``x / fl32(1/g)``; where ``x * g`` lies on a rounding boundary of e2m1 or
+of its block scale, the two can pick different codes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import formats, layouts
+from ..ops import gemv
+from ..tensor import FP4Tensor
+
+__all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "per_tensor_scale"]
+
+Activations = Literal["weight-only", "w4a4"]
+ScaleKind = Literal["multiplier", "divisor"]
+ACTIVATIONS: tuple[str, ...] = ("weight-only", "w4a4")
+SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
+# fp4gemv.gemv takes 1 to 16 activation rows; more tokens (prefill) dequantize the weight once instead.
+DECODE_MAX_TOKENS = 16
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
+
+# Buffer names of the per-tensor scales, by what they scale and how they apply.
+_WEIGHT_SCALE_NAMES = {"multiplier": "weight_scale_2", "divisor": "weight_global_scale"}
+_INPUT_SCALE_NAMES = {"multiplier": "input_scale", "divisor": "input_global_scale"}
+_FIXED_BUFFERS = ("weight", "weight_scale", *_WEIGHT_SCALE_NAMES.values(), *_INPUT_SCALE_NAMES.values())
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "pow2") -> torch.Tensor:
+    """The NVFP4 per-tensor multiplier for a tensor of largest magnitude ``amax`` (a float32 0-d tensor).
+
+    ``"amax"``: ``amax / (6 * 448)`` in fp32, NVIDIA ModelOpt's choice (NVIDIA/Model-Optimizer,
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``get_weights_scaling_factor_2``): the
+    largest block's e4m3 scale lands on 448.  ``"pow2"``: that value rounded up to a power of two, so that
+    the largest block scale lands in (224, 448] (no block saturates; e4m3's relative precision is the same
+    over its normal range) and the scale is exact both as a multiplier and as a divisor (1/s is exact), and
+    in bf16.  ``amax == 0`` (an all-zero tensor) gives 1.  Tensor ops only: no host synchronisation.
+    """
+    if rounding not in ("pow2", "amax"):
+        raise ValueError(f"rounding: expected 'pow2' or 'amax', got {rounding!r}")
+    amax = amax.to(torch.float32)
+    scale = amax / _E2M1_MAX_TIMES_E4M3_MAX
+    if rounding == "pow2":
+        # frexp: scale = m * 2^e with m in [0.5, 1); the power of two at or above it is 2^(e-1) when m == 0.5.
+        mantissa, exponent = torch.frexp(scale)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+        scale = torch.ldexp(torch.ones_like(scale), exponent)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+class FP4Linear(nn.Module):
+    """``y = x @ W^T + bias`` with W block-scaled FP4; activations kept in their dtype or quantized to FP4.
+
+    Args:
+        in_features, out_features: as ``nn.Linear``; ``in_features`` a multiple of the format's block size.
+        bias: whether the module has a bias (a parameter of ``bias_dtype``, zeros until loaded).
+        fmt: ``"nvfp4"`` or ``"mxfp4"``.
+        scale_layout: ``"swizzled"`` (the 128x4 layout the kernels are tuned on) or ``"linear"``.
+        activations: ``"weight-only"`` (x stays fp16/bf16/fp32: W4A16) or ``"w4a4"`` (x is quantized to FP4
+            in the weight's format on every call).
+        weight_scale: the per-tensor weight scale's kind, ``"multiplier"``, ``"divisor"`` or None (none).
+        input_scale: W4A4's static activation scale's kind, ``"multiplier"``, ``"divisor"`` or None: then a
+            W4A4 module picks an NVFP4 per-tensor scale per call from the activation's amax
+            (:func:`per_tensor_scale`, ``"pow2"``; the scale then depends on every token of the call), and
+            MXFP4 activations get none (e8m0 block scales span 2^-127 .. 2^127).
+        device: where the buffers live.
+
+    The constructor makes placeholders (zeros, unit scales) for ``load_state_dict``; :meth:`from_linear`
+    and :meth:`from_state_dict` build loaded modules.
+
+    forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
+    dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
+    product of x's leading dimensions) run through ``fp4gemv.gemv``, rounded once to x's dtype, then
+    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, W.dequantize(x.dtype), bias)``
+    where ``x_q`` is x (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        fmt: str = "nvfp4",
+        scale_layout: str = "swizzled",
+        activations: Activations = "weight-only",
+        weight_scale: ScaleKind | None = None,
+        input_scale: ScaleKind | None = None,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        if fmt not in formats.FORMATS:
+            raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
+        block = formats.FORMATS[fmt].block_size
+        if not isinstance(in_features, int) or in_features < 1 or in_features % block:
+            raise ValueError(f"in_features: expected a positive multiple of the {fmt} block size {block}, "
+                             f"got {in_features!r}")
+        if not isinstance(out_features, int) or out_features < 1:
+            raise ValueError(f"out_features: expected a positive integer, got {out_features!r}")
+        _check_choice("scale_layout", scale_layout, ("linear", "swizzled"))
+        _check_choice("activations", activations, ACTIVATIONS)
+        if weight_scale is not None:
+            _check_choice("weight_scale", weight_scale, SCALE_KINDS)
+        if input_scale is not None:
+            _check_choice("input_scale", input_scale, SCALE_KINDS)
+            if activations != "w4a4":
+                raise ValueError(f"input_scale: a static activation scale needs activations='w4a4', "
+                                 f"got activations={activations!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.fmt = fmt
+        self.scale_layout = scale_layout
+        self.activations = activations
+        cols = in_features // block
+        if scale_layout == "linear":
+            scale_shape: tuple[int, ...] = (out_features, cols)
+        else:
+            rows_p, cols_p = layouts.padded_scale_shape(out_features, cols)
+            scale_shape = (rows_p * cols_p,)
+        scale_dtype = formats.FORMATS[fmt].scale_dtype
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        # 0x7F is e8m0's 1.0 and an e4m3 NaN; 0x38 is e4m3's 1.0: the placeholder is finite either way.
+        unit = 0x38 if fmt == "nvfp4" else 0x7F
+        self.register_buffer("weight_scale", torch.full(scale_shape, unit, dtype=torch.uint8, device=device)
+                             .view(scale_dtype))
+        if weight_scale is not None:
+            self.register_buffer(_WEIGHT_SCALE_NAMES[weight_scale], torch.ones((), device=device))
+        if input_scale is not None:
+            self.register_buffer(_INPUT_SCALE_NAMES[input_scale], torch.ones((), device=device))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    # --- what the module holds -------------------------------------------------------------------------------
+
+    @property
+    def format(self) -> formats.FP4Format:
+        return formats.FORMATS[self.fmt]
+
+    def weight_scale_kind(self) -> ScaleKind | None:
+        """``"multiplier"``, ``"divisor"`` or None: how the per-tensor weight scale is stored."""
+        return _scale_kind(self, _WEIGHT_SCALE_NAMES)
+
+    def input_scale_kind(self) -> ScaleKind | None:
+        """``"multiplier"``, ``"divisor"`` or None (weight-only, or W4A4 with a scale chosen per call)."""
+        return _scale_kind(self, _INPUT_SCALE_NAMES)
+
+    def weight_multiplier(self) -> torch.Tensor | None:
+        """The fp32 multiplier applied to the weight: ``weight_scale_2``, or ``fl32(1/weight_global_scale)``."""
+        return _multiplier(self, _WEIGHT_SCALE_NAMES)
+
+    def input_multiplier(self) -> torch.Tensor | None:
+        """The static fp32 activation multiplier (``input_scale`` or ``fl32(1/input_global_scale)``), or None."""
+        return _multiplier(self, _INPUT_SCALE_NAMES)
+
+    def quantized_weight(self) -> FP4Tensor:
+        """The weight as an ``FP4Tensor`` ``[out_features, in_features]`` (views of the buffers, no copy)."""
+        return FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+
+    def quantize_input(self, x2d: torch.Tensor) -> FP4Tensor:
+        """W4A4's activation ``[T, in_features]`` as an FP4Tensor in the weight's format (linear scales)."""
+        multiplier = self.input_multiplier()
+        if multiplier is None and self.fmt == "nvfp4":
+            multiplier = per_tensor_scale(x2d.detach().abs().amax())
+        return FP4Tensor.quantize(x2d, self.fmt, "linear", multiplier)
+
+    def extra_repr(self) -> str:
+        parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
+                 f"bias={self.bias is not None}", f"fmt={self.fmt!r}", f"scale_layout={self.scale_layout!r}",
+                 f"activations={self.activations!r}"]
+        if self.weight_scale_kind() is not None:
+            parts.append(f"weight_scale={self.weight_scale_kind()!r}")
+        if self.activations == "w4a4":
+            parts.append(f"input_scale={self.input_scale_kind() or 'per-call'!r}")
+        return ", ".join(parts)
+
+    # --- forward ---------------------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in X_DTYPES:
+            raise TypeError(f"x: expected dtype float16, bfloat16 or float32, got {_dtype_name(x.dtype)}")
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(f"x: expected shape [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x: expected device {self.weight.device} like the weight, got {x.device}")
+        if self.bias is not None and self.bias.dtype != x.dtype:
+            raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
+                            f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        tokens = x2d.shape[0]
+        if tokens == 0:
+            return x.new_zeros((*lead, self.out_features))
+        weight = self.quantized_weight()
+        activation = self.quantize_input(x2d) if self.activations == "w4a4" else x2d
+        if tokens <= DECODE_MAX_TOKENS:
+            y = torch.empty(tokens, self.out_features, dtype=x.dtype, device=x.device)
+            # gemv writes W @ x^T ([out, tokens]) straight into the transposed view.
+            gemv(weight, activation, out=y.t(), out_dtype=x.dtype)
+            if self.bias is not None:
+                y.add_(self.bias)
+        else:
+            if isinstance(activation, FP4Tensor):
+                activation = activation.dequantize(x.dtype)
+            y = F.linear(activation, weight.dequantize(x.dtype), self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    # --- state dict, dtype / device moves ---------------------------------------------------------------------
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):  # type: ignore[override]
+        # load_state_dict would convert values across dtypes (uint8 byte 56 -> e4m3 56.0): bytes must match.
+        for name in ("weight", "weight_scale"):
+            given = state_dict.get(prefix + name)
+            expected = self._buffers[name].dtype
+            if isinstance(given, torch.Tensor) and given.dtype != expected:
+                error_msgs.append(f"{prefix}{name}: expected dtype {_dtype_name(expected)} ({self.fmt}), "
+                                  f"got {_dtype_name(given.dtype)}")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[override]
+        # model.to(torch.bfloat16) / .half() convert every floating-point buffer, and float8 scales and
+        # fp32 per-tensor scales count as floating point: keep their dtype (and exact values), move only.
+        kept = {name: self._buffers[name] for name in _FIXED_BUFFERS if self._buffers.get(name) is not None}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after.dtype != before.dtype:
+                self._buffers[name] = before.to(after.device)
+        return self
+
+    # --- constructors -----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        fmt: str = "nvfp4",
+        *,
+        activations: Activations = "weight-only",
+        scale_layout: str = "swizzled",
+        per_tensor: Literal["pow2", "amax"] = "pow2",
+        input_scale: float | torch.Tensor | None = None,
+    ) -> FP4Linear:
+        """Quantize an ``nn.Linear``'s weight (``FP4Tensor.quantize``); the bias is copied as it is.
+
+        NVFP4 weights get the per-tensor multiplier :func:`per_tensor_scale` of their amax (``per_tensor``:
+        ``"pow2"``, exact in every checkpoint convention, or ModelOpt's ``"amax"``); MXFP4 weights none.
+        input_scale: W4A4's static activation multiplier (e.g. ``calibrate_input_scales``); None picks
+        one per call.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        _check_choice("activations", activations, ACTIVATIONS)
+        weight = linear.weight.detach()
+        if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"linear.weight: expected a float dtype, got {_dtype_name(weight.dtype)}")
+        multiplier = per_tensor_scale(weight.abs().amax(), per_tensor) if fmt == "nvfp4" else None
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
+                     scale_layout=scale_layout, activations=activations,
+                     weight_scale=None if multiplier is None else "multiplier",
+                     input_scale=None if input_scale is None else "multiplier",
+                     device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype)
+        q = FP4Tensor.quantize(weight, fmt, scale_layout, multiplier)
+        module.weight.copy_(q.data)
+        module.weight_scale.view(torch.uint8).copy_(q.scales)
+        if multiplier is not None:
+            module.weight_scale_2.copy_(multiplier)
+        if input_scale is not None:
+            module.input_scale.copy_(torch.as_tensor(input_scale, dtype=torch.float32))
+        if linear.bias is not None:
+            module.bias.copy_(linear.bias.detach())
+        return module
+
+    @classmethod
+    def from_state_dict(
+        cls,
+        tensors,
+        prefix: str = "",
+        *,
+        activations: Activations | None = None,
+        scale_layout: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> FP4Linear:
+        """Build a module from one layer's checkpoint tensors; the convention is told by the key names.
+
+        ``fp4gemv.nn.checkpoints.layer_from_tensors`` documents the three conventions (compressed-tensors
+        ``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss MXFP4) and this module's own state dict.
+        tensors: a mapping from key to tensor (a state dict, or ``fp4gemv.nn.checkpoints.SafetensorsDirectory``).
+        prefix: the layer's name (``"model.layers.0.mlp.up_proj"``), "" for a bare module's state dict.
+        activations: None: W4A4 when the layer has a static input scale, else weight-only.
+        scale_layout: None keeps the stored layout (no copy); "swizzled" / "linear" convert the scales.
+        device: where the module lives (tensors are moved as they are, never repacked).
+        """
+        from .checkpoints import layer_from_tensors
+
+        return layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+
+
+def _scale_kind(module: FP4Linear, names: dict[str, str]) -> ScaleKind | None:
+    for kind, name in names.items():
+        if module._buffers.get(name) is not None:
+            return kind  # type: ignore[return-value]
+    return None
+
+
+def _multiplier(module: FP4Linear, names: dict[str, str]) -> torch.Tensor | None:
+    kind = _scale_kind(module, names)
+    if kind is None:
+        return None
+    scale = module._buffers[names[kind]]
+    return scale if kind == "multiplier" else torch.reciprocal(scale)
+
+
+torch.serialization.add_safe_globals([FP4Linear])

@@ -1,0 +1,401 @@
+"""Whole models: quantize a float model's ``nn.Linear`` modules, load and save quantized checkpoints.
+
+A checkpoint directory holds ``*.safetensors`` files and a quantization config, read from
+``hf_quant_config.json`` (NVIDIA ModelOpt's nested form) or else ``config.json``'s ``quantization_config``
+with ``quant_method``:
+
+* ``"compressed-tensors"``: ``config_groups`` (``targets``: module names, ``"re:"`` regexes matched from the
+  start of the name, or class names such as ``"Linear"``), ``weights`` (4-bit float, group size 16),
+  ``input_activations`` (None: weight-only; 4-bit float: W4A4), ``format`` ``"nvfp4-pack-quantized"``, and
+  ``ignore`` with the same matching (vllm-project/compressed-tensors, ``src/compressed_tensors/utils/match.py``,
+  ``match_name``, ``is_match``);
+* ``"modelopt"``: ``quant_algo`` ``"NVFP4"`` (W4A4) or ``"W4A16_NVFP4"``, ``group_size`` 16, and
+  ``exclude_modules`` (or ``ignore``) of wildcard patterns (``*`` matches anything) matched against the
+  whole module name, as vllm-project/vllm's ``vllm/model_executor/layers/quantization/modelopt.py`` does;
+* ``"mxfp4"`` (gpt-oss): ``modules_to_not_convert``, each a regex matched from the start of the name, a
+  dotted prefix of it, or a suffix of it (huggingface/transformers,
+  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``).
+
+Which layers are FP4 is read from the tensors' key names (``checkpoints.detect_convention``) and checked
+against the config: a disagreement is an error, never a silent float layer.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_from_tensors, layer_keys, layer_tensors
+from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
+
+__all__ = [
+    "QuantizationConfig",
+    "read_quantization_config",
+    "quantize_model",
+    "calibrate_input_scales",
+    "load_quantized",
+    "save_compressed_tensors",
+    "save_modelopt",
+    "save_mxfp4",
+]
+
+_CONVENTION_OF_METHOD = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt", "mxfp4": "gpt-oss"}
+
+
+# --- from a float model -----------------------------------------------------------------------------------
+
+
+def _skipped(name: str, patterns: Iterable[str]) -> bool:
+    """A module name equal to a pattern, matching it as a glob (``*``, ``?``), or under a listed module."""
+    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def _float_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.Linear):
+        raise TypeError("model: expected a module containing nn.Linear modules, got an nn.Linear itself "
+                        "(FP4Linear.from_linear converts one)")
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def quantize_model(
+    model: nn.Module,
+    fmt: str = "nvfp4",
+    *,
+    activations: str = "weight-only",
+    skip: Iterable[str] = (),
+    scale_layout: str = "swizzled",
+    per_tensor: str = "pow2",
+) -> list[str]:
+    """Replace every ``nn.Linear`` of ``model`` (in place) by ``FP4Linear.from_linear``; returns their names.
+
+    skip: module names or glob patterns (``"*.lm_head"``) left in float, with everything under them.
+    Raises ValueError naming a module whose in_features is not a multiple of the block size (skip it).
+    W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
+    """
+    skip = [skip] if isinstance(skip, str) else list(skip)
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations: expected 'weight-only' or 'w4a4', got {activations!r}")
+    todo = [(n, m) for n, m in _float_linears(model) if not _skipped(n, skip)]
+    block = 16 if fmt == "nvfp4" else 32
+    for name, linear in todo:
+        if linear.in_features % block:
+            raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the {fmt} block size "
+                             f"{block}; pass skip=[{name!r}]")
+    for name, linear in todo:
+        _replace(model, name, FP4Linear.from_linear(linear, fmt, activations=activations, scale_layout=scale_layout,
+                                                    per_tensor=per_tensor))
+    return [name for name, _ in todo]
+
+
+@torch.no_grad()
+def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor: str = "pow2") -> dict[str, float]:
+    """Give every NVFP4 W4A4 ``FP4Linear`` a static activation scale from the inputs seen while ``run()`` runs.
+
+    The scale is :func:`per_tensor_scale` of the largest input magnitude over all calls (ModelOpt's
+    ``amax / (6 * 448)``, rounded up to a power of two by default), stored as ``input_scale`` (a
+    multiplier; it replaces any stored scale).  While ``run()`` runs, these modules take their activations
+    unquantized (the weights stay FP4), as ModelOpt's max calibration collects statistics with quantization
+    disabled (NVIDIA/Model-Optimizer, ``modelopt/torch/quantization/model_calib.py``,
+    ``enable_stats_collection``).  Returns the
+    scales by module name; a module ``run()`` never calls is an error (ValueError).
+    """
+    targets = {n: m for n, m in model.named_modules()
+               if isinstance(m, FP4Linear) and m.activations == "w4a4" and m.fmt == "nvfp4"}
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple) -> None:
+            seen = args[0].detach().abs().amax().to(torch.float32)
+            amax[name] = seen if name not in amax else torch.maximum(amax[name], seen)
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in targets.items()]
+    for module in targets.values():
+        module.activations = "weight-only"
+    try:
+        run()
+    finally:
+        for module in targets.values():
+            module.activations = "w4a4"
+        for h in handles:
+            h.remove()
+    scales = {}
+    for name, module in targets.items():
+        if name not in amax:
+            raise ValueError(f"{name}: run() did not call this W4A4 module, so it has no activation range")
+        for stale in ("input_scale", "input_global_scale"):
+            module._buffers.pop(stale, None)
+        module.register_buffer("input_scale", per_tensor_scale(amax[name], per_tensor))
+        scales[name] = float(module.input_scale)
+    return scales
+
+
+# --- quantization configs ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What a checkpoint's config says: its ``method`` (``"compressed-tensors"``, ``"modelopt"``,
+    ``"mxfp4"``) and, per module, its activations (:meth:`scheme`)."""
+
+    method: str
+    raw: dict
+
+    @property
+    def convention(self) -> str:
+        """The tensor naming convention (``checkpoints.CONVENTIONS``) this method writes."""
+        return _CONVENTION_OF_METHOD[self.method]
+
+    def scheme(self, name: str, module: nn.Module) -> str | None:
+        """``"weight-only"`` or ``"w4a4"`` for a quantized module, None for one the config leaves in float."""
+        if self.method == "modelopt":
+            q = self.raw
+            excluded = list(q.get("exclude_modules") or []) + list(q.get("ignore") or [])
+            if any(re.fullmatch(re.escape(p).replace(r"\*", ".*"), name) for p in excluded):
+                return None
+            return "w4a4" if q["quant_algo"] == "NVFP4" else "weight-only"
+        if self.method == "mxfp4":
+            for p in self.raw.get("modules_to_not_convert") or []:
+                if re.match(f"{p}\\.", name) or re.match(p, name) or name.endswith(p):
+                    return None
+            return "weight-only"
+        if _ct_match(name, module, self.raw.get("ignore") or []):
+            return None
+        for group_name, group in (self.raw.get("config_groups") or {}).items():
+            if _ct_match(name, module, group.get("targets") or []):
+                _check_ct_group(group_name, group, self.raw.get("format"))
+                return "weight-only" if group.get("input_activations") is None else "w4a4"
+        return None
+
+
+def _ct_match(name: str, module: nn.Module, targets: Iterable[str]) -> bool:
+    for target in targets:
+        if target.startswith("re:"):
+            if re.match(target[3:], name):
+                return True
+        elif target == name or target == type(module).__name__:
+            return True
+    return False
+
+
+def _check_ct_group(group_name: str, group: dict, top_format: str | None) -> None:
+    fmt = group.get("format") or top_format
+    if fmt != "nvfp4-pack-quantized":
+        raise ValueError(f"config_groups.{group_name}.format: expected 'nvfp4-pack-quantized', got {fmt!r}")
+    for part in ("weights", "input_activations"):
+        args = group.get(part)
+        if args is None:
+            if part == "weights":
+                raise ValueError(f"config_groups.{group_name}.weights: expected NVFP4 weight arguments, got None")
+            continue
+        got = (args.get("num_bits"), args.get("type"), args.get("group_size"))
+        if got != (4, "float", 16):
+            raise ValueError(f"config_groups.{group_name}.{part}: expected num_bits 4, type 'float', group_size 16 "
+                             f"(NVFP4), got {got}")
+
+
+def read_quantization_config(directory: str | Path) -> QuantizationConfig:
+    """The quantization config of a checkpoint directory (see this module's docstring for the forms read)."""
+    directory = Path(directory)
+    hf_quant = directory / "hf_quant_config.json"
+    if hf_quant.exists():
+        raw = json.loads(hf_quant.read_text())
+        if "quantization" not in raw or "quant_algo" not in raw["quantization"]:
+            raise ValueError(f"{hf_quant}: expected a 'quantization' object with 'quant_algo'")
+        return _modelopt_config(hf_quant, raw["quantization"])
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"directory: expected hf_quant_config.json or config.json in {directory}, found neither")
+    q = json.loads(config_path.read_text()).get("quantization_config")
+    if not isinstance(q, dict):
+        raise ValueError(f"{config_path}: expected a 'quantization_config' object")
+    method = q.get("quant_method")
+    if method == "modelopt":
+        return _modelopt_config(config_path, q)
+    if method in ("compressed-tensors", "mxfp4"):
+        return QuantizationConfig(method, q)
+    raise ValueError(f"{config_path}: quantization_config.quant_method: expected 'compressed-tensors', 'modelopt' "
+                     f"or 'mxfp4', got {method!r}")
+
+
+def _modelopt_config(path: Path, q: dict) -> QuantizationConfig:
+    algo = q.get("quant_algo")
+    if algo not in ("NVFP4", "W4A16_NVFP4"):
+        raise ValueError(f"{path}: quant_algo: expected 'NVFP4' or 'W4A16_NVFP4', got {algo!r}")
+    if q.get("group_size", 16) != 16:
+        raise ValueError(f"{path}: group_size: expected 16 (NVFP4), got {q.get('group_size')!r}")
+    return QuantizationConfig("modelopt", q)
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+
+def load_quantized(
+    model: nn.Module,
+    directory: str | Path,
+    *,
+    prefix: str = "",
+    activations: str | None = None,
+    scale_layout: str | None = None,
+    strict: bool = True,
+) -> list[str]:
+    """Load a quantized checkpoint directory into ``model``: its FP4 ``nn.Linear`` modules become ``FP4Linear``
+    (on the device of the Linear they replace), every other tensor is loaded with ``load_state_dict``.
+
+    prefix: prepended to module names to form checkpoint keys (``"model."`` when the checkpoint was saved
+        from a wrapper).  activations: None follows the config (and the layer's tensors); ``"weight-only"``
+        or ``"w4a4"`` overrides it.  scale_layout: None keeps the stored (linear) scales; ``"swizzled"``.
+    strict: raise ValueError when checkpoint tensors are left over or model tensors are missing.
+    Returns the names of the modules made FP4.
+    """
+    if activations is not None and activations not in ACTIVATIONS:
+        raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
+    config = read_quantization_config(directory)
+    tensors = SafetensorsDirectory(directory)
+    replaced, consumed = [], set()
+    try:
+        for name, module in _float_linears(model):
+            key = prefix + name
+            convention = detect_convention(tensors, key)
+            scheme = config.scheme(key, module)  # the config names modules as the checkpoint does
+            if convention is None:
+                if scheme is not None:
+                    raise ValueError(f"{key}: the {config.method} config quantizes this module but the checkpoint "
+                                     f"has no FP4 tensors for it")
+                continue
+            if scheme is None:
+                raise ValueError(f"{key}: the checkpoint has {convention} FP4 tensors but the {config.method} config "
+                                 f"leaves this module in float")
+            if convention != config.convention:
+                raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
+                                 f"got {convention} key names")
+            new = layer_from_tensors(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
+                                     device=module.weight.device)
+            if (new.in_features, new.out_features) != (module.in_features, module.out_features):
+                raise ValueError(f"{key}: expected [out, in] = [{module.out_features}, {module.in_features}] like the "
+                                 f"model's Linear, got [{new.out_features}, {new.in_features}]")
+            if (new.bias is None) != (module.bias is None):
+                raise ValueError(f"{key}.bias: expected {'a' if module.bias is not None else 'no'} bias like the "
+                                 f"model's Linear")
+            _replace(model, name, new)
+            replaced.append(name)
+            consumed.update(layer_keys(tensors, key))
+        rest, unexpected = {}, []
+        for key in tensors:
+            if key in consumed:
+                continue
+            if key.startswith(prefix):
+                rest[key[len(prefix):]] = tensors[key]
+            else:
+                unexpected.append(key)
+        result = model.load_state_dict(rest, strict=False)
+    finally:
+        tensors.close()
+    fp4_prefixes = tuple(n + "." for n in replaced)
+    missing = [k for k in result.missing_keys if not k.startswith(fp4_prefixes)]
+    unexpected += [prefix + k for k in result.unexpected_keys]
+    if strict and (missing or unexpected):
+        raise ValueError(f"directory: checkpoint and model disagree: missing {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
+                         f"{' ...' if len(unexpected) > 8 else ''} (strict=False loads anyway)")
+    return replaced
+
+
+# --- saving -------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
+    """All tensors of ``model`` with its FP4Linear modules in ``convention``; the float Linear names; the
+    FP4 modules' activation modes."""
+    fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    if not fp4:
+        raise ValueError("model: expected FP4Linear modules (quantize_model or load_quantized makes them), found none")
+    prefixes = tuple(n + "." for n in fp4)
+    tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
+    for name, module in fp4.items():
+        tensors.update(layer_tensors(module, convention, name))
+    float_linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return tensors, float_linears, {m.activations for m in fp4.values()}
+
+
+def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dict[str, dict]) -> Path:
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    seen, plain = set(), {}
+    for key, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        # safetensors refuses tensors sharing memory (views of one weight); such a tensor is written as a copy.
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
+        if ptr in seen:
+            t = t.clone()
+        elif ptr is not None:
+            seen.add(ptr)
+        plain[key] = t
+    save_file(plain, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    for file_name, content in configs.items():
+        (directory / file_name).write_text(json.dumps(content, indent=2) + "\n")
+    return directory
+
+
+def _one_mode(modes: set[str], method: str) -> str:
+    if len(modes) != 1:
+        raise ValueError(f"model: a {method} checkpoint written here holds one activation mode, got {sorted(modes)}")
+    return next(iter(modes))
+
+
+def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+    """Write ``model`` as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint: ``model.safetensors`` and
+    ``config.json`` (``config``, e.g. the model's own, plus ``quantization_config``).  Float ``nn.Linear``
+    modules are listed in ``ignore``.  Every FP4Linear must be NVFP4 with one activation mode, and each
+    multiplier must have an exact fp32 reciprocal (ValueError otherwise)."""
+    tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors")
+    mode = _one_mode(modes, "compressed-tensors")
+    args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
+            "dynamic": False, "scale_dtype": "float8_e4m3fn"}
+    group = {"targets": ["Linear"], "weights": args, "format": "nvfp4-pack-quantized",
+             "input_activations": {**args, "dynamic": "local"} if mode == "w4a4" else None,
+             "output_activations": None}
+    quantization = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+                    "quantization_status": "compressed", "config_groups": {"group_0": group},
+                    "ignore": float_linears}
+    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
+
+
+def save_modelopt(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+    """Write ``model`` as an NVIDIA ModelOpt NVFP4 checkpoint: ``model.safetensors``, ``hf_quant_config.json``
+    (``quant_algo`` ``"NVFP4"`` for W4A4, ``"W4A16_NVFP4"`` for weight-only; float Linear modules in
+    ``exclude_modules``) and ``config.json`` (``config`` plus the same as ``quantization_config``)."""
+    tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt")
+    algo = "NVFP4" if _one_mode(modes, "modelopt") == "w4a4" else "W4A16_NVFP4"
+    quantization = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
+                    "exclude_modules": float_linears}
+    configs = {"hf_quant_config.json": {"producer": {"name": "fp4gemv"}, "quantization": quantization},
+               "config.json": {**(config or {}), "quantization_config": {"quant_method": "modelopt", **quantization}}}
+    return _write(directory, tensors, configs)
+
+
+def save_mxfp4(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+    """Write ``model`` with its weight-only MXFP4 FP4Linear modules in the gpt-oss layout (``weight_blocks``,
+    ``weight_scales``) and ``config.json``'s ``quantization_config`` ``{"quant_method": "mxfp4",
+    "modules_to_not_convert": [float Linear names]}``."""
+    tensors, float_linears, _ = _checkpoint_tensors(model, "gpt-oss")
+    # Entries are regexes matched from the start of a name (and as dotted prefixes): anchor them.
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
+    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
