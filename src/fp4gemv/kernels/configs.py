@@ -18,6 +18,11 @@ class GemvConfig(NamedTuple):
     ``unroll``: loop unroll factor.  ``pdl``: programmatic dependent launch (the kernel waits for the previous
     kernel in the stream itself, so its launch overlaps that kernel's tail); ``prefetch``: with ``pdl``, how
     many 16-element blocks of each row to prefetch into L2 while waiting.
+    ``stages``: 0 runs ``kernels/w4a4.py``; >= 1 runs ``kernels/w4a4_async.py`` (scales loaded one step ahead;
+    from 2 on, weights and activation copied into shared memory ``stages - 1`` steps ahead by ``cp.async``), which
+    ignores ``unroll``.  ``persistent``: with ``stages >= 1``, a persistent grid of at most this many programs
+    per SM (fewer when fewer fit); 0: one program per tile of ``rows`` rows.  ``maxnreg``: with ``stages >= 1``,
+    a register cap per thread for ptxas (0: none), to trade registers for resident programs.
     """
 
     rows: int
@@ -28,6 +33,9 @@ class GemvConfig(NamedTuple):
     unroll: int = 1
     pdl: bool = False
     prefetch: int = 0
+    stages: int = 0
+    persistent: int = 0
+    maxnreg: int = 0
 
 
 def w4a4_config(m: int, k: int, l: int) -> GemvConfig:  # noqa: E741

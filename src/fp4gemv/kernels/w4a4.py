@@ -202,6 +202,13 @@ def launch_w4a4(
     global_scale_a, global_scale_b: one-element float32 tensors or None.
     scale_block: 16 (NVFP4: e4m3 scales) or 32 (MXFP4: e8m0 scales, one per two blocks).
     """
+    if config.stages:
+        from .w4a4_async import launch_w4a4_async
+
+        launch_w4a4_async(a_blocks, sfa, sfa_addressing, b_blocks, sfb, sfb_addressing, c, config=config,
+                          use_ptx=use_ptx, global_scale_a=global_scale_a, global_scale_b=global_scale_b,
+                          scale_block=scale_block)
+        return
     batch, m, nb = a_blocks.shape
     # Grid-dependency control is PTX; the interpreter runs the same kernel without it (nothing else changes).
     pdl = config.pdl and not interpreting()
