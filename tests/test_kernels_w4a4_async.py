@@ -120,9 +120,10 @@ def test_tile_puts_warps_along_k_first():
 
 @pytest.mark.parametrize("cfg", [GemvConfig(8, 4, 4, stages=3),  # 16 rows side by side in a warp, 8 asked
                                  GemvConfig(8, 32, 8, stages=3),  # 8 warps over rows of 2 lanes: 16 rows, 8 asked
-                                 GemvConfig(16, 128, 4, stages=2)])  # a 16-byte load per lane needs blocks <= 64
+                                 GemvConfig(16, 128, 4, stages=2),  # a lane's 16-byte load: blocks <= 64
+                                 GemvConfig(64, 1, 1, stages=2)])  # ... and >= 2
 def test_a_config_without_a_tile_is_rejected_before_anything_is_written(cfg):
-    with pytest.raises(ValueError, match="config: expected rows a multiple of"):
+    with pytest.raises(ValueError, match="config: expected blocks from 2 to 64 and rows a multiple of"):
         check_async_config(cfg)
     args, _ = _operands(128, 256, 1, seed=1, device=DEVICE)
     with pytest.raises(ValueError, match="config"):
@@ -130,9 +131,9 @@ def test_a_config_without_a_tile_is_rejected_before_anything_is_written(cfg):
     assert torch.isnan(args[4]).all()
 
 
-def _variants_module():
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "task_kernel_variants.py")
-    spec = importlib.util.spec_from_file_location("task_kernel_variants", path)
+def _benchmark_module(name):
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", name + ".py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -140,7 +141,7 @@ def _variants_module():
 
 def test_every_benchmarked_variant_has_a_tile():
     """benchmarks/sweep_task_kernel.py runs these on the GPU in one call: none may fail on its configuration."""
-    module = _variants_module()
+    module = _benchmark_module("task_kernel_variants")
     for shape in module.SHAPES:
         for fmt in ("nvfp4", "mxfp4"):
             names = [name for name, _ in module.variants(*shape, fmt=fmt)]
@@ -149,6 +150,38 @@ def test_every_benchmarked_variant_has_a_tile():
                 if cfg.stages:
                     check_async_config(cfg)
                 assert cfg.blocks * cfg.ksplit <= shape[1] // 16, (shape, name, cfg)
+
+
+def test_sweep_checks_tell_a_wrong_variant_from_a_right_one():
+    """The correctness phase of benchmarks/sweep_task_kernel.py (run once on the GPU before any timing), here on the
+    interpreter: right variants pass, a rejected configuration and a wrong result are reported as failures."""
+    sweep = _benchmark_module("sweep_task_kernel")
+    named = [("shipped", GemvConfig(16, 16, 8, ksplit=8)), ("async3", GemvConfig(16, 16, 8, ksplit=8, stages=3)),
+             ("persist3", GemvConfig(16, 8, 4, ksplit=2, stages=3, persistent=2)),
+             ("no tile", GemvConfig(8, 4, 4, stages=3))]
+    for check in (sweep.check_nvfp4, sweep.check_mxfp4):
+        result = check((128, 2048, 2), named, device=DEVICE, backend="triton")
+        assert [ok for ok, _ in result.values()] == [True, True, True, False], result
+        assert "ValueError: config" in result["no tile"][1]
+
+
+def test_sweep_checks_reject_a_wrong_result(monkeypatch):
+    """With the block sums scaled by 1 + 2^-8 (a plausible decode slip), both checks fail the variant."""
+    sweep = _benchmark_module("sweep_task_kernel")
+    from fp4gemv.kernels import w4a4_async
+
+    real = w4a4_async.launch_w4a4_async
+
+    def off_by_a_bit(*args, global_scale_a=None, **kw):
+        c = args[6]
+        real(*args, global_scale_a=global_scale_a, **kw)
+        c.mul_(1 + 2.0**-8)
+
+    monkeypatch.setattr(w4a4_async, "launch_w4a4_async", off_by_a_bit)
+    named = [("async3", GemvConfig(16, 16, 8, ksplit=8, stages=3))]
+    for check in (sweep.check_nvfp4, sweep.check_mxfp4):
+        (ok, message), = check((128, 2048, 1), named, device=DEVICE, backend="triton").values()
+        assert not ok, message
 
 
 # --- sm_90 machine code of the launches gemv and ops.task_gemv make --------------------------------------

@@ -239,11 +239,13 @@ def tile_shape(config: GemvConfig) -> tuple[int, int, int, int, int]:
 
 
 def check_async_config(config: GemvConfig) -> None:
-    """Raise ValueError when ``config`` has no tile for ``w4a4_async_kernel``."""
-    lane_rows, ksplit, warp_rows, rows_per_thread, blocks = tile_shape(config)
-    if lane_rows * blocks != 64 or rows_per_thread < 1 or lane_rows * warp_rows * rows_per_thread != config.rows:
-        raise ValueError(f"config: expected rows a multiple of (64 / blocks) * max(1, num_warps / ksplit) = "
-                         f"{lane_rows * warp_rows} and blocks <= 64, got {config}")
+    """Raise ValueError when ``config`` has no tile for ``w4a4_async_kernel``: a warp spans 64 / blocks whole rows
+    (a 16-byte load of two blocks per lane), and the warps beyond ``ksplit`` sit side by side over rows."""
+    warp_rows = max(1, config.num_warps // config.ksplit)
+    rows_per_step = (64 // config.blocks) * warp_rows if 2 <= config.blocks <= 64 else 0
+    if not rows_per_step or config.rows % rows_per_step:
+        raise ValueError(f"config: expected blocks from 2 to 64 and rows a multiple of (64 / blocks) * "
+                         f"max(1, num_warps / ksplit) = {rows_per_step or '?'}, got {config}")
 
 
 def launch_w4a4_async(
