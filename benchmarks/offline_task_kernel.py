@@ -10,8 +10,9 @@ the SASS comes from its cuobjdump.  Per variant and shape:
 
 * ``regs``, ``smem`` (dynamic shared bytes), ``spill`` (local-memory instructions in the SASS);
 * ``loop``: SASS instructions of the main loop (the longest backward branch; for the persistent variant that
-  body also holds the per-tile set-up and epilogue, behind branches), ``B/thr``: weight bytes one thread
-  consumes per loop iteration, ``ins/B``: loop instructions per weight byte per thread;
+  body also holds the per-tile set-up and epilogue, behind branches), ``path``: the shortest path through it
+  (every forward branch inside taken: a step that neither starts nor ends a tile), ``B/thr``: weight bytes one
+  thread consumes per loop iteration, ``ins/B``: ``path`` per weight byte per thread;
 * ``ld16``: 16-byte weight and activation loads (``LDG.E.128``, or ``LDGSTS`` copies) per thread and iteration;
 * ``res``: programs resident per SM (registers: 64 K per SM in 256-register units per warp; shared memory:
   228 KB per SM, 1 KB reserved per program; 2048 threads); ``waves``: grid / (132 SMs x res);
@@ -164,15 +165,31 @@ def instructions(sass: str) -> list[tuple[int, str]]:
     return out
 
 
-def main_loop(sass: str) -> list[str]:
-    """The instructions of the longest backward branch's body (the K loop)."""
-    ins = instructions(sass)
+def main_loop(sass: str) -> tuple[list[str], int]:
+    """The instructions of the longest backward branch's body (the K loop), and the length of the shortest path
+    through it (every forward branch inside it taken: the flattened persistent loop's per-tile set-up and
+    epilogue sit behind such branches; the other loops have none, and the two counts agree)."""
+    raw = []
+    for line in sass.splitlines():
+        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if found:
+            raw.append((int(found.group(1), 16), found.group(2)))
     best = (0, -1)
-    for addr, text in ins:
+    for addr, text in raw:
         target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr and addr - int(target.group(1), 16) > best[1] - best[0]:
             best = (int(target.group(1), 16), addr)
-    return [text for addr, text in ins if best[0] <= addr <= best[1]]
+    body = [(addr, text) for addr, text in raw if best[0] <= addr <= best[1]]
+    position = {addr: i for i, (addr, _) in enumerate(body)}
+    i, path = 0, 0
+    while i < len(body) and path <= len(body):
+        path += 1
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", body[i][1])
+        if target and int(target.group(1), 16) in position and int(target.group(1), 16) > body[i][0]:
+            i = position[int(target.group(1), 16)]
+        else:
+            i += 1
+    return [re.sub(r"^@!?U?P\w+\s+", "", text) for _, text in body], path
 
 
 def analyze(kernel, grid, args, kw, compiled, shape, fmt) -> dict:
@@ -180,7 +197,7 @@ def analyze(kernel, grid, args, kw, compiled, shape, fmt) -> dict:
     sass, usage = sass_of(compiled)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     smem = compiled.metadata.shared
-    loop = main_loop(sass)
+    loop, path = main_loop(sass)
     ops_count = collections.Counter(t.split()[0] for t in loop)
     c = {name: kw[name] for name in kw if name.isupper()}
     warps = kw["num_warps"]
@@ -212,8 +229,8 @@ def analyze(kernel, grid, args, kw, compiled, shape, fmt) -> dict:
         inflight = resident * (stages - 1) * (per_iteration + act)
     else:
         inflight = resident * threads * ld16 * 16
-    row = dict(fmt=fmt, shape=shape, regs=regs, smem=smem, spill=spills, loop=len(loop),
-               bytes_per_thread=bytes_per_thread, ins_per_byte=len(loop) / bytes_per_thread, ld16=ld16,
+    row = dict(fmt=fmt, shape=shape, regs=regs, smem=smem, spill=spills, loop=len(loop), path=path,
+               bytes_per_thread=bytes_per_thread, ins_per_byte=path / bytes_per_thread, ld16=ld16,
                resident=resident, grid=programs, waves=programs / (SMS * resident), inflight_kb=inflight / 1024,
                barriers=ops_count.get("BAR.SYNC.DEFER_BLOCKING", 0),
                byte_loads=sum(v for op, v in ops_count.items() if op.startswith("LDG") and op.endswith(("U8", "S8"))),
@@ -222,7 +239,7 @@ def analyze(kernel, grid, args, kw, compiled, shape, fmt) -> dict:
     if fmt == "nvfp4" and shape in BEST_READ_US:
         weight_bytes = l * m * k // 2
         per_sm = weight_bytes / (BEST_READ_US[shape] * 1e-6) / SMS  # weight bytes per second per SM
-        row["issue_at_read"] = (len(loop) / (bytes_per_thread * 32)) * per_sm / (4 * SM_CLOCK_HZ)
+        row["issue_at_read"] = (path / (bytes_per_thread * 32)) * per_sm / (4 * SM_CLOCK_HZ)
     return row
 
 
@@ -232,8 +249,8 @@ def main():
     parser.add_argument("--json", default=None, help="write every row to this file")
     opts = parser.parse_args()
     rows = []
-    header = ("fmt", "shape", "variant", "regs", "smem", "spill", "loop", "B/thr", "ins/B", "ld16", "res", "grid",
-              "waves", "inflight KB/SM", "bar", "u16", "u8", "issue@read")
+    header = ("fmt", "shape", "variant", "regs", "smem", "spill", "loop", "path", "B/thr", "ins/B", "ld16", "res",
+              "grid", "waves", "inflight KB/SM", "bar", "u16", "u8", "issue@read")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for fmt in opts.fmt.split(","):
@@ -245,7 +262,8 @@ def main():
                 rows.append(row)
                 issue = f"{row['issue_at_read']:.0%}" if "issue_at_read" in row else "-"
                 print(f"| {fmt} | {'x'.join(map(str, shape))} | {name} | {row['regs']} | {row['smem']} | "
-                      f"{row['spill']} | {row['loop']} | {row['bytes_per_thread']:.0f} | {row['ins_per_byte']:.2f} | "
+                      f"{row['spill']} | {row['loop']} | {row['path']} | {row['bytes_per_thread']:.0f} | "
+                      f"{row['ins_per_byte']:.2f} | "
                       f"{row['ld16']} | {row['resident']} | {row['grid']} | {row['waves']:.2f} | "
                       f"{row['inflight_kb']:.0f} | {row['barriers']} | {row['scale_loads16']} | {row['byte_loads']} | "
                       f"{issue} |", flush=True)

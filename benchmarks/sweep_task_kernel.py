@@ -4,7 +4,7 @@ timed next to a read of the same bytes.
     PYTHONPATH=src python benchmarks/sweep_task_kernel.py [--fmt nvfp4,mxfp4] [--shapes 0,1,...] [--variants a,b]
                                                           [--no-check] [--replays 15]
 
-Variants and shapes: ``benchmarks/task_kernel_variants.py`` (7 shapes; NVFP4: 6 variants, MXFP4: 3).
+Variants and shapes: ``benchmarks/task_kernel_variants.py`` (7 shapes; NVFP4: 6 or 7 variants, MXFP4: 3).
 For each shape and format, in this order:
 
 1. Correctness of every variant on the GPU: NVFP4 on ``task.generate_full_range_input`` (all 16 codes, scales over
@@ -128,7 +128,8 @@ def time_variants(shape, fmt, named, replays):
         inputs = [bench.random_task_operands(m, k, l, seed=i) for i in range(input_count(nbytes))]
         make = lambda cfg: (lambda x: ops.task_gemv(*x, config=cfg))  # noqa: E731
     else:
-        inputs = [bench.random_gemv_operands(Shape(m, k, l), "mxfp4", "fp4", seed=i) for i in range(input_count(nbytes))]
+        inputs = [bench.random_gemv_operands(Shape(m, k, l), "mxfp4", "fp4", seed=i)
+                  for i in range(input_count(nbytes))]
         make = lambda cfg: (lambda x: gemv(x[0], x[1], out=x[2], config=cfg))  # noqa: E731
     out = {}
     for name, cfg in named:
@@ -211,8 +212,8 @@ def print_table(results):
                 cells.append("FAIL")
             else:
                 cells.append("-" if not v else "error")
-        print(f"| {row['fmt']} | {'x'.join(map(str, row['shape']))} | {row['read_us']:.2f} | {row['read_pdl_us']:.2f} | "
-              + " | ".join(cells) + " |")
+        print(f"| {row['fmt']} | {'x'.join(map(str, row['shape']))} | {row['read_us']:.2f} | "
+              f"{row['read_pdl_us']:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -128,7 +128,8 @@ def _tile(tile, cols, M, NB, n_row_tiles,
     ROWS: tl.constexpr = LANE_ROWS * WARP_ROWS * ROWS_PER_THREAD
     pid_m = tile % n_row_tiles
     pid_l = (tile // n_row_tiles).to(tl.int64)
-    rows3 = (pid_m * ROWS + tl.arange(0, LANE_ROWS)[:, None, None] + (tl.arange(0, WARP_ROWS) * LANE_ROWS)[None, :, None]
+    rows3 = (pid_m * ROWS + tl.arange(0, LANE_ROWS)[:, None, None]
+             + (tl.arange(0, WARP_ROWS) * LANE_ROWS)[None, :, None]
              + (tl.arange(0, ROWS_PER_THREAD) * (LANE_ROWS * WARP_ROWS))[None, None, :])
     rows = rows3[:, None, :, :, None]
     rows_in = tl.minimum(rows, M - 1)  # tail rows re-read row M - 1; only the store is masked
@@ -311,17 +312,19 @@ def _resident_programs(args: tuple, kwargs: dict) -> int:
     """How many programs of this compiled kernel fit on one SM at once (registers, shared memory, threads):
     a persistent grid must not exceed it, or its last programs start only when others have finished."""
     compiled = w4a4_async_kernel.warmup(*args, grid=(1,), **kwargs)
+    if hasattr(compiled, "result"):  # Triton's asynchronous compilation hands out a future
+        compiled = compiled.result()
     key = (id(compiled), args[0].device.index)
     if key not in _RESIDENT:
         compiled._init_handles()
         props = torch.cuda.get_device_properties(args[0].device)
         warps = kwargs["num_warps"]
-        # Registers are allocated per warp in units of 256; sm_90 has 64 K per SM and reserves 1 KB of shared
-        # memory per program.
+        # Registers are allocated per warp in units of 256 of the SM's 64 K.  Shared memory: an SM has 1 KB more
+        # than a program may opt in to, and reserves 1 KB per program.
         regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256
         by_regs = (65536 // regs_per_warp) // warps
-        smem_per_sm = triton.runtime.driver.active.utils.get_device_properties(args[0].device.index)["max_shared_mem"]
-        by_smem = (smem_per_sm + 1024) // (compiled.metadata.shared + 1024)
-        by_threads = props.max_threads_per_multi_processor // (32 * warps)
+        optin = triton.runtime.driver.active.utils.get_device_properties(args[0].device.index)["max_shared_mem"]
+        by_smem = (optin + 1024) // (compiled.metadata.shared + 1024)
+        by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
         _RESIDENT[key] = max(1, min(by_regs, by_smem, by_threads, 32))
     return _RESIDENT[key]
