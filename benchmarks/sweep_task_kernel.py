@@ -2,7 +2,7 @@
 timed next to a read of the same bytes.
 
     PYTHONPATH=src python benchmarks/sweep_task_kernel.py [--fmt nvfp4,mxfp4] [--shapes 0,1,...] [--variants a,b]
-                                                          [--no-check] [--replays 15]
+                                                          [--no-check] [--replays 15] [--cuda-read]
 
 Variants and shapes: ``benchmarks/task_kernel_variants.py`` (7 shapes; NVFP4: 6 or 7 variants, MXFP4: 3).
 For each shape and format, in this order:
@@ -14,7 +14,8 @@ For each shape and format, in this order:
    float64 result.  A variant that fails is reported and not timed.
 2. Device time (``bench.device_time_us``: CUDA-graph replay over >= 20 distinct inputs and >= 300 MB, L2 flushed
    before each replay) of each variant, and of ``bench.stream_read_time_us`` on the same number of bytes, without
-   and with PDL, in the same run.  Registers, spills and shared memory of each compiled variant are recorded.
+   and with PDL, in the same run (``--cuda-read``: also the two best CUDA C++ reads of ``stream_ceiling.py``).
+   Registers, spills and shared memory of each compiled variant are recorded.
 
 Prints one line per measurement as it goes, a table at the end, and writes ``sweep_task_kernel.json`` to ``$OUT``
 (rewritten after every shape, so a run cut short keeps what it measured).  Each distinct variant x shape is one
@@ -146,6 +147,22 @@ def time_variants(shape, fmt, named, replays):
     return out
 
 
+def cuda_reads(ext, nbytes, replays):
+    """Device times of the two CUDA C++ reads of ``benchmarks/stream_ceiling.py`` that were best on these shapes
+    (32 KB chunks and a persistent grid, both with PDL), on ``input_count`` distinct buffers of ``nbytes``."""
+    bufs = [torch.empty(nbytes // 16 * 16, dtype=torch.uint8, device="cuda").random_(0, 255)
+            for _ in range(input_count(nbytes))]
+    out = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    n16, sms = nbytes // 16, torch.cuda.get_device_properties(0).multi_processor_count
+    launches = {"cuda chunk32K pdl": lambda x: ext.stream_read_cuda(x, out, -(-n16 // 2048), 256, 2048, 8, False, True),
+                "cuda persist pdl": lambda x: ext.stream_read_cuda(x, out, sms * 4, 512, 0, 4, False, True)}
+    times = {name: summarize(device_time_us(launch, bufs, replays=replays))["median_us"]
+             for name, launch in launches.items()}
+    del bufs
+    torch.cuda.empty_cache()
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fmt", default="nvfp4,mxfp4")
@@ -153,7 +170,17 @@ def main():
     parser.add_argument("--variants", default=None, help="variant names (default: all)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness phase")
     parser.add_argument("--replays", type=int, default=15)
+    parser.add_argument("--cuda-read", action="store_true",
+                        help="also time the best CUDA C++ reads of stream_ceiling.py (an nvcc build, ~1 minute)")
     opts = parser.parse_args()
+    ext = None
+    if opts.cuda_read:
+        from stream_ceiling import CUDA, DECLARATION
+        from torch.utils.cpp_extension import load_inline
+
+        ext = load_inline("fp4gemv_stream_ceiling", cpp_sources=DECLARATION, cuda_sources=CUDA,
+                          functions=["stream_read_cuda"],
+                          extra_cuda_cflags=["-O3", "-gencode=arch=compute_90,code=sm_90"], verbose=False)
     out_dir = os.environ.get("OUT", ".")
     shapes = SHAPES if opts.shapes is None else [SHAPES[int(i)] for i in opts.shapes.split(",")]
     wanted = None if opts.variants is None else set(opts.variants.split(","))
@@ -179,30 +206,35 @@ def main():
             torch.cuda.empty_cache()
             row = {"fmt": fmt, "shape": shape, "bytes": nbytes, "floor_us": floor_us(nbytes), "read_us": read,
                    "read_pdl_us": read_pdl, "variants": {}}
+            if ext is not None:
+                row["cuda_read_us"] = cuda_reads(ext, nbytes, opts.replays)
             for name, cfg in named:
                 entry = {"config": cfg._asdict(), "check": checks.get(name), **timed.get(name, {})}
                 row["variants"][name] = entry
             results.append(row)
-            best_read = min(read, read_pdl)
+            best_read = min(read, read_pdl, *row.get("cuda_read_us", {}).values())
             line = " | ".join(
                 f"{n} {v['us']:.2f} ({best_read / v['us']:.2f}x) r{v['regs']}" if "us" in v else f"{n} -"
                 for n, v in row["variants"].items())
-            print(f"[{time.time() - t0:4.0f}s] {label}: read {read:.2f} / pdl {read_pdl:.2f} || {line}", flush=True)
+            cuda = "".join(f" / {n} {t:.2f}" for n, t in row.get("cuda_read_us", {}).items())
+            print(f"[{time.time() - t0:4.0f}s] {label}: read {read:.2f} / pdl {read_pdl:.2f}{cuda} || {line}",
+                  flush=True)
             with open(os.path.join(out_dir, "sweep_task_kernel.json"), "w") as f:
                 json.dump(results, f, indent=1)
     print_table(results)
 
 
 def print_table(results):
-    """Kernel / best Triton read of the same bytes, per variant and shape (higher is better; the bar is 0.95 for
-    NVFP4 and 0.90 for MXFP4 against the best read of any kind, docs/performance.md)."""
+    """Kernel / best read of the same bytes measured in this run (Triton, and CUDA C++ with ``--cuda-read``), per
+    variant and shape: higher is better; the bar is 0.95 for NVFP4 and 0.90 for MXFP4 against the best read of
+    any kind (docs/performance.md)."""
     names = []
     for row in results:
         names += [n for n in row["variants"] if n not in names]
-    print("\n| fmt | M x K x L | read us | read PDL us | " + " | ".join(names) + " |")
-    print("|---|---|---|---|" + "---|" * len(names))
+    print("\n| fmt | M x K x L | read us | read PDL us | best read us | " + " | ".join(names) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(names))
     for row in results:
-        best_read = min(row["read_us"], row["read_pdl_us"])
+        best_read = min(row["read_us"], row["read_pdl_us"], *row.get("cuda_read_us", {}).values())
         cells = []
         for n in names:
             v = row["variants"].get(n, {})
@@ -213,7 +245,7 @@ def print_table(results):
             else:
                 cells.append("-" if not v else "error")
         print(f"| {row['fmt']} | {'x'.join(map(str, row['shape']))} | {row['read_us']:.2f} | "
-              f"{row['read_pdl_us']:.2f} | " + " | ".join(cells) + " |")
+              f"{row['read_pdl_us']:.2f} | {best_read:.2f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
