@@ -87,3 +87,37 @@ def test_best_read_variants_are_the_fastest_ones_of_the_ceiling_table():
     assert len(READ_VARIANTS) == 11 and all(v in READ_VARIANTS for v in BEST_READ_VARIANTS)
     assert {v.name for v in BEST_READ_VARIANTS} == {"triton pdl", "cuda 32K pdl", "cuda 32K cs pdl",
                                                      "cuda persistent pdl", "cuda 128K pdl"}
+
+
+def test_decode_benchmark_models_and_bytes():
+    """The model shapes of ``fp4gemv bench --model`` and the weight bytes per token they report."""
+    from fp4gemv.bench import model
+
+    llama8 = model.MODELS["llama3-8b"]
+    assert [s[1:] for s in llama8.linear_shapes()] == [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+                                                       (14336, 4096), (14336, 4096), (4096, 14336)]
+    params = 32 * sum(o * i for _, o, i in llama8.linear_shapes())
+    assert params == 6_979_321_856  # Llama-3-8B's decoder linear weights
+    assert model._weight_bytes(llama8, fp4=False) == 2 * params
+    assert model._weight_bytes(llama8, fp4=True) == params // 2 + params // 16
+    assert model.MODELS["llama3-70b"].layers == 80 and model.MODELS["llama3-70b"].timed_layers == 20
+
+
+def test_decode_benchmark_layers_run_a_token_on_cpu():
+    """The FP4Linear and bf16 layers it times, on a tiny model on the CPU (one token, both kinds)."""
+    from fp4gemv.bench import model
+
+    tiny = model.ModelShape("tiny", layers=4, hidden=64, kv=32, intermediate=128, timed_layers=2)
+    for build in (model._fp4_layers, model._bf16_layers):
+        layers = build(tiny, "cpu")
+        assert len(layers) == 2 * 7
+        inputs = model._inputs(tiny, 1, "cpu")
+        model._token(layers, inputs)
+        outs = [layer(inputs[layer.in_features]) for layer in layers[:7]]
+        assert [o.shape[-1] for o in outs] == [64, 32, 32, 64, 128, 128, 64]
+        assert all(torch.isfinite(o).all() for o in outs)
+    rows = [dict(model="tiny", n=1, kind=k, layers=4, timed_layers=2, graph_us=g, eager_us=e,
+                 graph_tokens_per_s=1e6 / g, eager_tokens_per_s=1e6 / e, weight_bytes_per_token=b)
+            for k, g, e, b in (("fp4", 100.0, 400.0, 10), ("bf16", 300.0, 500.0, 40))]
+    table = model.format_decode_table(rows).splitlines()
+    assert table[1].split()[-2:] == ["3.00", "1.25"] and "scaled to all" in table[-1]

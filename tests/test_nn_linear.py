@@ -245,3 +245,45 @@ def test_cuda_against_the_oracle(fmt, activations, tokens):
     magnitude = x64.abs() @ w64.abs().t() + module.bias.double().abs().cpu()
     bound = (512 * 2.0**-23 + 2.0**-7) * magnitude + 1e-30  # two bf16 roundings (gemv, then + bias) at most
     assert ((y - exact).abs() <= bound).all()
+
+
+def test_the_weight_view_is_kept_between_calls_and_follows_changes():
+    """A decode step calls every layer: the FP4Tensor view of the buffers is built once, and rebuilt when a
+    buffer is replaced or the per-tensor scale changes in place."""
+    import copy
+
+    from fp4gemv.nn import FP4Linear
+
+    linear = torch.nn.Linear(64, 32, bias=False)
+    layer = FP4Linear.from_linear(linear, "nvfp4")
+    first = layer.quantized_weight()
+    assert layer.quantized_weight() is first
+    x = torch.randn(2, 64)
+    before = layer(x)
+    scale_name = next(n for n in ("weight_scale_2", "weight_global_scale") if layer._buffers.get(n) is not None)
+    layer._buffers[scale_name].mul_(2)  # in place: same tensor, new version
+    assert layer.quantized_weight() is not first
+    ratio = 2.0 if scale_name == "weight_scale_2" else 0.5
+    torch.testing.assert_close(layer(x), before * ratio)
+    clone = copy.deepcopy(layer)
+    assert "_quantized_weight" not in clone.__getstate__()
+    assert clone.quantized_weight() is not layer.quantized_weight()
+
+
+@pytest.mark.parametrize("activations", ["weight-only", "w4a4"])
+def test_fp4linear_compiles_without_graph_breaks(activations):
+    import torch._dynamo
+
+    from fp4gemv.nn import FP4Linear
+
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(torch.nn.Linear(64, 48), "nvfp4", activations=activations)
+    x = torch.randn(3, 64)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(layer, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in (1, 2):
+            x = torch.randn(3, 64, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(compiled(x), layer(x))

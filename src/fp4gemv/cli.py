@@ -7,6 +7,7 @@
     fp4gemv bench           [--shapes task|decode|model|all|every] [--format nvfp4|mxfp4] [--act fp4|fp16|bf16]
                             [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
     fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
+    fp4gemv bench --model llama3-8b|llama3-70b [--n 1,8]   one decode token's linear layers   (GPU only)
 
 Each top-level command is one ``_add_<command>_parser`` function listed in ``_COMMANDS``; it adds its
 sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and returns as the exit code.
@@ -214,7 +215,7 @@ def _parse_ns(text: str) -> list[int] | None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    ns = _parse_ns(args.n)
+    ns = _parse_ns(args.n or ("1,8" if args.model else "1"))
     if ns is None:
         print(f"error: --n: expected comma-separated integers from 1 to 16, got {args.n!r}", file=sys.stderr)
         return 2
@@ -225,6 +226,18 @@ def _run_bench(args: argparse.Namespace) -> int:
         from fp4gemv.bench.host import format_host_table, host_costs
 
         print(format_host_table(host_costs()))
+        return 0
+    if args.model:
+        import json
+        import os
+
+        from fp4gemv.bench.model import decode_benchmark, format_decode_table
+
+        rows = decode_benchmark(args.model, ns)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"decode-{args.model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(format_decode_table(rows))
         return 0
     from fp4gemv import bench
 
@@ -242,10 +255,14 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4", help="weight (and FP4 activation) format")
     p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default="fp4",
                    help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
-    p.add_argument("--n", default="1", help="activation rows (decode batch), comma-separated, each 1..16")
+    p.add_argument("--n", default=None,
+                   help="activation rows (decode batch), comma-separated, each 1..16 (default 1; 1,8 with --model)")
     p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
+    p.add_argument("--model", choices=("llama3-8b", "llama3-70b"), default=None,
+                   help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
+                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json")
     p.set_defaults(func=_run_bench)
 
 

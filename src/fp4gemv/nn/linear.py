@@ -185,8 +185,25 @@ class FP4Linear(nn.Module):
         return _multiplier(self, _INPUT_SCALE_NAMES)
 
     def quantized_weight(self) -> FP4Tensor:
-        """The weight as an ``FP4Tensor`` ``[out_features, in_features]`` (views of the buffers, no copy)."""
-        return FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+        """The weight as an ``FP4Tensor`` ``[out_features, in_features]`` (views of the buffers, no copy).
+
+        Kept between calls (a decode step is hundreds of them) until a buffer is replaced (``.to()``,
+        ``load_state_dict`` of a new tensor) or the per-tensor scale changes in place (its version counter):
+        the packed data and block scales are views, so in-place loads show through."""
+        if torch.compiler.is_compiling():
+            return FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+        per_tensor = next((self._buffers[n] for n in _WEIGHT_SCALE_NAMES.values() if self._buffers.get(n) is not None),
+                          None)
+        version = None if per_tensor is None else per_tensor._version
+        cached = self.__dict__.get("_quantized_weight")
+        if cached is not None:
+            (weight, scale, scale_2, scale_2_version), quantized = cached
+            if (weight is self.weight and scale is self.weight_scale and scale_2 is per_tensor
+                    and scale_2_version == version):
+                return quantized
+        quantized = FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+        self.__dict__["_quantized_weight"] = ((self.weight, self.weight_scale, per_tensor, version), quantized)
+        return quantized
 
     def quantize_input(self, x2d: torch.Tensor) -> FP4Tensor:
         """W4A4's activation ``[T, in_features]`` as an FP4Tensor in the weight's format (linear scales)."""
@@ -240,6 +257,11 @@ class FP4Linear(nn.Module):
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_quantized_weight", None)  # views of the buffers: rebuilt on the next call
+        return state
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # type: ignore[override]
         # load_state_dict would convert values across dtypes (uint8 byte 56 -> e4m3 56.0): bytes must match.
@@ -257,6 +279,7 @@ class FP4Linear(nn.Module):
         # model.to(torch.bfloat16) / .half() convert every floating-point buffer, and float8 scales and
         # fp32 per-tensor scales count as floating point: keep their dtype (and exact values), move only.
         kept = {name: self._buffers[name] for name in _FIXED_BUFFERS if self._buffers.get(name) is not None}
+        self.__dict__.pop("_quantized_weight", None)
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
