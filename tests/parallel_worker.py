@@ -76,7 +76,7 @@ def case_column_gathered(world, rank, dirs):
     for convention in CONVENTIONS:
         whole = _whole(dirs[convention])
         layer = ColumnParallelFP4Linear.from_safetensors(dirs[convention], PREFIX)
-        for tokens, dtype in ((1, torch.float32), (3, torch.float32), (2, torch.float16), (16, torch.bfloat16)):
+        for tokens, dtype in ((1, torch.float32), (3, torch.float16), (16, torch.bfloat16)):
             x = _x(tokens, whole.in_features, dtype, seed=tokens)
             y_tp, y_one = layer.to(dtype)(x), whole.to(dtype)(x)
             assert y_tp.shape == y_one.shape, f"{convention}: shape {tuple(y_tp.shape)} != {tuple(y_one.shape)}"
@@ -102,6 +102,9 @@ def _row_cases(world, rank, dirs, input_is_parallel):
         # The sums here; the bias on its own in case_bias_once.
         whole.bias, layer.bias = None, None
         k = whole.in_features // world
+        layer16, whole16 = RowParallelFP4Linear.from_safetensors(
+            dirs[convention], PREFIX, input_is_parallel=input_is_parallel), _whole(dirs[convention])
+        layer16.bias, whole16.bias = None, None
         for tokens in (1, 5):
             x = _x(tokens, whole.in_features, torch.float32, seed=10 + tokens)
             x_in = x[:, rank * k:(rank + 1) * k] if input_is_parallel else x
@@ -109,9 +112,6 @@ def _row_cases(world, rank, dirs, input_is_parallel):
             y_tp, y_one = layer(x_in), whole(x)
             _check_row_fp32(y_tp, y_one, exact, bound, f"{convention} T={tokens}")
             # float16 out: the one rounding of the fp32 sum against the single layer's one rounding of S.
-            layer16, whole16 = RowParallelFP4Linear.from_safetensors(
-                dirs[convention], PREFIX, input_is_parallel=input_is_parallel), _whole(dirs[convention])
-            layer16.bias, whole16.bias = None, None
             x16 = x.half()
             exact16, bound16 = row_bound(whole16, x16, world)
             x16_in = x16[:, rank * k:(rank + 1) * k] if input_is_parallel else x16
@@ -212,10 +212,48 @@ def case_symm_mem_needs_cuda(world, rank, dirs):
         raise AssertionError("collective='symm_mem' ran on CPU tensors")
 
 
+def case_bench_measure_on_cpu(world, rank, dirs):
+    """fp4gemv bench --tp's per-rank measurement with the GPU timer replaced by one that runs every launch:
+    the layers it builds, the shards, the output check, the ranks' summary and table."""
+    from fp4gemv.bench import tp
+
+    timed = []
+
+    def run_every_launch(launch, inputs, replays=15, before_replay=None):
+        for item in inputs:
+            launch(item)
+        before_replay()
+        timed.append(len(inputs))
+        return [float(len(timed))]
+
+    saved = tp.device_time_us, tp.input_count
+    tp.device_time_us, tp.input_count = run_every_launch, lambda nbytes: 2
+    try:
+        rows = []
+        for split, m, k in (("column", 256, 512), ("row", 128, 1024)):
+            for fmt, act in (("nvfp4", "bf16"), ("mxfp4", "fp16")):
+                mine = tp.measure_case(split, m, k, 3, fmt, act, rank, world, dist.barrier, torch.device("cpu"),
+                                       collectives=("default",))
+                if split == "column":
+                    assert mine["rel_error"] == 0.0, f"column {fmt} {act}: {mine['rel_error']}"
+                else:  # one rounding of a bf16 / fp16 output at most
+                    assert mine["rel_error"] <= 2.0 ** -7, f"row {fmt} {act}: {mine['rel_error']}"
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, mine)
+                rows.append({"split": split, "m": m, "k": k, "n": 3, **tp.summarize_case(per_rank)})
+        assert timed == [2, 2, 2] * 4, timed  # whole layers, shards without and with the collective
+        assert all(r["best_collective"] == "default" and r["symm_mem_us"] is None for r in rows)
+        table = tp.format_tp_table(rows, world).splitlines()
+        assert len(table) == 2 + len(rows) and "column" in table[2] and "n/a" in table[2], table
+    finally:
+        tp.device_time_us, tp.input_count = saved
+
+
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
 def worker(rank: int, world: int, port: int, dirs: dict, out: str) -> None:
+    torch.set_num_threads(1)  # two processes on a small CI machine: no oversubscription
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     results = {}
     try:
