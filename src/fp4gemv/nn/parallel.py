@@ -23,8 +23,9 @@ read from a safetensors checkpoint in any convention of ``fp4gemv.nn.checkpoints
 each rank reads only the bytes of its slice of the data and scales (safetensors ``get_slice``), never the
 whole weight.
 
-Numerics.  Column-parallel outputs are the single layer's, bit for bit: every output row is computed by the
-same kernel from the same bytes.  Row-parallel: each rank computes its partial sum ``S_r`` rounded once to
+Numerics.  Column-parallel outputs are the single layer's, bit for bit, wherever a row's sum does not depend
+on how many rows the layer has: always on the CPU path (the float64 reference); on GPUs the kernel's
+configuration is chosen per shape, and a shard's rows may be summed in another fp32 order.  Row-parallel: each rank computes its partial sum ``S_r`` rounded once to
 ``reduce_dtype`` (float32 by default), the group sums the partials in that dtype (in an order of the
 collective's choosing), the sum is rounded to x's dtype and the bias added.  With u = 2^-24 and
 gamma_n = n u / (1 - n u), the float32 sum s of P partials satisfies
