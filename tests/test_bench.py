@@ -121,3 +121,32 @@ def test_decode_benchmark_layers_run_a_token_on_cpu():
             for k, g, e, b in (("fp4", 100.0, 400.0, 10), ("bf16", 300.0, 500.0, 40))]
     table = model.format_decode_table(rows).splitlines()
     assert table[1].split()[-2:] == ["3.00", "1.25"] and "scaled to all" in table[-1]
+
+
+# --- fp4gemv bench --tp (the measurement itself runs in tests/parallel_worker.py, case_bench_measure_on_cpu) --
+
+
+def test_tp_bench_says_how_to_launch_it(monkeypatch, capsys):
+    from fp4gemv import cli
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert cli.main(["bench", "--tp", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "torchrun --nproc-per-node 2 -m fp4gemv bench --tp 2" in err and "WORLD_SIZE" in err, err
+    assert cli.main(["bench", "--tp", "2", "--act", "fp4"]) == 2
+    assert "--act fp4: --tp times weight-only layers" in capsys.readouterr().err
+
+
+def test_tp_bench_launch_checks():
+    from fp4gemv.bench.tp import check_launch
+
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    with pytest.raises(ValueError, match=r"--tp 4: expected WORLD_SIZE = 4 processes .*got 2"):
+        check_launch(4, env)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus < 2:
+        with pytest.raises(ValueError, match=rf"--tp 2: expected 2 CUDA GPUs, found {gpus}"):
+            check_launch(2, env)
+    else:
+        assert check_launch(2, env) == (1, 1)

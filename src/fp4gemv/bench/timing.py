@@ -23,8 +23,12 @@ def input_count(nbytes: int) -> int:
     return max(20, -(-300_000_000 // nbytes))
 
 
-def device_time_us(launch: Callable[[object], object], inputs: Sequence[object], replays: int = 15) -> list[float]:
-    """Per-launch device times (us), one per graph replay, of ``launch(x)`` for every ``x`` in ``inputs``."""
+def device_time_us(launch: Callable[[object], object], inputs: Sequence[object], replays: int = 15,
+                   before_replay: Callable[[], object] | None = None) -> list[float]:
+    """Per-launch device times (us), one per graph replay, of ``launch(x)`` for every ``x`` in ``inputs``.
+
+    before_replay: called after the L2 flush and before the timed replay, outside the timing (the
+    tensor-parallel benchmark lines up the ranks there)."""
     flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -41,6 +45,8 @@ def device_time_us(launch: Callable[[object], object], inputs: Sequence[object],
     times = []
     for _ in range(replays):
         flush.zero_()
+        if before_replay is not None:
+            before_replay()
         start.record()
         graph.replay()
         end.record()

@@ -4,10 +4,13 @@
 quantized to FP4); :func:`quantize_model` converts a float model; :func:`load_quantized` reads the
 checkpoints people download (compressed-tensors ``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss
 MXFP4) and :func:`save_compressed_tensors`, :func:`save_modelopt`, :func:`save_mxfp4` write them.
+:class:`ColumnParallelFP4Linear` and :class:`RowParallelFP4Linear` split one layer over a ``torch.distributed``
+process group (``fp4gemv.nn.parallel``).
 """
 
 from .checkpoints import SafetensorsDirectory, detect_convention, layer_from_tensors, layer_tensors
 from .linear import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
+from .parallel import ColumnParallelFP4Linear, RowParallelFP4Linear
 from .model import (
     QuantizationConfig,
     calibrate_input_scales,
@@ -21,6 +24,8 @@ from .model import (
 
 __all__ = [
     "FP4Linear",
+    "ColumnParallelFP4Linear",
+    "RowParallelFP4Linear",
     "DECODE_MAX_TOKENS",
     "per_tensor_scale",
     "quantize_model",

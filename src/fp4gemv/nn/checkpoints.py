@@ -330,7 +330,8 @@ def layer_tensors(module: FP4Linear, convention: str, prefix: str = "") -> dict[
 class SafetensorsDirectory(Mapping):
     """Every tensor of a directory's ``*.safetensors`` files as one read-only mapping, read on access.
 
-    Uses ``safetensors.safe_open`` (the files are memory-mapped; a tensor is read when it is looked up).
+    Uses ``safetensors.safe_open`` (the files are memory-mapped; a tensor is read when it is looked up, a slice
+    of it by :meth:`get_slice`).
     Raises ValueError when there is no file, or a key is in two files.  ``close()`` releases the files.
     """
 
@@ -351,6 +352,11 @@ class SafetensorsDirectory(Mapping):
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self._handles[self._where[key]].get_tensor(key)
+
+    def get_slice(self, key: str):
+        """safetensors' lazy slice of ``key``: ``.get_shape()``, ``.get_dtype()``, and ``[...]`` reads only the
+        bytes of the requested ranges (how ``fp4gemv.nn.parallel`` loads one rank's shard)."""
+        return self._handles[self._where[key]].get_slice(key)
 
     def __contains__(self, key: object) -> bool:
         return key in self._where

@@ -225,6 +225,17 @@ class FP4Linear(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        if self.bias is not None and self.bias.dtype != x.dtype:
+            raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
+                            f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if x2d.shape[0] == 0:
+            return x.new_zeros((*lead, self.out_features))
+        return self._product(x2d, x.dtype, self.bias).reshape(*lead, self.out_features)
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in X_DTYPES:
@@ -233,27 +244,29 @@ class FP4Linear(nn.Module):
             raise ValueError(f"x: expected shape [..., in_features] = [..., {self.in_features}], got {tuple(x.shape)}")
         if x.device != self.weight.device:
             raise ValueError(f"x: expected device {self.weight.device} like the weight, got {x.device}")
-        if self.bias is not None and self.bias.dtype != x.dtype:
-            raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
-                            f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
-        lead = x.shape[:-1]
-        x2d = x.reshape(-1, self.in_features)
+
+    def _product(self, x2d: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, *,
+                 out: torch.Tensor | None = None, activation: FP4Tensor | None = None) -> torch.Tensor:
+        """``x2d @ W^T (+ bias)`` as ``[tokens, out_features]`` in ``out_dtype``, x2d already validated.
+
+        The tensor-parallel layers (``fp4gemv.nn.parallel``) call it for a shard's partial product in another
+        dtype than x's, into a given ``out`` (``[tokens, out_features]``, contiguous; decode only), or with an
+        FP4 activation quantized with a scale the whole group agreed on.
+        """
         tokens = x2d.shape[0]
-        if tokens == 0:
-            return x.new_zeros((*lead, self.out_features))
         weight = self.quantized_weight()
-        activation = self.quantize_input(x2d) if self.activations == "w4a4" else x2d
+        if activation is None:
+            activation = self.quantize_input(x2d) if self.activations == "w4a4" else x2d
         if tokens <= DECODE_MAX_TOKENS:
-            y = torch.empty(tokens, self.out_features, dtype=x.dtype, device=x.device)
+            y = torch.empty(tokens, self.out_features, dtype=out_dtype, device=x2d.device) if out is None else out
             # gemv writes W @ x^T ([out, tokens]) straight into the transposed view.
-            gemv(weight, activation, out=y.t(), out_dtype=x.dtype)
-            if self.bias is not None:
-                y.add_(self.bias)
-        else:
-            if isinstance(activation, FP4Tensor):
-                activation = activation.dequantize(x.dtype)
-            y = F.linear(activation, weight.dequantize(x.dtype), self.bias)
-        return y.reshape(*lead, self.out_features)
+            gemv(weight, activation, out=y.t(), out_dtype=out_dtype)
+            if bias is not None:
+                y.add_(bias)
+            return y
+        if isinstance(activation, FP4Tensor):
+            activation = activation.dequantize(out_dtype)
+        return F.linear(activation.to(out_dtype), weight.dequantize(out_dtype), bias)
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
