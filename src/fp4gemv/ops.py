@@ -135,12 +135,13 @@ def plan_for(
         if spec.config_type is None or not isinstance(config, spec.config_type):
             expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
             raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
-        spec.check_config(config)
+        spec.check_config(config, case)
     return GemvPlan(spec, config, target, case, copy_activation, shape, device)
 
 
 def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
-    """The first spec of GEMV_KERNELS that supports the case (or the one named ``kernel``, if it does)."""
+    """The first spec of GEMV_KERNELS that supports the case and does not leave it to a later one
+    (``why_not_default``), or the one named ``kernel``, if it supports the case."""
     if kernel is not None:
         spec = kernel_by_name(kernel)
         reason = spec.why_not(case, target)
@@ -151,7 +152,9 @@ def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> 
     for spec in GEMV_KERNELS:
         reason = spec.why_not(case, target)
         if reason is None:
-            return spec
+            reason = spec.why_not_default(case, target)
+            if reason is None:
+                return spec
         reasons.append(f"{spec.name}: {reason}")
     raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
                      + "); backend='reference' computes it in float64")

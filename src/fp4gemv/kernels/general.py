@@ -205,7 +205,7 @@ class General(TritonKernelSpec):
     def default_config(self, case: GemvCase, target: Target) -> GeneralConfig:
         return general_config(case.m, case.k, case.batch, case.n, fp4_activation=case.fp4_activation)
 
-    def check_config(self, config: GeneralConfig) -> None:
+    def check_config(self, config: GeneralConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("rows", "blocks"))
 
     def triton_launch(self, case: GemvCase, config: GeneralConfig, target: Target) -> TritonLaunch:
