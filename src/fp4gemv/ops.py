@@ -1,7 +1,7 @@
 """The public GEMV op: validate once at the boundary, pick a kernel spec, launch; decisions cached per metadata.
 
 :func:`gemv` walks ``kernels.GEMV_KERNELS`` (the reference last) and runs the first spec that supports the
-case on the target (``fp4gemv.target``); :func:`select_kernel` says which one that is.  Validation raises
+case on the target and does not leave it to a later one (``fp4gemv.target``); :func:`select_kernel` says which one that is.  Validation raises
 ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend, no kernel for the case) naming
 the argument, the expected and the actual, before anything is written.
 
@@ -169,8 +169,8 @@ def select_kernel(
     backend: Backend = "auto",
     kernel: str | None = None,
 ) -> KernelSpec:
-    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "hmma", "general",
-    "reference").  Raises as gemv does."""
+    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "weight_only", "hmma",
+    "general", "reference").  Raises as gemv does."""
     return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
@@ -358,15 +358,23 @@ def gemv(
         ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).
         ``"triton-ptx"``: PTX paths (CUDA only).  ``"reference"``: float64 (``fp4gemv.reference``).
     kernel: None (the first of ``kernels.GEMV_KERNELS`` that supports the case: :func:`select_kernel` says
-        which) or a kernel's name ("w4a4", "hmma", "general", "reference"), which must support the case.
+        which) or a kernel's name ("w4a4", "weight_only", "hmma", "general", "reference"), which must support the
+        case.
     config: None (the kernel's measured default) or an instance of the chosen kernel's config class
-        (``kernels.w4a4.W4A4Config``, ``kernels.hmma_gemv.HmmaConfig``, ``kernels.general.GeneralConfig``).
+        (``kernels.w4a4.W4A4Config``, ``kernels.weight_only.WeightOnlyConfig``, ``kernels.hmma_gemv.HmmaConfig``,
+        ``kernels.general.GeneralConfig``).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
-    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernel
-    multiplies exactly and accumulates every product in fp32 (on the tensor cores).  The result is rounded once
-    to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernels
+    (weight_only, hmma) multiply exactly and accumulate every product in fp32 (on the tensor cores).  The result
+    is rounded once to ``out_dtype``.
+
+    Range: with bf16 activations the weight-only kernel (the default for N <= 8, and for MXFP4 weights at any N)
+    multiplies the activation by 2^64 when it runs MXFP4 weights or the split mode (N <= 2), which is exact only
+    for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
+    2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
+    ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
     """
     if torch.compiler.is_compiling():
         from . import library

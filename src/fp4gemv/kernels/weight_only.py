@@ -180,6 +180,8 @@ class WeightOnly(TritonKernelSpec):
             return _fp4_rows_reason("b", case.b, row_bytes, nvfp4)
         if case.b.dtype not in (torch.float16, torch.bfloat16):
             return f"needs fp16 or bf16 activations, got {case.b.dtype}"
+        if case.b.dtype == torch.bfloat16 and not target.bf16x2_mul:
+            return f"needs mul.rn.bf16x2 for bf16 activations (sm_90 or newer; this is {target.describe()})"
         if case.b.align < 16:
             return "b: needs rows contiguous along K at 16-byte aligned addresses"
         return None
