@@ -680,3 +680,17 @@ def test_bf16_activations_at_the_ends_of_the_window_are_exact_on_gpu(fmt, config
     over[0, 0, 0] = 2.0**64
     got = run(a, over.to("cuda"), poisoned((k // n, m, n), torch.float32), config, backend="triton-ptx").cpu()
     assert not torch.isfinite(got[0, :, 0]).all()
+
+
+def test_bench_mxfp4_bf16_cases_run_the_weight_only_kernel():
+    """``fp4gemv bench --act bf16 --format mxfp4 --n 1,8`` times gemv on the bench's operands, which sm_90
+    dispatches to this kernel (the sizes do not enter the choice)."""
+    from fp4gemv import bench
+    from fp4gemv.bench.cases import _describe_plan
+
+    for n in (1, 8):
+        a, b, out = bench.random_gemv_operands(bench.Shape(256, 512, 2, n), "mxfp4", "bf16", seed=0, device="cpu")
+        case = GemvOperands.of(a, b, out).case
+        assert ops.choose_kernel(case, SM90).name == "weight_only"
+        plan = ops.plan_for(a, b, out=out, backend="triton")
+        assert _describe_plan(plan).startswith("weight_only tiles=1,warps=")
