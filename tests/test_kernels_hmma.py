@@ -2,8 +2,8 @@
 
 Its cases: NVFP4 weights (K a multiple of 64, 16-byte aligned packed rows) times fp16/bf16 activations
 (N = 1..16, or a [K] vector) or NVFP4 activations (N > 1), named with ``kernel="hmma"`` (the default dispatch
-reaches it for N > 8, or where the weight-only kernel cannot run the case).  On a CPU-only machine the kernel's pure-Triton twin (``_step_triton``, USE_PTX=False) runs in
-Triton's interpreter (conftest sets TRITON_INTERPRET and makes its bf16 dot and multiply compute with numbers).
+reaches it for N > 8, or where the weight-only kernel cannot run the case).  On a CPU-only machine the kernel's
+pure-Triton twin (``_step_triton``, USE_PTX=False) runs in Triton's interpreter (conftest sets TRITON_INTERPRET and makes its bf16 dot and multiply compute with numbers).
 The twin is built from the same per-thread operands as the asm (word tile, scale and activation base pointers,
 flags, column-tile strides) and writes the same accumulator elements, so the interpreter exercises the
 kernel's indexing: the K order, both scale layouts, masking (tail rows, warps past the end of K, a partial last
@@ -52,14 +52,15 @@ from operands import (
     result_shape,
     within_bound,
 )
+from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
 from fp4gemv.kernels import hmma_gemv
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
 from fp4gemv.kernels.spec import GemvOperands
-from fp4gemv.target import SM90
 from fp4gemv.kernels.w4a4 import W4A4Config
+from fp4gemv.target import SM90
 
 # The activations of the tensor-core kernel with the N they are tested at: NVFP4 needs N > 1 (N = 1 is
 # w4a4.py's); N > 8 uses the second n-tile (N_TILES = 2).
@@ -356,7 +357,8 @@ def test_kernel_name_picks_the_kernel(kind, n):
 def test_hmma_config_for_another_case_is_a_type_error(kind, n, k):
     a, b = _operands(kind, n, k=k)
     out = poisoned(result_shape(a, b), torch.float16)
-    with pytest.raises(TypeError, match="config: expected a .*Config for kernel '(general|w4a4|weight_only)', got Hmma"):
+    kernels = "(general|w4a4|weight_only)"
+    with pytest.raises(TypeError, match=f"config: expected a .*Config for kernel '{kernels}', got HmmaConfig"):
         gemv(a, b, out=out, backend="triton", config=HmmaConfig(1))
     assert torch.isnan(out).all()
 
@@ -398,32 +400,6 @@ def test_w4a4_configs_are_not_hmma_configs():
 
 # --- the fp16 decode's PTX, emulated -------------------------------------------------------------------
 
-def _emulate(lines, regs):
-    """Run the integer PTX that decode_word_f16 emits (shl, shr, and, or, prmt on .b32) on ``regs``."""
-    def value(x):
-        return regs[x] if x in regs else int(x, 0)
-
-    for line in lines:
-        op, args = line.rstrip(";").split(None, 1)
-        dst, *src = [a.strip() for a in args.split(",")]
-        v = [value(a) for a in src]
-        if op == "shl.b32":
-            regs[dst] = (v[0] << v[1]) & 0xFFFFFFFF
-        elif op == "shr.b32":
-            regs[dst] = v[0] >> v[1]
-        elif op == "and.b32":
-            regs[dst] = v[0] & v[1]
-        elif op == "or.b32":
-            regs[dst] = v[0] | v[1]
-        elif op == "prmt.b32":  # bytes of {b, a}, selected by the four low nibbles of c (no sign mode used)
-            pool = (v[1] << 32 | v[0]).to_bytes(8, "little")
-            assert all((v[2] >> (4 * i)) & 8 == 0 for i in range(4))
-            regs[dst] = int.from_bytes(bytes(pool[(v[2] >> (4 * i)) & 7] for i in range(4)), "little")
-        else:
-            raise AssertionError(op)
-    return regs
-
-
 def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
     """decode_word_f16 on words covering every code in every position: pair i of a word is (e_i, e_{i+4}),
     each half the fp16 of the e2m1 value times 2^-14 (what the exactness argument and the K order rely on)."""
@@ -432,7 +408,7 @@ def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
     words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]  # every code in every position
     words += [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
     for w in words:
-        regs = _emulate(hmma_gemv.decode_word_f16("w", "p0", "p1"), {"w": w})
+        regs = emulate_ptx(hmma_gemv.decode_word_f16("w", "p0", "p1"), {"w": w})
         for i, reg in enumerate(("p0", "p1", "xe", "xo")):
             halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
             got = halves.view(torch.float16).double()

@@ -40,9 +40,10 @@ from operands import (
     weight_only_fold,
     within_bound,
 )
+from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, formats, gemv, ops
-from fp4gemv.kernels import _mma_step, weight_only
+from fp4gemv.kernels import _mma_step
 from fp4gemv.kernels.hmma_gemv import HmmaConfig
 from fp4gemv.kernels.spec import GemvOperands
 from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_only_config
@@ -368,38 +369,6 @@ def test_another_kernels_config_is_a_type_error():
 # --- the PTX, emulated ------------------------------------------------------------------------------------
 
 
-def _emulate(lines, regs):
-    """Run the integer PTX of the decoders (shl, shr, and, or, prmt, mul.hi, mad.lo, mov on .b32/.u32)."""
-    def value(x):
-        return regs[x] if x in regs else int(x, 0)
-
-    for line in lines:
-        op, args = line.rstrip(";").split(None, 1)
-        dst, *src = [a.strip() for a in args.split(",")]
-        v = [value(a) for a in src]
-        if op == "shl.b32":
-            regs[dst] = (v[0] << v[1]) & 0xFFFFFFFF
-        elif op == "shr.b32":
-            regs[dst] = v[0] >> v[1]
-        elif op == "and.b32":
-            regs[dst] = v[0] & v[1]
-        elif op == "or.b32":
-            regs[dst] = v[0] | v[1]
-        elif op == "mov.b32":
-            regs[dst] = v[0]
-        elif op == "mul.hi.u32":
-            regs[dst] = (v[0] * v[1]) >> 32
-        elif op == "mad.lo.u32":
-            regs[dst] = (v[0] * v[1] + v[2]) & 0xFFFFFFFF
-        elif op == "prmt.b32":  # bytes of {b, a}, selected by the four low nibbles of c (no sign mode used)
-            pool = (v[1] << 32 | v[0]).to_bytes(8, "little")
-            assert all((v[2] >> (4 * i)) & 8 == 0 for i in range(4))
-            regs[dst] = int.from_bytes(bytes(pool[(v[2] >> (4 * i)) & 7] for i in range(4)), "little")
-        else:
-            raise AssertionError(op)
-    return regs
-
-
 def _words():
     g = torch.Generator().manual_seed(0)
     words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31, (200,), generator=g)]
@@ -417,10 +386,10 @@ def test_decode_ptx_places_every_code(dtype):
         regs = {"w": w, **mul}
         pairs = ("p0", "p1", "p2", "p3")
         if dtype == torch.float16:
-            _emulate(_mma_step.decode_word_f16("w", pairs, "t", "u", "m29"), regs)
+            emulate_ptx(_mma_step.decode_word_f16("w", pairs, "t", "u", "m29"), regs)
             fold = 2.0**-14
         else:
-            _emulate(_mma_step.decode_word_bf16("w", pairs, "t", "u", {m: m for m in mul}), regs)
+            emulate_ptx(_mma_step.decode_word_bf16("w", pairs, "t", "u", {m: m for m in mul}), regs)
             fold = 2.0**-126
         for i, reg in enumerate(pairs):
             halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)

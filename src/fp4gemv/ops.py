@@ -1,9 +1,9 @@
 """The public GEMV op: validate once at the boundary, pick a kernel spec, launch; decisions cached per metadata.
 
 :func:`gemv` walks ``kernels.GEMV_KERNELS`` (the reference last) and runs the first spec that supports the
-case on the target and does not leave it to a later one (``fp4gemv.target``); :func:`select_kernel` says which one that is.  Validation raises
-``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend, no kernel for the case) naming
-the argument, the expected and the actual, before anything is written.
+case on the target (``fp4gemv.target``) and does not leave it to a later one; :func:`select_kernel` says which
+one that is.  Validation raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend,
+no kernel for the case) naming the argument, the expected and the actual, before anything is written.
 
 Everything decided from metadata (shapes, strides, dtypes, devices, pointer alignment, format, layout, the
 kernel and its configuration) is a :class:`GemvPlan`, kept per distinct metadata.  A call whose metadata has a
@@ -368,13 +368,13 @@ def gemv(
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
     accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernels
     (weight_only, hmma) multiply exactly and accumulate every product in fp32 (on the tensor cores).  The result
-    is rounded once to ``out_dtype``.
+    is rounded once to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
 
     Range: with bf16 activations the weight-only kernel (the default for N <= 8, and for MXFP4 weights at any N)
     multiplies the activation by 2^64 when it runs MXFP4 weights or the split mode (N <= 2), which is exact only
     for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
     2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
-    ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+    ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
     """
     if torch.compiler.is_compiling():
         from . import library
