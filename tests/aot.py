@@ -74,15 +74,53 @@ class Sm90Launch:
                               options=self.options)
 
 
-def sass_instructions(compiled) -> list[str]:
-    """The SASS instructions of a compiled kernel (cuobjdump), without addresses and encodings."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """cuobjdump ``flag`` (``--dump-sass``, ``-res-usage``) of a compiled kernel's cubin."""
     path = "/tmp/fp4gemv_aot_%d.cubin" % os.getpid()
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
-    sass = subprocess.run([CUOBJDUMP, "--dump-sass", path], capture_output=True, text=True, check=True).stdout
-    os.remove(path)
+    try:
+        return subprocess.run([CUOBJDUMP, flag, path], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.remove(path)
+
+
+def sass_instructions(compiled) -> list[str]:
+    """The SASS instructions of a compiled kernel (cuobjdump), without addresses and encodings."""
+    sass = _cuobjdump(compiled, "--dump-sass")
     lines = [line for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line and ";" in line]
     return [line.split("*/", 1)[1].split(";")[0].strip() for line in lines]
+
+
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(@!?U?P[0-9T]+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
+
+
+def sass_listing(compiled) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, operands) of every SASS instruction (predicates dropped)."""
+    out = []
+    for line in _cuobjdump(compiled, "--dump-sass").splitlines():
+        m = _INSTR.match(line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(3), m.group(4).strip()))
+    return out
+
+
+def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The instructions of the largest loop of a ``sass_listing``: a backward branch's target up to the branch."""
+    best = []
+    for i, (addr, op, rest) in enumerate(instrs):
+        if op.startswith("BRA"):
+            target = re.search(r"0x([0-9a-f]+)", rest)
+            if target and int(target.group(1), 16) < addr:
+                body = [x for x in instrs[:i + 1] if int(target.group(1), 16) <= x[0] <= addr]
+                if len(body) > len(best):
+                    best = body
+    return best
+
+
+def registers(compiled) -> int:
+    """Registers per thread of a compiled kernel (cuobjdump's resource usage)."""
+    return int(re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage")).group(1))
 
 
 def local_memory(compiled) -> list[str]:
@@ -91,11 +129,7 @@ def local_memory(compiled) -> list[str]:
     if re.search(r"^\s*\.local\b", compiled.asm["ptx"], re.M):
         found.append(".local declaration")
     if os.path.exists(CUOBJDUMP):
-        path = "/tmp/fp4gemv_aot_res_%d.cubin" % os.getpid()
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        usage = subprocess.run([CUOBJDUMP, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-        os.remove(path)
+        usage = _cuobjdump(compiled, "-res-usage")
         for key in ("LOCAL", "STACK"):
             value = re.search(key + r":(\d+)", usage)
             if value is None or int(value.group(1)):

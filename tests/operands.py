@@ -10,13 +10,15 @@ sum, 1 for the scale product, NB for the K-loop additions plus the final sum ove
 n = NB + 22 >= that depth, the fp32 result s' obeys |s' - s| <= 1.01 * n * u * sum_k |t_k| (gamma_n;
 n * u < 1e-3 here), plus n * 2^-149 for fp32 underflow.  The one rounding to the output dtype adds half an
 ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 * sum_k |t_k|.
-``tensor_cores=True`` switches to the bound of the tensor-core kernel (kernels/hmma_gemv.py, derived in
-tests/test_kernels_hmma.py): all K products in one fp32 accumulation that may truncate.
+``tensor_cores=True`` switches to the bound of the tensor-core kernels (kernels/hmma_gemv.py and
+kernels/weight_only.py, derived in tests/test_kernels_hmma.py): all K products in one fp32 accumulation that may
+truncate, the accumulator scaled by 2^-fold (``fold``: the kernel's, hmma's by default).  ``bound_options`` says
+which bound a call of gemv needs.
 """
 
 import torch
 
-from fp4gemv import FP4Tensor, formats, select_kernel
+from fp4gemv import FP4Tensor, formats, ops, select_kernel
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
 
 LAYOUTS = ("linear", "swizzled")
@@ -71,11 +73,12 @@ def _global_scale(t):
     return 1.0 if not isinstance(t, FP4Tensor) or t.global_scale is None else abs(float(t.global_scale))
 
 
-def error_bound(a, b, out_dtype, got, tensor_cores=False):
+def error_bound(a, b, out_dtype, got, tensor_cores=False, fold=None):
     """Largest |got - exact| a correct kernel can produce (module docstring), elementwise.
 
-    ``tensor_cores``: the bound of kernels/hmma_gemv.py instead (tests/test_kernels_hmma.py's docstring):
-    depth K + 24, unit roundoff 2^-23 (truncation), the underflow term scaled up by the epilogue's fold.
+    ``tensor_cores``: the bound of the tensor-core kernels instead (tests/test_kernels_hmma.py's docstring):
+    depth K + 24, unit roundoff 2^-23 (truncation), the underflow term scaled up by the epilogue's fold
+    (``fold``, hmma's ``_fold_exponent`` when None).
     """
     b_abs = values(b).abs()
     magnitude = gemv_reference(values(a).abs(), b_abs[None, :] if b_abs.dim() == 1 else b_abs, torch.float64)
@@ -84,7 +87,8 @@ def error_bound(a, b, out_dtype, got, tensor_cores=False):
     if tensor_cores:
         n = a.k + 24
         gs = _global_scale(a) * _global_scale(b)
-        fp32 = 1.01 * n * 2.0**-23 * magnitude + n * 2.0**-149 * max(1.0, 2.0 ** _fold_exponent(b) * gs)
+        f = _fold_exponent(b) if fold is None else fold
+        fp32 = 1.01 * n * 2.0**-23 * magnitude + n * 2.0**-149 * max(1.0, 2.0**f * gs)
     else:
         n = a.k // 16 + 22
         fp32 = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
@@ -95,15 +99,15 @@ def error_bound(a, b, out_dtype, got, tensor_cores=False):
     return fp32 + oracle + ulp / 2
 
 
-def within_bound(got, a, b, out_dtype, tensor_cores=False):
+def within_bound(got, a, b, out_dtype, tensor_cores=False, fold=None):
     """Elementwise: got is finite and within the derived bound of the exact result of gemv(a, b)."""
     exact = quantized_gemv_reference(a, b, torch.float64)
     got64 = got.to(torch.float64)
-    return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got, tensor_cores))
+    return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got, tensor_cores, fold))
 
 
-def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False):
-    ok = within_bound(got, a, b, out_dtype, tensor_cores)
+def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False, fold=None):
+    ok = within_bound(got, a, b, out_dtype, tensor_cores, fold)
     if not ok.all():
         exact = quantized_gemv_reference(a, b, torch.float64)
         bad = (~ok).nonzero()[:5].tolist()
@@ -136,6 +140,24 @@ def result_shape(a, b):
 
 
 def uses_tensor_cores(a, b) -> bool:
-    """Whether gemv(a, b, backend="triton") runs the tensor-core kernel (kernels/hmma_gemv.py), whose error bound
-    differs (``error_bound(..., tensor_cores=True)``)."""
+    """Whether gemv(a, b, backend="triton") runs the hmma kernel (kernels/hmma_gemv.py)."""
     return select_kernel(a, b, backend="triton").name == "hmma"
+
+
+def weight_only_fold(plan) -> int:
+    """The fold exponent of the weight-only kernel's accumulators for a plan that runs it."""
+    from fp4gemv.kernels import _mma_step, weight_only
+
+    spec = weight_only.step_spec(plan.case, plan.config)
+    return _mma_step.fold_exponent(spec.fmt, spec.act, spec.mode)
+
+
+def bound_options(a, b, backend="triton", **kw) -> dict:
+    """The ``assert_matches_exact`` options for what gemv(a, b, backend=backend, **kw) runs: the tensor-core
+    bound with the kernel's fold for hmma and weight_only, the block-sum bound otherwise."""
+    plan = ops.plan_for(a, b, backend=backend, **kw)
+    if plan.spec.name == "hmma":
+        return dict(tensor_cores=True)
+    if plan.spec.name == "weight_only":
+        return dict(tensor_cores=True, fold=weight_only_fold(plan))
+    return {}

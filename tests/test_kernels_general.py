@@ -15,12 +15,12 @@ from operands import (
     LAYOUTS,
     OUT_DTYPES,
     assert_matches_exact,
+    bound_options,
     build_case,
     poisoned,
     random_activation,
     random_fp4,
     result_shape,
-    uses_tensor_cores,
     within_bound,
 )
 
@@ -72,10 +72,10 @@ def test_cases_cover_shapes_and_global_scales_for_every_format_and_activation():
 @pytest.mark.parametrize("fmt, activation, n", [("nvfp4", "fp4", 1), ("mxfp4", torch.bfloat16, 3),
                                                 ("nvfp4", torch.float16, 16), ("mxfp4", "fp4", 16)])
 def test_kernel_with_default_config(fmt, activation, n):
+    """The general kernel's default configuration (the dispatcher prefers other kernels for these cases)."""
     a, b = build_case(fmt, activation, n, "swizzled", (200, 192, 2), True, seed=5)
-    got = gemv(a, b, out=poisoned((2, 200, n), torch.float16), backend="triton")
-    # ("nvfp4", float16, 16) runs the tensor-core kernel (kernels/hmma_gemv.py), with its own bound.
-    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16, tensor_cores=uses_tensor_cores(a, b))
+    got = gemv(a, b, out=poisoned((2, 200, n), torch.float16), backend="triton", kernel="general")
+    assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), torch.float16)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy overflows where the GPU gives inf
@@ -260,6 +260,5 @@ def test_fuzz_on_gpu():
         L = int(torch.randint(1, 5, (1,), generator=g))
         a, b = build_case(fmt, activation, n, layout, (m, k, L), bool(i % 2), seed=100 + i)
         got = gemv(a, b, out=poisoned(result_shape(a, b), out_dtype), out_dtype=out_dtype)
-        # The default dispatch sends NVFP4 x fp16/bf16 and NVFP4 x NVFP4 with N > 1 to the tensor-core kernel.
-        tensor_cores = select_kernel(a, b).name == "hmma"
-        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype, tensor_cores=tensor_cores)
+        # The bound of the kernel the default dispatch runs (the tensor-core kernels' for hmma and weight_only).
+        assert_matches_exact(got.cpu(), a.to("cpu"), b.to("cpu"), out_dtype, **bound_options(a, b, backend="auto"))

@@ -136,7 +136,8 @@ def test_backend_kernel_and_config(monkeypatch):
                   config=(8, 8, 4))
     _expect_error(TypeError, ["config:", "no config for kernel 'reference'", "GeneralConfig"],
                   config=GeneralConfig(8, 8, 4))
-    _expect_error(ValueError, ["kernel:", "'w4a4', 'hmma', 'general', 'reference'", "'fast'"], kernel="fast")
+    _expect_error(ValueError, ["kernel:", "'w4a4', 'weight_only', 'hmma', 'general', 'reference'", "'fast'"],
+                  kernel="fast")
     _expect_error(ValueError, ["kernel: 'w4a4' cannot run", "FP4 activation with N = 1"], backend="triton",
                   kernel="w4a4")
 
@@ -159,7 +160,8 @@ def test_the_reference_is_the_last_spec_and_runs_off_cuda():
     a, x = _fp4(2, 128, 64), _x(2, 3, 64)
     assert select_kernel(a, x).name == "reference"  # auto on the CPU
     assert select_kernel(a, x, backend="reference").name == "reference"
-    assert select_kernel(a, x, backend="triton").name == "hmma"
+    assert select_kernel(a, x, backend="triton").name == "weight_only"
+    assert select_kernel(a, _x(2, 9, 64), backend="triton").name == "hmma"
     assert select_kernel(a, _fp4(2, 1, 64, seed=3), backend="triton").name == "w4a4"
 
 
@@ -168,16 +170,19 @@ def _case(a, b):
 
 
 def test_choice_follows_the_target():
-    """sm_90 runs the tensor-core kernel; sm_80 (no e4m3x2 conversion) has no kernel for NVFP4 and says so,
-    naming the capability, while MXFP4 (e8m0 scales, integer decode) runs the general kernel there."""
+    """sm_90 runs the tensor-core kernels; sm_80 (no e4m3x2 conversion) has no kernel for NVFP4 and says so,
+    naming the capability, while MXFP4 (e8m0 scales, integer decode) runs the weight-only kernel there with fp16
+    activations (its bf16 path needs sm_90's mul.bf16x2) and the general kernel with bf16."""
     nv, x = _fp4(128, 64), _x(3, 64)
-    assert ops.choose_kernel(_case(nv, x), SM90).name == "hmma"
+    assert ops.choose_kernel(_case(nv, x), SM90).name == "weight_only"
+    assert ops.choose_kernel(_case(nv, _x(9, 64)), SM90).name == "hmma"
     sm80 = Target("cuda", (8, 0), 108, "ptx")
-    assert not sm80.e4m3x2_cvt and not sm80.native_fp4_mma and SM90.pdl
+    assert not sm80.e4m3x2_cvt and not sm80.bf16x2_mul and not sm80.native_fp4_mma and SM90.pdl
     with pytest.raises(ValueError, match="no kernel runs nvfp4 128x64 .*sm_80.*sm_89 or newer"):
         ops.choose_kernel(_case(nv, x), sm80)
     mx = _fp4(128, 64, fmt="mxfp4")
-    assert ops.choose_kernel(_case(mx, x), sm80).name == "general"
+    assert ops.choose_kernel(_case(mx, x), sm80).name == "weight_only"
+    assert ops.choose_kernel(_case(mx, _x(3, 64, dtype=torch.bfloat16)), sm80).name == "general"
     assert ops.choose_kernel(_case(mx, x), Target("cpu")).name == "reference"
 
 

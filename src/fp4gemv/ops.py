@@ -1,9 +1,9 @@
 """The public GEMV op: validate once at the boundary, pick a kernel spec, launch; decisions cached per metadata.
 
 :func:`gemv` walks ``kernels.GEMV_KERNELS`` (the reference last) and runs the first spec that supports the
-case on the target (``fp4gemv.target``); :func:`select_kernel` says which one that is.  Validation raises
-``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend, no kernel for the case) naming
-the argument, the expected and the actual, before anything is written.
+case on the target (``fp4gemv.target``) and does not leave it to a later one; :func:`select_kernel` says which
+one that is.  Validation raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend,
+no kernel for the case) naming the argument, the expected and the actual, before anything is written.
 
 Everything decided from metadata (shapes, strides, dtypes, devices, pointer alignment, format, layout, the
 kernel and its configuration) is a :class:`GemvPlan`, kept per distinct metadata.  A call whose metadata has a
@@ -135,12 +135,13 @@ def plan_for(
         if spec.config_type is None or not isinstance(config, spec.config_type):
             expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
             raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
-        spec.check_config(config)
+        spec.check_config(config, case)
     return GemvPlan(spec, config, target, case, copy_activation, shape, device)
 
 
 def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
-    """The first spec of GEMV_KERNELS that supports the case (or the one named ``kernel``, if it does)."""
+    """The first spec of GEMV_KERNELS that supports the case and does not leave it to a later one
+    (``why_not_default``), or the one named ``kernel``, if it supports the case."""
     if kernel is not None:
         spec = kernel_by_name(kernel)
         reason = spec.why_not(case, target)
@@ -151,7 +152,9 @@ def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> 
     for spec in GEMV_KERNELS:
         reason = spec.why_not(case, target)
         if reason is None:
-            return spec
+            reason = spec.why_not_default(case, target)
+            if reason is None:
+                return spec
         reasons.append(f"{spec.name}: {reason}")
     raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
                      + "); backend='reference' computes it in float64")
@@ -166,8 +169,8 @@ def select_kernel(
     backend: Backend = "auto",
     kernel: str | None = None,
 ) -> KernelSpec:
-    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "hmma", "general",
-    "reference").  Raises as gemv does."""
+    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "weight_only", "hmma",
+    "general", "reference").  Raises as gemv does."""
     return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
@@ -355,15 +358,23 @@ def gemv(
         ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).
         ``"triton-ptx"``: PTX paths (CUDA only).  ``"reference"``: float64 (``fp4gemv.reference``).
     kernel: None (the first of ``kernels.GEMV_KERNELS`` that supports the case: :func:`select_kernel` says
-        which) or a kernel's name ("w4a4", "hmma", "general", "reference"), which must support the case.
+        which) or a kernel's name ("w4a4", "weight_only", "hmma", "general", "reference"), which must support the
+        case.
     config: None (the kernel's measured default) or an instance of the chosen kernel's config class
-        (``kernels.w4a4.W4A4Config``, ``kernels.hmma_gemv.HmmaConfig``, ``kernels.general.GeneralConfig``).
+        (``kernels.w4a4.W4A4Config``, ``kernels.weight_only.WeightOnlyConfig``, ``kernels.hmma_gemv.HmmaConfig``,
+        ``kernels.general.GeneralConfig``).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
-    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernel
-    multiplies exactly and accumulates every product in fp32 (on the tensor cores).  The result is rounded once
-    to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+    accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernels
+    (weight_only, hmma) multiply exactly and accumulate every product in fp32 (on the tensor cores).  The result
+    is rounded once to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+
+    Range: with bf16 activations the weight-only kernel (the default for N <= 8, and for MXFP4 weights at any N)
+    multiplies the activation by 2^64 when it runs MXFP4 weights or the split mode (N <= 2), which is exact only
+    for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
+    2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
+    ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
     """
     if torch.compiler.is_compiling():
         from . import library

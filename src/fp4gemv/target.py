@@ -69,6 +69,12 @@ class Target:
         return self._at_least(8, 9) or self.interpreter
 
     @property
+    def bf16x2_mul(self) -> bool:
+        """``mul.rn.bf16x2`` (the weight-only kernel's bf16 decode and activation bias): sm_90 and newer (CPU:
+        the interpreter runs the pure-Triton twin)."""
+        return self._at_least(9, 0) or self.interpreter
+
+    @property
     def native_fp4_mma(self) -> bool:
         """Block-scaled FP4 tensor-core instructions (sm_100 and newer): no kernel of ours uses them yet
         (docs/targets.md says where one would plug in)."""

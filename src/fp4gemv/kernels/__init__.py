@@ -1,15 +1,17 @@
-"""The GEMV kernels, in the order the dispatcher (``fp4gemv.ops``) tries them: the first whose ``supports``
-accepts the case and the target runs.  A new kernel is one module with its spec and one line here."""
+"""The GEMV kernels, in the order the dispatcher (``fp4gemv.ops``) tries them: the first whose ``why_not``
+and ``why_not_default`` accept the case and the target runs.  A new kernel is one module with its spec and one
+line here."""
 
 from .general import General
 from .hmma_gemv import Hmma
 from .reference import Reference
 from .spec import KernelSpec
 from .w4a4 import W4A4
+from .weight_only import WeightOnly
 
 __all__ = ["GEMV_KERNELS", "kernel_by_name"]
 
-GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), Hmma(), General(), Reference())
+GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), WeightOnly(), Hmma(), General(), Reference())
 
 
 def kernel_by_name(name: str) -> KernelSpec:

@@ -1,7 +1,8 @@
 """Batched block-scaled FP4 GEMV for every supported case: ``c[l, m, n] = sum_k a[l, m, k] * b[l, n, k]``.
 
-The general kernel: the dispatcher runs it where the faster ones (``w4a4.py``, ``hmma_gemv.py``) do not apply
-(MXFP4 with float activations or N > 1, fp32 activations, K not a multiple of 64, 8-byte aligned rows).
+The general kernel: the dispatcher runs it where the faster ones (``w4a4.py``, ``weight_only.py``,
+``hmma_gemv.py``) do not apply (fp32 activations, K not a multiple of 32, rows aligned to 8 bytes only, bf16
+activations below sm_90).
 
 a is FP4 (NVFP4: e4m3 scale per 16 elements; MXFP4: e8m0 per 32).  b is either FP4 of the same format
 (W4A4) or a float16/bfloat16/float32 activation (W4A16), with N = 1..16 rows.
@@ -205,7 +206,7 @@ class General(TritonKernelSpec):
     def default_config(self, case: GemvCase, target: Target) -> GeneralConfig:
         return general_config(case.m, case.k, case.batch, case.n, fp4_activation=case.fp4_activation)
 
-    def check_config(self, config: GeneralConfig) -> None:
+    def check_config(self, config: GeneralConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("rows", "blocks"))
 
     def triton_launch(self, case: GemvCase, config: GeneralConfig, target: Target) -> TritonLaunch:

@@ -428,7 +428,7 @@ class Hmma(TritonKernelSpec):
     def default_config(self, case: GemvCase, target: Target) -> HmmaConfig:
         return hmma_config(case.m, case.k, case.batch)
 
-    def check_config(self, config: HmmaConfig) -> None:
+    def check_config(self, config: HmmaConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("warps",))
         if config.warps > 8:
             raise ValueError(f"config: expected 1 to 8 warps, got {config}")

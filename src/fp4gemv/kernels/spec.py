@@ -4,7 +4,8 @@
   dtypes, strides and alignments of the operands in the batched ``[L, rows, ...]`` form the kernels read.
   It holds metadata only (no tensor values), so the op layer can cache decisions per case.
 * :class:`KernelSpec` is one kernel as the dispatcher sees it: a name, ``supports(case, target)``,
-  ``default_config(case, target)``, its config class, and ``launch``.  ``kernels/__init__.py`` lists them in
+  ``default_config(case, target)``, its config class, and ``launch``; ``why_not_default`` lets a kernel that
+  runs a case leave it to a later one by default.  ``kernels/__init__.py`` lists them in
   the order the dispatcher tries them.
 * A Triton kernel describes its launch as a :class:`TritonLaunch`: the JIT function, the grid, every argument
   by name with the operands' pointers as :class:`Src` placeholders, and the launch options.  The op layer
@@ -236,12 +237,18 @@ class KernelSpec:
     def supports(self, case: GemvCase, target: Target) -> bool:
         return self.why_not(case, target) is None
 
+    def why_not_default(self, case: GemvCase, target: Target) -> str | None:
+        """None when the dispatcher may choose this kernel for a case it runs; else why it leaves the case to a
+        later kernel (one measured faster there).  ``kernel=`` names it regardless."""
+        return None
+
     def default_config(self, case: GemvCase, target: Target):
         """The measured default launch configuration (None for an implementation without one)."""
         return None
 
-    def check_config(self, config) -> None:
-        """ValueError unless ``config`` (an instance of ``config_type``) is one this kernel can launch."""
+    def check_config(self, config, case: GemvCase | None = None) -> None:
+        """ValueError unless ``config`` (an instance of ``config_type``) is one this kernel can launch (for
+        ``case``, when given)."""
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         raise NotImplementedError

@@ -267,7 +267,7 @@ class W4A4(TritonKernelSpec):
     def default_config(self, case: GemvCase, target: Target) -> W4A4Config:
         return w4a4_config(case.m, case.k, case.batch)
 
-    def check_config(self, config: W4A4Config) -> None:
+    def check_config(self, config: W4A4Config, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("rows", "blocks", "ksplit"))
 
     def triton_launch(self, case: GemvCase, config: W4A4Config, target: Target) -> TritonLaunch:
