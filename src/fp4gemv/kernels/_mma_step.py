@@ -1,0 +1,500 @@
+"""The PTX of one K step of the weight-only kernel (``kernels/weight_only.py``): every load of the step, the
+e2m1 decode straight into ``mma.sync.m16n8k16`` fragments, the block scales and the ``mma`` themselves.
+
+A thread (lane 4 g + c) holds rows 16 t + 8 h + g of every m16 tile t (element e = 2 t + h of the asm's pack).
+The mma's K order is free as long as weights and activation agree, so each mode gives thread c its own K
+slots of every mma and decodes each 32-bit word of 8 codes into the pairs (e_i, e_{i+4}) (the activation
+pairs are built to match):
+
+* ``fold`` (NVFP4): thread c owns 32 consecutive elements (one 16-byte load) of its rows per 128-element
+  chunk; an mma sums 4 threads' different blocks, so the e4m3 scale is folded into the weight fragment
+  (``mul.f16x2``, exact).  Any N: the C columns are the activation rows.
+* ``k32`` (MXFP4): thread c owns word c of every 32-element block (4-byte loads: a warp's load covers 16 bytes
+  of 8 rows); a block's two mma sum into a zeroed fp32 partial that the e8m0 scale multiplies (``fma``).  Any N.
+* ``split`` (either format, N <= 2 per n-tile): 16-byte loads as in ``fold``, unscaled weights, and the C
+  columns split by K owner: column 2 c + j of an n-tile is activation row j restricted to thread c's K slots
+  (the other threads give zeros there), so thread c's C elements are partial sums over its own blocks only,
+  which its own scales multiply in fp32; the sum over the 4 owners is the epilogue's.  One fp32 ``fma`` per
+  C element and block replaces a ``mul.f16x2`` per weight pair.
+
+Accumulators: output o = 2 nt + j, element e = 2 t + h holds fragment register 2 h + j of tile t, n-tile nt:
+C[row 16 t + 8 h + g][column 8 nt + 2 c + j] of this warp's K chunks.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import NamedTuple
+
+__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_f16", "decode_word_bf16",
+           "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS"]
+
+MODES = ("fold", "k32", "split")
+# NVFP4 x bf16, fold: the e4m3 scale times 2^119 keeps weight x scale (v * s * 2^-126 * 2^119) a normal bf16.
+BF16_SCALE_BIAS = 119
+# bf16 with unscaled weights (k32, split): the activation times 2^64 keeps v * 2^-126 * x * 2^64 above fp32's
+# subnormals for every |x| >= 2^-77 (smaller ones lose their product) and finite for |x| < 2^64.
+BF16_ACTIVATION_BIAS = 64
+# Powers of two the decode multiplies by, passed in registers (kernel arguments) so that ptxas keeps the
+# multiplications on the FMA pipe: with literal powers of two it turns them into shifts and LEA on the ALU
+# pipe, which the decode already fills (64 lanes per cycle per SM against the FMA pipe's 128).
+MULTIPLIERS = {"m6": 2**6, "m2": 2**2, "m26": 2**26, "m29": 2**29, "m30": 2**30}
+_E8M0_ZERO = "0f00400000"  # 2^-127, the value of e8m0 byte 0 (an fp32 subnormal)
+
+
+class StepSpec(NamedTuple):
+    """What one compiled step does.  ``fmt``: 'nvfp4' or 'mxfp4'; ``act``: 'f16', 'bf16' or 'fp4' (the
+    weights' format); ``mode``: one of ``MODES``; ``tiles``: m16 tiles per warp; ``chunks``: 128-element K
+    chunks per warp and step; ``n_tiles``: 1 or 2; ``sfa_col_tile`` / ``sfb_col_tile``: the scale layouts'
+    column-tile strides (4 linear, 512 swizzled); ``tail``: the last, partial step (loads masked by K)."""
+
+    fmt: str
+    act: str
+    mode: str
+    tiles: int
+    chunks: int
+    n_tiles: int
+    sfa_col_tile: int
+    sfb_col_tile: int
+    tail: bool
+
+
+def fold_exponent(fmt: str, act: str, mode: str) -> int:
+    """f such that the accumulators hold the result times 2^-f (before global scales): 2^-14 per operand
+    decoded to fp16, 2^-7 for fold's bf16 (biased scales), 2^(64 - 126) for bf16 with unscaled weights."""
+    if act == "fp4":
+        return 28
+    if act == "f16":
+        return 14
+    return 126 - BF16_SCALE_BIAS if mode == "fold" else 126 - BF16_ACTIVATION_BIAS
+
+
+def decode_word_f16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, m29: str) -> list[str]:
+    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), i = 0..3, each code
+    placed as ``sign << 15 | code << 9`` (its value times 2^-14; code 1, 0.5, is fp16's subnormal 2^-15).
+
+    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
+    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``(w & 0x70..) >> 3 | w & 0x80..`` (the shift a
+    ``mul.hi`` by ``m29`` = 2^29; four codes per operation), and one ``prmt`` per pair puts two such bytes above
+    zero bytes.  ``t``, ``u``: scratch.
+    """
+    p0, p1, p2, p3 = pairs
+    return [
+        f"shl.b32 {t}, {word}, 1;", f"and.b32 {t}, {t}, 0x0E0E0E0E;", f"shl.b32 {u}, {word}, 4;",
+        f"and.b32 {u}, {u}, 0x80808080;", f"or.b32 {t}, {t}, {u};",  # bytes: codes 0, 2, 4, 6
+        f"and.b32 {u}, {word}, 0x70707070;", f"mul.hi.u32 {u}, {u}, {m29};", f"and.b32 {p3}, {word}, 0x80808080;",
+        f"or.b32 {u}, {u}, {p3};",  # bytes: codes 1, 3, 5, 7
+        f"prmt.b32 {p0}, {t}, 0, 0x2404;",  # (e0, e4)
+        f"prmt.b32 {p1}, {u}, 0, 0x2404;",  # (e1, e5)
+        f"prmt.b32 {p2}, {t}, 0, 0x3414;",  # (e2, e6)
+        f"prmt.b32 {p3}, {u}, 0, 0x3414;",  # (e3, e7)
+    ]
+
+
+def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, mul: dict[str, str]) -> list[str]:
+    """PTX turning the 8 codes of ``word`` into the bf16 pairs (e_i, e_{i+4}), each code placed as
+    ``sign << 15 | code << 6`` (its value times 2^-126; code 1 is bf16's subnormal 2^-127).  The magnitude bits
+    straddle a byte, so each pair is moved into place: magnitudes by 6 - 4 i (multiplications by ``mul``, the
+    registers of ``MULTIPLIERS``), signs by 12 - 4 i."""
+    p0, p1, p2, p3 = pairs
+    return [
+        f"shl.b32 {u}, {word}, 12;", f"and.b32 {u}, {u}, 0x80008000;", f"and.b32 {t}, {word}, 0x00070007;",
+        f"mad.lo.u32 {p0}, {t}, {mul['m6']}, {u};",
+        f"shl.b32 {u}, {word}, 8;", f"and.b32 {u}, {u}, 0x80008000;", f"and.b32 {t}, {word}, 0x00700070;",
+        f"mad.lo.u32 {p1}, {t}, {mul['m2']}, {u};",
+        f"shl.b32 {u}, {word}, 4;", f"and.b32 {u}, {u}, 0x80008000;", f"and.b32 {t}, {word}, 0x07000700;",
+        f"mul.hi.u32 {t}, {t}, {mul['m30']};", f"or.b32 {p2}, {t}, {u};",
+        f"and.b32 {t}, {word}, 0x70007000;", f"mul.hi.u32 {t}, {t}, {mul['m26']};",
+        f"and.b32 {u}, {word}, 0x80008000;", f"or.b32 {p3}, {t}, {u};",
+    ]
+
+
+def _f32_hex(x: float) -> str:
+    return "0f" + struct.pack(">f", x).hex().upper()
+
+
+class _Operands:
+    """Numbering of the asm's operands: outputs, the tied accumulator inputs, then named inputs of ``pack``
+    registers each (element e of an operand is ``name[e]``)."""
+
+    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str]]):
+        self.pack = pack
+        self.constraints = ["=f"] * (n_out * pack) + [str(i) for i in range(n_out * pack)]
+        self.index: dict[str, int] = {}
+        first = 2 * n_out * pack
+        for name, kind in names:
+            self.index[name] = first
+            self.constraints += [kind] * pack
+            first += pack
+
+    def __call__(self, name: str, e: int = 0) -> str:
+        return f"${self.index[name] + e}"
+
+
+def input_names(spec: StepSpec) -> list[str]:
+    """The asm's inputs after the accumulators, in order (``step_asm``)."""
+    return [name for name, _ in _inputs(spec)]
+
+
+def _inputs(spec: StepSpec) -> list[tuple[str, str]]:
+    names = [("pa", "l"), ("ps", "l"), ("px", "l")]
+    if spec.act == "fp4":
+        names += [("pxs0", "l"), ("pxs1", "l")] if spec.fmt == "mxfp4" else [("pxs", "l")]
+    names += [("ka", "l"), ("ks", "l"), ("kx", "l")] + ([("kxs", "l")] if spec.act == "fp4" else [])
+    names += [("xon", "r")] + [(m, "r") for m in MULTIPLIERS]
+    if spec.tail:
+        names.append(("kleft", "r"))
+    return names
+
+
+def step_asm(spec: StepSpec) -> tuple[str, str]:
+    """(asm, constraints) of one step; see the module docstring for the layout.
+
+    Inputs, each ``pack = 2 * tiles`` registers (``input_names``): ``pa[e]`` / ``ps[e]`` the weight and
+    weight-scale pointers of row e at the thread's first chunk; ``px[nt]`` the activation pointer of the thread's
+    B fragment row (fold, k32: n = g + 8 nt; split: n = 2 nt + g % 2); for FP4 activations ``pxs[nt]`` (NVFP4:
+    that row's scales) or ``pxs0[nt]``, ``pxs1[nt]`` (MXFP4: the scales of its C columns' rows); ``ka``, ``ks``,
+    ``kx``, ``kxs`` the step's byte offsets; ``xon`` (split: whether the thread supplies B, g // 2 == c);
+    ``MULTIPLIERS``; for the tail ``kleft`` = elements of K left from the thread's first chunk.
+    """
+    if spec.mode not in MODES:
+        raise ValueError(f"spec.mode: expected one of {MODES}, got {spec.mode!r}")
+    op = _Operands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
+    body = {"fold": _FoldStep, "k32": _K32Step, "split": _SplitStep}[spec.mode](spec, op)
+    return "\n".join(body.lines), ",".join(op.constraints)
+
+
+class _Step:
+    """Shared emitters: declarations, masked loads, decode, activation pairs, scales and the mma."""
+
+    def __init__(self, spec: StepSpec, op: _Operands):
+        self.spec, self.op = spec, op
+        self.mma_type = "bf16" if spec.act == "bf16" else "f16"
+        self.decls: dict[str, set[str]] = {}
+        self.code: list[str] = []
+        self.lines: list[str] = []
+        self.mul = {m: op(m) for m in MULTIPLIERS}
+
+    def reg(self, kind: str, name: str) -> str:
+        self.decls.setdefault(kind, set()).add(name)
+        return name
+
+    def emit(self, *lines: str) -> None:
+        self.code.extend(lines)
+
+    def finish(self) -> None:
+        decls = [f".reg .{kind} {', '.join(sorted(names))};" for kind, names in sorted(self.decls.items())]
+        self.lines = ["{", *decls, *self.code, "}"]
+
+    def acc(self, t: int, nt: int, r: int) -> str:
+        """Fragment register r of tile t, n-tile nt: output 2 nt + r % 2, element 2 t + r // 2."""
+        return f"${(2 * nt + r % 2) * self.op.pack + 2 * t + r // 2}"
+
+    def load(self, kind: str, dst: list[str], pointer: str, offset: str, imm: int, pred: str | None = None) -> None:
+        """``dst`` (one register or a vector) = [pointer + offset + imm]; zero where ``pred`` is false."""
+        addr = self.reg("b64", f"ad{len(self.code)}")
+        self.emit(f"add.s64 {addr}, {pointer}, {offset};")
+        target = dst[0] if len(dst) == 1 else "{" + ", ".join(dst) + "}"
+        if pred is not None:
+            self.emit(*(f"mov.b{16 if kind == 'b16' else 32} {d}, 0;" for d in dst))
+            self.emit(f"@{pred} ld.global.nc.{kind} {target}, [{addr}+{imm}];")
+        else:
+            self.emit(f"ld.global.nc.{kind} {target}, [{addr}+{imm}];")
+
+    def in_k(self, name: str, first_element: int, also: str | None = None) -> str | None:
+        """Tail step: the predicate 'element ``first_element`` of the thread's chunks lies in K' (and ``also``)."""
+        if not self.spec.tail:
+            return also
+        p = self.reg("pred", name)
+        self.emit(f"setp.gt.s32 {p}, {self.op('kleft')}, {first_element};")
+        if also is not None:
+            self.emit(f"and.pred {p}, {p}, {also};")
+        return p
+
+    def float_pairs(self, raw: list[str], prefix: str) -> list[str]:
+        """(x_i, x_{i+4}) pairs of each 8 consecutive 16-bit activation values (4 registers) in ``raw``."""
+        out = []
+        for q in range(len(raw) // 4):
+            for i in range(4):
+                b = self.reg("b32", f"{prefix}{4 * q + i}")
+                sel = "0x5410" if i % 2 == 0 else "0x7632"
+                self.emit(f"prmt.b32 {b}, {raw[4 * q + i // 2]}, {raw[4 * q + 2 + i // 2]}, {sel};")
+                out.append(b)
+        return out
+
+    def bias_bf16(self, pairs: list[str]) -> None:
+        """bf16 activation pairs times 2^64 (``BF16_ACTIVATION_BIAS``), for the unscaled bf16 weights."""
+        bias = self.reg("b32", "xbias")
+        self.emit(f"mov.b32 {bias}, {(127 + BF16_ACTIVATION_BIAS) * 0x00800080:#010x};")  # (2^64, 2^64)
+        self.emit(*(f"mul.rn.bf16x2 {p}, {p}, {bias};" for p in pairs))
+
+    def decode(self, word: str, prefix: str) -> list[str]:
+        pairs = tuple(self.reg("b32", f"{prefix}_{i}") for i in range(4))
+        t, u = self.reg("b32", f"{prefix}_t"), self.reg("b32", f"{prefix}_u")
+        if self.mma_type == "bf16":
+            self.emit(*decode_word_bf16(word, pairs, t, u, self.mul))
+        else:
+            self.emit(*decode_word_f16(word, pairs, t, u, self.mul["m29"]))
+        return list(pairs)
+
+    def mma(self, d: list[str], a: list[str], b: list[str], c: list[str]) -> None:
+        t = self.mma_type
+        self.emit(f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32 {{{', '.join(d)}}}, {{{', '.join(a)}}}, "
+                  f"{{{', '.join(b)}}}, {{{', '.join(c)}}};")
+
+    def scale_pairs_e4m3(self, raw16: str, prefix: str, bias: bool) -> tuple[str, str]:
+        """(s0, s0) and (s1, s1) of the two e4m3 scale bytes in ``raw16`` (a .b16), in fp16, or in bf16 times
+        2^119 when ``bias``."""
+        h = self.reg("b32", f"{prefix}_h")
+        s0, s1 = self.reg("b32", f"{prefix}_0"), self.reg("b32", f"{prefix}_1")
+        self.emit(f"cvt.rn.f16x2.e4m3x2 {h}, {raw16};")
+        if not bias:
+            self.emit(f"prmt.b32 {s0}, {h}, 0, 0x1010;", f"prmt.b32 {s1}, {h}, 0, 0x3232;")
+            return s0, s1
+        f0, f1 = self.scales_f32_e4m3(h, prefix)
+        self.emit(f"mul.f32 {f0}, {f0}, {_f32_hex(2.0 ** BF16_SCALE_BIAS)};",
+                  f"mul.f32 {f1}, {f1}, {_f32_hex(2.0 ** BF16_SCALE_BIAS)};",
+                  f"cvt.rn.bf16x2.f32 {s0}, {f0}, {f0};", f"cvt.rn.bf16x2.f32 {s1}, {f1}, {f1};")
+        return s0, s1
+
+    def scales_f32_e4m3(self, h: str, prefix: str) -> tuple[str, str]:
+        """The two fp16 scales in ``h`` (from ``cvt.rn.f16x2.e4m3x2``) as fp32."""
+        lo, hi = self.reg("b16", f"{prefix}_lo"), self.reg("b16", f"{prefix}_hi")
+        f0, f1 = self.reg("f32", f"{prefix}_f0"), self.reg("f32", f"{prefix}_f1")
+        self.emit(f"mov.b32 {{{lo}, {hi}}}, {h};", f"cvt.f32.f16 {f0}, {lo};", f"cvt.f32.f16 {f1}, {hi};")
+        return f0, f1
+
+    def e8m0(self, raw: str, name: str) -> str:
+        """The e8m0 byte in ``raw`` as fp32 2^(byte - 127): the byte shifted into the exponent field, byte 0 made
+        2^-127 (max), byte 255 (infinity so far) made NaN (inf * 0 + inf)."""
+        f = self.reg("f32", name)
+        bits = self.reg("b32", name + "_b")
+        self.emit(f"shl.b32 {bits}, {raw}, 23;", f"mov.b32 {f}, {bits};", f"max.f32 {f}, {f}, {_E8M0_ZERO};",
+                  f"fma.rn.f32 {f}, {f}, 0f00000000, {f};")
+        return f
+
+    def zero(self) -> str:
+        z = self.reg("f32", "fz")
+        self.emit(f"mov.f32 {z}, 0f00000000;")
+        return z
+
+    def chunk_weights(self, preds: list[str | None]) -> dict:
+        """16-byte weight loads (fold, split): words[e, u] = the 4 words of row e, chunk u."""
+        words = {}
+        for u in range(self.spec.chunks):
+            for e in range(self.op.pack):
+                words[e, u] = [self.reg("b32", f"w{e}_{u}_{q}") for q in range(4)]
+                self.load("v4.u32", words[e, u], self.op("pa", e), self.op("ka"), 64 * u, preds[u])
+        return words
+
+    def chunk_activation(self, nt: int, u: int, pred: str | None) -> list[str]:
+        """The B row's 32 K slots of chunk u (16-byte ownership): 16 fp16/bf16 registers or 4 FP4 words."""
+        op = self.op
+        if self.spec.act == "fp4":
+            regs = [self.reg("b32", f"x{nt}_{u}_{q}") for q in range(4)]
+            self.load("v4.u32", regs, op("px", nt), op("kx"), 64 * u, pred)
+            return regs
+        regs = [self.reg("b32", f"x{nt}_{u}_{m}") for m in range(16)]
+        for v in range(4):
+            self.load("v4.u32", regs[4 * v:4 * v + 4], op("px", nt), op("kx"), 256 * u + 16 * v, pred)
+        return regs
+
+
+class _FoldStep(_Step):
+    """NVFP4 weights: 16-byte weight loads, e4m3 scales folded into the fragments."""
+
+    def __init__(self, spec: StepSpec, op: _Operands):
+        super().__init__(spec, op)
+        s, P, U = spec, op.pack, spec.chunks
+        mul = "mul.rn.bf16x2" if self.mma_type == "bf16" else "mul.rn.f16x2"
+        fp4 = s.act == "fp4"
+        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(U)]
+        # Every load of the step first: weights, their scales, the activation (and its scales).
+        words = self.chunk_weights(preds)
+        sraw = {}
+        for u in range(U):
+            for e in range(P):
+                sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
+                self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
+        xraw, xsraw = {}, {}
+        for nt in range(s.n_tiles):
+            for u in range(U):
+                xraw[nt, u] = self.chunk_activation(nt, u, preds[u])
+                if fp4:
+                    xsraw[nt, u] = self.reg("b16", f"xs{nt}_{u}")
+                    self.load("b16", [xsraw[nt, u]], op("pxs", nt), op("kxs"), 2 * s.sfb_col_tile * u, preds[u])
+        for u in range(U):
+            # Activation pairs b[nt][4 q + i] = (x_i, x_{i+4}) of word q, scaled for FP4.
+            b = {}
+            for nt in range(s.n_tiles):
+                if fp4:
+                    xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
+                    b[nt] = []
+                    for q in range(4):
+                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                            self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
+                            b[nt].append(p)
+                else:
+                    b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+            for t in range(s.tiles):
+                scales = [self.scale_pairs_e4m3(sraw[2 * t + h, u], f"sc{t}_{h}_{u}", bias=s.act == "bf16")
+                          for h in range(2)]
+                for q in range(4):
+                    # a[h][i]: pair i of word q of row g + 8 h, times its block's scale (block q // 2).
+                    a = [self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for h in range(2)]
+                    for h in range(2):
+                        for p in a[h]:
+                            self.emit(f"{mul} {p}, {p}, {scales[h][q // 2]};")
+                    for nt in range(s.n_tiles):
+                        d = [self.acc(t, nt, r) for r in range(4)]
+                        for mm in range(2):
+                            frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
+                            self.mma(d, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]], d)
+        self.finish()
+
+
+class _SplitStep(_Step):
+    """16-byte weight loads, unscaled weights, C columns split by K owner, scales on fp32 partials."""
+
+    def __init__(self, spec: StepSpec, op: _Operands):
+        super().__init__(spec, op)
+        s, P, U = spec, op.pack, spec.chunks
+        mx, fp4 = s.fmt == "mxfp4", s.act == "fp4"
+        on = self.reg("pred", "xon")
+        self.emit(f"setp.ne.s32 {on}, {op('xon')}, 0;")
+        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(U)]
+        xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(U)]
+        words = self.chunk_weights(preds)
+        sraw = {}
+        for u in range(U):
+            for e in range(P):
+                if mx:  # the thread's chunk is one block: its scale byte
+                    sraw[e, u] = self.reg("b32", f"sr{e}_{u}")
+                    self.load("u8", [sraw[e, u]], op("ps", e), op("ks"), s.sfa_col_tile * u, preds[u])
+                else:  # two blocks: two scale bytes
+                    sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
+                    self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
+        xraw, xsraw = {}, {}
+        for nt in range(s.n_tiles):
+            for u in range(U):
+                # Only the threads with g // 2 == c supply B (row 2 nt + g % 2 at their own K slots); the
+                # others give zeros, so column 2 c + j sees thread c's slots only.
+                xraw[nt, u] = self.chunk_activation(nt, u, xpreds[u] if xpreds[u] is not None else on)
+                if fp4 and mx:
+                    for j in range(2):
+                        xsraw[nt, u, j] = self.reg("b32", f"xs{nt}_{u}_{j}")
+                        self.load("u8", [xsraw[nt, u, j]], op(f"pxs{j}", nt), op("kxs"), s.sfb_col_tile * u,
+                                  preds[u])
+                elif fp4:
+                    xsraw[nt, u] = self.reg("b16", f"xs{nt}_{u}")
+                    self.load("b16", [xsraw[nt, u]], op("pxs", nt), op("kxs"), 2 * s.sfb_col_tile * u, preds[u])
+        zero = self.zero()
+        for u in range(U):
+            b, xscale = {}, {}
+            for nt in range(s.n_tiles):
+                if fp4:
+                    b[nt] = []
+                    if not mx:
+                        xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
+                    for q in range(4):
+                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                            if not mx:
+                                self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
+                            b[nt].append(p)
+                    if mx:
+                        xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
+                else:
+                    b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+                    if s.act == "bf16":
+                        self.bias_bf16(b[nt])
+            for t in range(s.tiles):
+                # Scales of the thread's blocks per row h: MXFP4 one (the chunk), NVFP4 two (words 0-1, 2-3).
+                if mx:
+                    f = [[self.e8m0(sraw[2 * t + h, u], f"sf{t}_{h}_{u}")] for h in range(2)]
+                else:
+                    f = []
+                    for h in range(2):
+                        hx = self.reg("b32", f"sh{t}_{h}_{u}")
+                        self.emit(f"cvt.rn.f16x2.e4m3x2 {hx}, {sraw[2 * t + h, u]};")
+                        f.append(list(self.scales_f32_e4m3(hx, f"sf{t}_{h}_{u}")))
+                groups = [range(4)] if mx else [range(2), range(2, 4)]
+                for blk, qs in enumerate(groups):
+                    a = {(q, h): self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for q in qs for h in range(2)}
+                    for nt in range(s.n_tiles):
+                        part = [self.reg("f32", f"pp{t}_{nt}_{u}_{blk}_{r}") for r in range(4)]
+                        first = True
+                        for q in qs:
+                            for mm in range(2):
+                                frag = [a[q, 0][2 * mm], a[q, 1][2 * mm], a[q, 0][2 * mm + 1], a[q, 1][2 * mm + 1]]
+                                self.mma(part, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]],
+                                         [zero] * 4 if first else part)
+                                first = False
+                        for r in range(4):
+                            scale = f[r // 2][blk]
+                            if fp4 and mx:
+                                fx = self.reg("f32", f"fx{t}_{nt}_{u}_{r}")
+                                self.emit(f"mul.f32 {fx}, {scale}, {xscale[nt][r % 2]};")
+                                scale = fx
+                            d = self.acc(t, nt, r)
+                            self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
+        self.finish()
+
+
+class _K32Step(_Step):
+    """MXFP4 weights: word c of every 32-element block (4-byte loads), two mma per block into a zeroed partial,
+    the e8m0 scale applied to the partial in fp32."""
+
+    def __init__(self, spec: StepSpec, op: _Operands):
+        super().__init__(spec, op)
+        s, P = spec, op.pack
+        fp4 = s.act == "fp4"
+        blocks = 4 * spec.chunks
+        preds = [self.in_k(f"pk{j}", 32 * j) for j in range(blocks)]
+        words, sraw, xraw, xsraw = {}, {}, {}, {}
+        for j in range(blocks):
+            col = (j // 4) * s.sfa_col_tile + j % 4
+            for e in range(P):
+                words[e, j] = self.reg("b32", f"w{e}_{j}")
+                self.load("u32", [words[e, j]], op("pa", e), op("ka"), 16 * j, preds[j])
+                sraw[e, j] = self.reg("b32", f"sr{e}_{j}")
+                self.load("u8", [sraw[e, j]], op("ps", e), op("ks"), col, preds[j])
+        for nt in range(s.n_tiles):
+            for j in range(blocks):
+                if fp4:
+                    xraw[nt, j] = [self.reg("b32", f"x{nt}_{j}")]
+                    self.load("u32", xraw[nt, j], op("px", nt), op("kx"), 16 * j, preds[j])
+                    col = (j // 4) * s.sfb_col_tile + j % 4
+                    for jj in range(2):
+                        xsraw[nt, j, jj] = self.reg("b32", f"xs{nt}_{j}_{jj}")
+                        self.load("u8", [xsraw[nt, j, jj]], op(f"pxs{jj}", nt), op("kxs"), col, preds[j])
+                else:
+                    xraw[nt, j] = [self.reg("b32", f"x{nt}_{j}_{m}") for m in range(4)]
+                    self.load("v4.u32", xraw[nt, j], op("px", nt), op("kx"), 64 * j, preds[j])
+        zero = self.zero()
+        for j in range(blocks):
+            scale = [self.e8m0(sraw[e, j], f"sf{e}_{j}") for e in range(P)]
+            b, xscale = {}, {}
+            for nt in range(s.n_tiles):
+                if fp4:
+                    b[nt] = self.decode(xraw[nt, j][0], f"xd{nt}_{j}")
+                    xscale[nt] = [self.e8m0(xsraw[nt, j, jj], f"xsf{nt}_{j}_{jj}") for jj in range(2)]
+                else:
+                    b[nt] = self.float_pairs(xraw[nt, j], f"b{nt}_{j}_")
+                    if s.act == "bf16":
+                        self.bias_bf16(b[nt])
+            for t in range(s.tiles):
+                a = [self.decode(words[2 * t + h, j], f"a{t}_{h}_{j}") for h in range(2)]
+                for nt in range(s.n_tiles):
+                    part = [self.reg("f32", f"pp{t}_{nt}_{j}_{r}") for r in range(4)]
+                    for mm in range(2):
+                        frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
+                        self.mma(part, frag, [b[nt][2 * mm], b[nt][2 * mm + 1]], part if mm else [zero] * 4)
+                    for r in range(4):
+                        f = scale[2 * t + r // 2]
+                        if fp4:
+                            fx = self.reg("f32", f"fx{t}_{nt}_{j}_{r}")
+                            self.emit(f"mul.f32 {fx}, {f}, {xscale[nt][r % 2]};")
+                            f = fx
+                        d = self.acc(t, nt, r)
+                        self.emit(f"fma.rn.f32 {d}, {part[r]}, {f}, {d};")
+        self.finish()

@@ -1,0 +1,528 @@
+"""FP4 weights on the tensor cores: NVFP4 or MXFP4 weights times fp16/bf16 activations (N = 1..16) or
+times activations of the same FP4 format (N = 2..16), one pass over the weights, ``mma.sync.m16n8k16``.
+
+The program.  ``16 * tiles`` output rows of one batch for all N; its ``warps`` warps sit side by side along K,
+each on ``128 * chunks`` elements per step, and every warp covers all the program's rows (``tiles`` m16 tiles),
+so a step's activation fragments serve ``tiles`` mma tiles.  A thread (lane 4 g + c) holds rows
+16 t + 8 h + g of every tile t; its per-thread values (pointers, accumulators) are the ``[2 tiles, 32 warps]``
+tensors of the kernel, element e = 2 t + h in registers (``tests/test_kernels_weight_only.py`` checks the
+compiled layout).
+
+The step (``_mma_step``, inline PTX).  All of a step's loads come first (16-byte weight loads: 2 tiles x chunks
+per thread; 4-byte ones in mode k32), then the e2m1 codes are decoded in registers into the mma's A fragments
+and multiplied on the tensor cores.  Each thread adds the step's offsets to per-thread pointers computed once
+here; the last, partial step masks its loads by K.  The twin ``_step_triton`` computes the same accumulator
+elements from the same weight pointers in plain Triton (for Triton's interpreter and as the GPU reference),
+summing in another order.  The modes (``_mma_step``'s docstring): ``fold`` (NVFP4, scales folded into the
+16-bit weights), ``k32`` (MXFP4, a thread owns word c of every block, scales on fp32 partials) and ``split``
+(either, N <= 4: C columns split by K owner, scales on fp32 partials).
+
+Exactness.  Every product enters an fp32 accumulator exactly; the result is rounded once.
+* An e2m1 value v placed into fp16 bits as ``sign << 15 | code << 9`` reads as v * 2^-14 (code 1 is fp16's
+  subnormal 2^-15); into bf16 as ``code << 6``, v * 2^-126.
+* fold: times an e4m3 scale s the fp16 product v * s * 2^-14 is exact (a multiple of 2^-24 with at most 6
+  significant bits, < 0.17); bf16: v * 2^-126 times s * 2^119 is a normal bf16 with at most 6 significant bits.
+* k32, split: the weights stay unscaled; the tensor cores' products with an fp16 activation (v * 2^-14 * x), or
+  a bf16 one times 2^64 (v * 2^-126 * x * 2^64: exact for 2^-77 <= |x| < 2^64,
+  ``_mma_step.BF16_ACTIVATION_BIAS``), or a decoded FP4 activation are exact in fp32; a block's partial sum is
+  multiplied by its scale (e4m3 or 2^(e - 127), exact unless it leaves fp32's range) with ``fma``.  MXFP4
+  activations: the partial times the fp32 product of the two e8m0 scales (as in ``w4a4.py``).
+The fold (2^-f per ``_mma_step.fold_exponent``) is undone in the epilogue with the global scales.
+
+docs/performance.md has the measurements behind the configurations (``default_config``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backends import interpreting
+from ._common import GemvOperands, ScaleAddressing, apply_global_scales, decode_scale, scale_row_offset, store_rounded
+from ._decode import doubled_e2m1
+from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
+
+__all__ = ["WeightOnlyConfig", "default_config", "supports", "launch", "mode", "weight_only_gemv_kernel", "MAX_N",
+           "MAX_SPLIT_N"]
+
+MAX_N = 16
+# split gives each n-tile 2 activation rows (4 K owners x 2 columns): N <= 4 with two n-tiles.
+MAX_SPLIT_N = 4
+# ptxas options of ``WeightOnlyConfig.loads_first``.
+PTXAS_LOADS_FIRST = "-O1"
+_ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
+_MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
+
+
+class WeightOnlyConfig(NamedTuple):
+    """One launch: ``tiles`` m16 tiles per warp (16 * tiles rows per program), ``warps`` warps along K,
+    ``chunks`` 128-element K chunks per warp and step (a thread has 2 * tiles * chunks 16-byte weight loads in
+    flight), ``split``: the split mode (N <= 4) instead of fold (NVFP4) / k32 (MXFP4), ``pdl``: programmatic
+    dependent launch, ``loads_first``: compile with ``ptxas -O1``, which keeps every load of a step at its top
+    (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split, 2 tiles, 2 of the step's 12
+    loads were issued before its first mma)."""
+
+    tiles: int = 2
+    warps: int = 4
+    chunks: int = 1
+    split: bool = False
+    pdl: bool = False
+    loads_first: bool = True
+
+
+def mode(scale_block: int, config: WeightOnlyConfig) -> str:
+    """The step mode a configuration runs: 'split', else 'fold' (NVFP4) or 'k32' (MXFP4)."""
+    return "split" if config.split else "fold" if scale_block == 16 else "k32"
+
+
+def default_config(m: int, k: int, batch: int, n: int, fmt: str, activation: str, sm_count: int) -> WeightOnlyConfig:
+    """The configuration for ``batch`` x ``m x k`` weights and N = ``n`` (``activation``: 'f16', 'bf16', 'fp4').
+
+    Untuned: predictions (docs/performance.md, weight-only kernel) until benchmarks/sweep_weight_only.py has run
+    on the H200.  Split for N <= 2 (it replaces the per-pair scale multiplications by one fp32 fma per C element
+    and block); tiles per warp grow with the rows (activation reuse) while every SM keeps two or more programs;
+    warps along K grow when rows are few.
+    """
+    rows = m * batch
+    tiles = 4 if rows >= 16 * 4 * 2 * sm_count else 2 if rows >= 16 * 2 * sm_count else 1
+    programs = -(-rows // (16 * tiles))
+    warps = 8 if programs < 2 * sm_count else 4
+    warps = max(1, min(warps, _pow2_at_most(max(k, 128) // 128)))
+    steps = -(-k // (128 * warps))
+    chunks = 2 if steps <= 2 and tiles <= 2 and k >= 256 * warps else 1
+    return WeightOnlyConfig(tiles, warps, chunks, split=n <= 2, pdl=True)
+
+
+def _pow2_at_most(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def supports(ops: GemvOperands, *, scale_block: int, k: int, activation_dtype: torch.dtype | None,
+             split: bool = False) -> bool:
+    """Whether this kernel handles these operands (views as ``launch`` documents them): NVFP4 (``scale_block``
+    16) or MXFP4 (32) weights with K a multiple of 32, times fp16/bf16 activations with 1 <= N <= 16, or times
+    activations of the same format (``activation_dtype`` None) with 2 <= N <= 16 (``split``: N <= 4); every
+    row the kernel loads aligned to its load width: packed rows of weights and FP4 activations 16 bytes
+    (16-byte loads; MXFP4 outside split: 4 bytes), NVFP4 scale rows 2 bytes (two blocks' scales per 16-bit load),
+    float activation rows 16 bytes and contiguous along K."""
+    if scale_block not in (16, 32) or k % 32 or k <= 0:
+        return False
+    n = ops.b.shape[1]
+    fp4 = activation_dtype is None
+    if fp4 != (ops.sfb is not None) or not (2 if fp4 else 1) <= n <= (MAX_SPLIT_N if split else MAX_N):
+        return False
+    if not fp4 and activation_dtype not in (torch.float16, torch.bfloat16):
+        return False
+    row_bytes = 4 if scale_block == 32 and not split else 16
+    if not _rows_aligned(ops.a, row_bytes) or (scale_block == 16 and not _rows_aligned(ops.sfa, 2)):
+        return False
+    if fp4:
+        return _rows_aligned(ops.b, row_bytes) and (scale_block == 32 or _rows_aligned(ops.sfb, 2))
+    return ops.b.stride(-1) == 1 and _rows_aligned(ops.b, 16)
+
+
+def _rows_aligned(t: torch.Tensor, nbytes: int) -> bool:
+    """Data pointer and every stride but the last (in bytes, t is a byte view) multiples of ``nbytes``."""
+    return t.data_ptr() % nbytes == 0 and all(s % nbytes == 0 for s in t.stride()[:-1])
+
+
+def _activation_code(activation_dtype: torch.dtype | None) -> str:
+    return "fp4" if activation_dtype is None else {torch.float16: "f16", torch.bfloat16: "bf16"}[activation_dtype]
+
+
+def step_spec(ops: GemvOperands, *, scale_block: int, activation_dtype: torch.dtype | None,
+              config: WeightOnlyConfig, tail: bool = False) -> StepSpec:
+    """The ``_mma_step.StepSpec`` a launch compiles."""
+    n = ops.b.shape[1]
+    step_mode = mode(scale_block, config)
+    n_tiles = (1 if n <= 2 else 2) if step_mode == "split" else (1 if n <= 8 else 2)
+    return StepSpec("nvfp4" if scale_block == 16 else "mxfp4", _activation_code(activation_dtype), step_mode,
+                    config.tiles, config.chunks, n_tiles, ops.sfa_addressing.col_tile,
+                    ops.sfb_addressing.col_tile if ops.sfb is not None else 4, tail)
+
+
+def launch(ops: GemvOperands, *, scale_block: int, k: int, activation_dtype: torch.dtype | None,
+           config: WeightOnlyConfig, use_ptx: bool) -> None:
+    """Launch :func:`weight_only_gemv_kernel` on operands that :func:`supports` accepts; nothing is validated.
+
+    ops.a: uint8 ``[L, M, K/2]`` packed weights (stride 1 along K, batch stride may be 0); ops.sfa their scale
+        bytes, addressed by ``ops.sfa_addressing`` (linear or swizzled) from their data pointer.
+    ops.b: uint8 ``[L, N, bytes per row]``: the fp16/bf16 activation's bytes (``activation_dtype``), or FP4
+        data of the weights' format with scale bytes ``ops.sfb`` (``activation_dtype`` None).
+    ops.c: ``[L, M, N]`` float16/bfloat16/float32, any strides; written.
+    """
+    a, b, c = ops.a, ops.b, ops.c
+    batch, m, _ = a.shape
+    spec = step_spec(ops, scale_block=scale_block, activation_dtype=activation_dtype, config=config)
+    asm_full, constraints_full = step_asm(spec)
+    asm_tail, constraints_tail = step_asm(spec._replace(tail=True))
+    sfb, sfb_addressing, gsa, gsb = ops.optional_pointer_args()
+    pdl = config.pdl and not interpreting()
+    weight_only_gemv_kernel[(triton.cdiv(m, 16 * config.tiles), batch)](
+        a, ops.sfa, b, sfb, gsa, gsb, c,
+        m, b.shape[1], k,
+        a.stride(0), a.stride(1),
+        *_row_strides(ops.sfa_addressing),
+        b.stride(0), b.stride(1),
+        *_row_strides(sfb_addressing),
+        *c.stride(),
+        *MULTIPLIERS.values(),
+        MODE=_MODE_CODES[spec.mode], MX=scale_block == 32, ACT=_ACT_CODES[spec.act], TILES=config.tiles,
+        WARPS=config.warps, CHUNKS=config.chunks, N_TILES=spec.n_tiles, SFA_COL_TILE=spec.sfa_col_tile,
+        SFB_COL_TILE=spec.sfb_col_tile, HAS_GSA=ops.global_scale_a is not None,
+        HAS_GSB=ops.global_scale_b is not None, FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
+        USE_PTX=use_ptx, PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full, ASM_TAIL=asm_tail,
+        CONSTRAINTS_TAIL=constraints_tail, num_warps=config.warps, num_stages=1, launch_pdl=pdl,
+        ptx_options=PTXAS_LOADS_FIRST if config.loads_first else None,
+    )
+
+
+def _row_strides(addressing: ScaleAddressing) -> tuple[int, int, int, int]:
+    """The batch and row parts of a scale addressing (the column tile is a compile-time constant: 4 or 512)."""
+    return addressing.batch, addressing.row_tile, addressing.r32, addressing.r4
+
+
+# --- the kernel ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _col_offset(col, COL_TILE: tl.constexpr):
+    """Byte offset of scale column ``col`` (runs of 4 contiguous columns, ``COL_TILE`` apart)."""
+    return (col // 4) * COL_TILE + col % 4
+
+
+@triton.jit
+def _scale_ptr(sf_ptr, pid_l, rows, N, stride_l, stride_row_tile, stride_r32, stride_r4, col,
+               COL_TILE: tl.constexpr):
+    """The scale of row ``rows`` (clamped to N - 1) and column ``col``."""
+    rows = tl.minimum(rows, N - 1)
+    return (sf_ptr + pid_l * stride_l + scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4)
+            + _col_offset(col, COL_TILE))
+
+
+@triton.jit
+def _activation_ptr(b_ptr, pid_l, n, N, b_stride_l, b_stride_n, k_elem, ACT: tl.constexpr):
+    """Activation row n (clamped to N - 1: padded columns are computed and never stored) at element k_elem."""
+    rows = tl.minimum(n, N - 1).to(tl.int64)
+    if ACT == 2:
+        return b_ptr + pid_l * b_stride_l + rows * b_stride_n + k_elem // 2
+    else:
+        return b_ptr + pid_l * b_stride_l + rows * b_stride_n + 2 * k_elem
+
+
+@triton.jit
+def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c,
+          zero, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
+          N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr, USE_PTX: tl.constexpr,
+          TAIL: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr):
+    """The step at element k0 of every warp's chunks: its byte offsets (the same for every thread), then the
+    PTX step or its twin."""
+    BLOCK: tl.constexpr = 32 if MX else 16
+    k0 = tl.cast(k0, tl.int64)
+    ka = k0 // 2
+    ks = (k0 // (4 * BLOCK)) * SFA_COL_TILE
+    if ACT == 2:
+        kx = k0 // 2
+    else:
+        kx = 2 * k0
+    kxs = (k0 // (4 * BLOCK)) * SFB_COL_TILE
+    kleft = (K - k0).to(tl.int32) - k_first  # [1, T]: elements of K left from the thread's first chunk
+    if USE_PTX:
+        a0, a1, a2, a3 = _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka + zero, ks + zero, kx + zero,
+                                   kxs + zero, xon, muls, kleft + zero, ASM, CONSTRAINTS, MX, ACT, N_TILES, TAIL, P)
+    else:
+        a0, a1, a2, a3 = _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, c,
+                                      MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft, ASM: tl.constexpr,
+              CONSTRAINTS: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, N_TILES: tl.constexpr,
+              TAIL: tl.constexpr, P: tl.constexpr):
+    """One step of ``_mma_step.step_asm``; the operands in the order of its ``input_names``."""
+    # Pointers as integers: the asm's operands are broadcast together, which Triton refuses for pointers.
+    ins = (pa.to(tl.int64), ps.to(tl.int64), px.to(tl.int64))
+    if ACT == 2:
+        if MX:
+            ins = ins + (pxs0.to(tl.int64), pxs1.to(tl.int64))
+        else:
+            ins = ins + (pxs.to(tl.int64),)
+        ins = ins + (ka, ks, kx, kxs)
+    else:
+        ins = ins + (ka, ks, kx)
+    ins = ins + (xon,) + muls
+    if TAIL:
+        ins = ins + (kleft,)
+    if N_TILES == 1:
+        a0, a1 = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (a0, a1) + ins, dtype=(tl.float32, tl.float32),
+                                           is_pure=True, pack=P)
+    else:
+        a0, a1, a2, a3 = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (a0, a1, a2, a3) + ins,
+                                                   dtype=(tl.float32, tl.float32, tl.float32, tl.float32),
+                                                   is_pure=True, pack=P)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _values(words):
+    """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
+    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
+    return doubled_e2m1(codes).to(tl.float32) * 0.5
+
+
+@triton.jit
+def _chunk_values(word_ptr, k_ok, CHUNKS: tl.constexpr):
+    """The e2m1 values of the ``128 * CHUNKS`` elements from ``word_ptr`` (an int32 pointer ``[A, B]``), those at
+    or past ``k_ok`` zero: ``[A, B, 128 * CHUNKS]``."""
+    kw = tl.arange(0, 16 * CHUNKS)
+    words = tl.load(word_ptr[:, :, None] + kw, mask=8 * kw < k_ok[:, :, None], other=0)
+    v = _values(words)
+    return tl.reshape(v, [v.shape[0], v.shape[1], 128 * CHUNKS])
+
+
+@triton.jit
+def _block_scales(sf_ptr, k_ok, BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr, COL_TILE: tl.constexpr):
+    """Decoded scales of ``BLOCKS`` consecutive blocks from column pointers ``sf_ptr`` ``[A, B]`` (a warp chunk's
+    first, a multiple of 4), blocks at or past element ``k_ok`` zero."""
+    j = tl.arange(0, BLOCKS)
+    raw = tl.load(sf_ptr[:, :, None] + (j // 4) * COL_TILE + j % 4, mask=SCALE_BLOCK * j < k_ok[:, :, None], other=0)
+    return decode_scale(raw, SCALE_BLOCK)
+
+
+@triton.jit
+def _activation_values(x_ptr, sx_ptr, k_ok, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
+                       SFB_COL_TILE: tl.constexpr):
+    """The activation at a warp chunk from byte pointers ``x_ptr`` ``[1, T]``: float32 ``[1, T, 128 * CHUNKS]``,
+    NVFP4 with its scales applied; for MXFP4 also the decoded scales ``[1, T, 4 * CHUNKS]`` (else None)."""
+    KC: tl.constexpr = 128 * CHUNKS
+    kk = tl.arange(0, KC)
+    if ACT == 2:
+        v = _chunk_values(x_ptr.to(tl.pointer_type(tl.int32)), k_ok, CHUNKS)
+        if MX:
+            return v, _block_scales(sx_ptr, k_ok, 4 * CHUNKS, 32, SFB_COL_TILE)
+        s = _block_scales(sx_ptr, k_ok, 8 * CHUNKS, 16, SFB_COL_TILE)
+        v = tl.reshape(v, [1, v.shape[1], 8 * CHUNKS, 16]) * s[:, :, :, None]
+        return tl.reshape(v, [1, v.shape[1], KC]), None
+    ptrs = x_ptr[:, :, None] + 2 * kk
+    ok = kk < k_ok[:, :, None]
+    if ACT == 1:
+        x = tl.load(ptrs.to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0).to(tl.float32)
+    else:
+        x = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
+    return x, None
+
+
+@triton.jit
+def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, lane_c,
+                 MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
+                 N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr):
+    """``_step_ptx`` in plain Triton: the same accumulator elements from the same weight pointers.
+
+    Each element e of thread (g, c) is its row against the activation row of its C column (``col_ptrs[o]``,
+    at the warp chunk) over the warp's chunk: all of it (fold, k32) or thread c's K slots (split).  Products
+    are exact in fp32 and summed in another order than the tensor cores'."""
+    KC: tl.constexpr = 128 * CHUNKS
+    if MODE == 1:  # k32: the thread's pointers are its word c of the warp chunk's first block
+        first = 0
+        wa = pa - 4 * lane_c + ka
+        wsf = ps + ks
+    else:  # fold, split: its 32 elements of the chunk at 32 c, blocks 2 c, 2 c + 1 (MXFP4: block c)
+        first = 32 * lane_c
+        wa = pa - 16 * lane_c + ka
+        if MX:
+            wsf = ps - lane_c + ks
+        else:
+            wsf = ps - ((lane_c // 2) * SFA_COL_TILE + 2 * (lane_c % 2)) + ks
+    k_ok = kleft + first  # elements of the warp chunk in K
+    w = _chunk_values(wa.to(tl.pointer_type(tl.int32)), k_ok, CHUNKS)  # [P, T, KC]
+    if MX:
+        sw = _block_scales(wsf, k_ok, 4 * CHUNKS, 32, SFA_COL_TILE)  # [P, T, 4 CHUNKS]
+        w = tl.reshape(w, [w.shape[0], w.shape[1], 4 * CHUNKS, 32])
+        owner = (tl.arange(0, 4 * CHUNKS)[None, None, :] % 4) == lane_c[:, :, None]  # block j is thread j % 4's
+    else:
+        sw = _block_scales(wsf, k_ok, 8 * CHUNKS, 16, SFA_COL_TILE)
+        w = tl.reshape(tl.reshape(w, [w.shape[0], w.shape[1], 8 * CHUNKS, 16]) * sw[:, :, :, None],
+                       [w.shape[0], w.shape[1], KC])
+        owner = ((tl.arange(0, KC)[None, None, :] // 32) % 4) == lane_c[:, :, None]
+    x0, x1, x2, x3 = col_ptrs
+    s0, s1, s2, s3 = col_scale_ptrs
+    a0 = a0 + _column_sum(w, sw, x0 + kx, s0 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
+    a1 = a1 + _column_sum(w, sw, x1 + kx, s1 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
+    if N_TILES == 2:
+        a2 = a2 + _column_sum(w, sw, x2 + kx, s2 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
+        a3 = a3 + _column_sum(w, sw, x3 + kx, s3 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _column_sum(w, sw, x_ptr, sx_ptr, k_ok, owner, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr,
+                CHUNKS: tl.constexpr, SFB_COL_TILE: tl.constexpr):
+    """Each element's row ``w`` times the activation column at ``x_ptr``, summed over the K slots it covers."""
+    x, sx = _activation_values(x_ptr, sx_ptr, k_ok, MX, ACT, CHUNKS, SFB_COL_TILE)
+    if MX:
+        x = tl.reshape(x, [1, x.shape[1], 4 * CHUNKS, 32])
+        scale = sw
+        if ACT == 2:
+            scale = sw * sx
+        part = tl.sum(w * x, axis=3) * scale
+    else:
+        part = w * x
+    if MODE == 2:
+        part = tl.where(owner, part, 0.0)
+    return tl.sum(part, axis=2)
+
+
+@triton.jit
+def _store_column(acc, O: tl.constexpr, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
+                  c_stride_n, MODE: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, FOLD: tl.constexpr,
+                  USE_PTX: tl.constexpr, HAS_GSA: tl.constexpr, HAS_GSB: tl.constexpr):
+    """Sum output ``O`` over the warps (and in split over the 4 K owners c), undo the fold, apply the global
+    scales, round once, store."""
+    P: tl.constexpr = 2 * TILES
+    if MODE == 2:
+        out = tl.sum(tl.sum(tl.reshape(acc, [P, WARPS, 8, 4]), axis=3), axis=1)  # [e, g]
+        e = tl.arange(0, P)[:, None]
+        g = tl.arange(0, 8)[None, :]
+        n = O + 0 * g
+    else:
+        out = tl.sum(tl.reshape(acc, [P, WARPS, 32]), axis=1)  # [e, lane]
+        e = tl.arange(0, P)[:, None]
+        lane = tl.arange(0, 32)[None, :]
+        g = lane // 4
+        n = 8 * (O // 2) + 2 * (lane % 4) + O % 2
+    if USE_PTX:
+        out = out * FOLD
+    out = apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA, HAS_GSB)
+    rows = pid_m * (16 * TILES) + 16 * (e // 2) + 8 * (e % 2) + g
+    ptrs = c_ptr + pid_l * c_stride_l + rows.to(tl.int64) * c_stride_m + n * c_stride_n
+    store_rounded(ptrs, out, (rows < M) & (n < N))
+
+
+@triton.jit
+def weight_only_gemv_kernel(
+    a_ptr, sfa_ptr, b_ptr, sfb_ptr, gsa_ptr, gsb_ptr, c_ptr,
+    M, N, K,
+    a_stride_l, a_stride_m,
+    sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
+    b_stride_l, b_stride_n,
+    sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+    c_stride_l, c_stride_m, c_stride_n,
+    m6, m2, m26, m29, m30,
+    MODE: tl.constexpr,
+    MX: tl.constexpr,
+    ACT: tl.constexpr,
+    TILES: tl.constexpr,
+    WARPS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    N_TILES: tl.constexpr,
+    SFA_COL_TILE: tl.constexpr,
+    SFB_COL_TILE: tl.constexpr,
+    HAS_GSA: tl.constexpr,
+    HAS_GSB: tl.constexpr,
+    FOLD: tl.constexpr,
+    USE_PTX: tl.constexpr,
+    PDL: tl.constexpr,
+    ASM_FULL: tl.constexpr,
+    CONSTRAINTS_FULL: tl.constexpr,
+    ASM_TAIL: tl.constexpr,
+    CONSTRAINTS_TAIL: tl.constexpr,
+):
+    # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  m6 .. m30: _mma_step.MULTIPLIERS.
+    P: tl.constexpr = 2 * TILES
+    KC: tl.constexpr = 128 * CHUNKS  # elements of K per warp and step
+    STEP: tl.constexpr = WARPS * KC
+    BLOCK: tl.constexpr = 32 if MX else 16
+    pid_m = tl.program_id(0)
+    pid_l = tl.program_id(1).to(tl.int64)
+    e = tl.arange(0, P)[:, None]
+    tid = tl.arange(0, 32 * WARPS)[None, :]
+    warp = tid // 32
+    g = (tid % 32) // 4
+    c = tid % 4
+    zero = tl.zeros([P, 32 * WARPS], dtype=tl.int32)
+    # Tail rows re-read row M - 1; only the store is masked.
+    rows = tl.minimum(pid_m * (16 * TILES) + 16 * (e // 2) + 8 * (e % 2) + g, M - 1)  # [P, T]
+    k_warp = warp * KC
+    if MODE == 1:  # k32: word c of every block
+        k_first = k_warp
+        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_warp // 2 + 4 * c
+        k_x = k_warp + 8 * c
+    else:  # 32 consecutive elements per chunk
+        k_first = k_warp + 32 * c
+        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_first // 2
+        k_x = k_first
+    ps = _scale_ptr(sfa_ptr, pid_l, rows, M, sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
+                    k_first // BLOCK, SFA_COL_TILE)
+    # The thread's B fragment row for n-tile e: g + 8 e, or in split 2 e + g % 2 (threads with g // 2 == c only).
+    if MODE == 2:
+        x_rows = 2 * e + g % 2
+    else:
+        x_rows = g + 8 * e
+    px = _activation_ptr(b_ptr, pid_l, x_rows, N, b_stride_l, b_stride_n, k_x, ACT)
+    xon = ((g // 2) == c).to(tl.int32) + zero
+    pxs = px
+    pxs0 = px
+    pxs1 = px
+    if ACT == 2:
+        if MX:  # the activation scales of this thread's C columns' rows
+            if MODE == 2:
+                c_rows = 2 * e + zero
+            else:
+                c_rows = 8 * e + 2 * c + zero
+            pxs0 = _scale_ptr(sfb_ptr, pid_l, c_rows, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
+                              sfb_stride_r4, k_first // 32, SFB_COL_TILE)
+            pxs1 = _scale_ptr(sfb_ptr, pid_l, c_rows + 1, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
+                              sfb_stride_r4, k_first // 32, SFB_COL_TILE)
+        else:
+            pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
+                             sfb_stride_r4, k_first // 16, SFB_COL_TILE)
+    muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
+    # The twin reads each C column's activation row at the warp chunk: output o is column 8 (o // 2) + 2 c + o % 2,
+    # in split activation row o.
+    if MODE == 2:
+        col_rows = (0 * c, 1 + 0 * c, 2 + 0 * c, 3 + 0 * c)
+    else:
+        col_rows = (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c)
+    r0, r1, r2, r3 = col_rows
+    col_ptrs = (_activation_ptr(b_ptr, pid_l, r0, N, b_stride_l, b_stride_n, k_warp, ACT),
+                _activation_ptr(b_ptr, pid_l, r1, N, b_stride_l, b_stride_n, k_warp, ACT),
+                _activation_ptr(b_ptr, pid_l, r2, N, b_stride_l, b_stride_n, k_warp, ACT),
+                _activation_ptr(b_ptr, pid_l, r3, N, b_stride_l, b_stride_n, k_warp, ACT))
+    col_scale_ptrs = (
+        _scale_ptr(sfb_ptr, pid_l, r0, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                   k_warp // BLOCK, SFB_COL_TILE),
+        _scale_ptr(sfb_ptr, pid_l, r1, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                   k_warp // BLOCK, SFB_COL_TILE),
+        _scale_ptr(sfb_ptr, pid_l, r2, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                   k_warp // BLOCK, SFB_COL_TILE),
+        _scale_ptr(sfb_ptr, pid_l, r3, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                   k_warp // BLOCK, SFB_COL_TILE))
+    a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    n_full = K // STEP
+    for s in range(0, n_full):
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
+                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
+                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL)
+    if n_full * STEP < K:
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
+                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
+                               SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
+    _store_column(a0, 0, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
+                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
+    _store_column(a1, 1, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
+                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
+    if N_TILES == 2:
+        _store_column(a2, 2, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
+                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
+        _store_column(a3, 3, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
+                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
