@@ -132,6 +132,7 @@ SHAPE_CONFIGS = (
     ((24, 160, 2), WeightOnlyConfig(1, 1, 1)),  # 160 = 128 + 32: 5 MXFP4 columns
     ((24, 2880, 1), WeightOnlyConfig(1, 4, 1)),  # gpt-oss's K: 5 full steps of 512, a tail of 320; 90 columns
     ((72, 480, 1), WeightOnlyConfig(4, 2, 1)),  # 4 tiles (64 rows): tail program of 8 rows; 15 MXFP4 columns
+    ((24, 2048, 1), WeightOnlyConfig(1, 16, 1)),  # 16 warps along K: one full step
 )
 FORMATS = ("nvfp4", "mxfp4")
 LAYOUTS = ("linear", "swizzled")
@@ -322,9 +323,17 @@ def test_default_config_is_valid_for_every_shape():
     for m, k, L, n, fmt in itertools.product((16, 200, 1024, 2880, 4096, 7168, 28672), (32, 96, 2880, 4096, 16384),
                                              (1, 8), (1, 2, 3, 8, 16), FORMATS):
         cfg = weight_only.default_config(m, k, L, n, fmt, "f16", 132)
-        assert cfg.tiles in (1, 2, 4) and cfg.warps in (1, 2, 4, 8) and cfg.chunks in (1, 2), cfg
+        weight_only.check_config(cfg, n)
+        assert cfg.warps * cfg.chunks * 128 <= max(128, k) or cfg.chunks == 1, (m, k, cfg)  # no idle warps
         assert cfg.warps * 128 <= max(128, k), (m, k, cfg)
-        assert not cfg.split or n <= weight_only.MAX_SPLIT_N
+
+
+@pytest.mark.parametrize("config, n", [(WeightOnlyConfig(3, 4, 1), 1), (WeightOnlyConfig(2, 32, 1), 1),
+                                       (WeightOnlyConfig(2, 6, 1), 1), (WeightOnlyConfig(2, 4, 4), 1),
+                                       (WeightOnlyConfig(2, 4, 1, split=True), 5)], ids=str)
+def test_check_config_names_what_is_wrong(config, n):
+    with pytest.raises(ValueError, match="config"):
+        weight_only.check_config(config, n)
 
 
 # --- the PTX, emulated ------------------------------------------------------------------------------------
@@ -440,7 +449,8 @@ def fp4(fmt, *shape, layout="swizzled"):
     *batch, rows, k = shape
     block = 16 if fmt == "nvfp4" else 32
     scales = torch.full((*batch, rows, k // block), 0x38 if block == 16 else 127, dtype=torch.uint8)
-    return FP4Tensor(torch.zeros(*batch, rows, k // 2, dtype=torch.uint8), scales, fmt, "linear").with_scale_layout(layout)
+    t = FP4Tensor(torch.zeros(*batch, rows, k // 2, dtype=torch.uint8), scales, fmt, "linear")
+    return t.with_scale_layout(layout)
 
 
 wo.weight_only_gemv_kernel = Recorder()
@@ -489,8 +499,9 @@ for label, fmt, m, k, L, act, n, cfg in CASES:
     if "LOCAL:0" not in usage or "STACK:0" not in usage:
         bad.append("local memory: " + usage.strip().splitlines()[-1])
     instrs = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass)
-    loops = [(int(re.search(r"0x([0-9a-f]+)", r).group(1), 16), int(a, 16)) for a, op, r in instrs
-             if op == "BRA" and re.search(r"0x([0-9a-f]+)", r) and int(re.search(r"0x([0-9a-f]+)", r).group(1), 16) < int(a, 16)]
+    targets = [(int(t.group(1), 16), int(a, 16)) for a, op, r in instrs if op == "BRA"
+               for t in [re.search(r"0x([0-9a-f]+)", r)] if t]
+    loops = [(t, a) for t, a in targets if t < a]
     lo, hi = max(loops, key=lambda x: x[1] - x[0])
     body = [(op, r) for a, op, r in instrs if lo <= int(a, 16) <= hi]
     loads = [op for op, _ in body if op.startswith("LDG")]
@@ -519,6 +530,7 @@ _AOT_CASES = [
     ("k32-bf16-n16", "mxfp4", 256, 4096, 1, "bf16", 16, (1, 4, 1, False)),
     ("k32-fp4", "mxfp4", 40, 96, 2, "fp4", 9, (1, 1, 1, False)),
     ("split-f16-mx", "mxfp4", 256, 16384, 1, "f16", 2, (2, 4, 1, True)),
+    ("split-f16-w16", "nvfp4", 1024, 4096, 1, "f16", 1, (1, 16, 2, True)),
 ]
 # The widths of a full step's loads: 16 bytes (weights, fp16/bf16 activation, FP4 activation outside k32),
 # 4 bytes (k32's weight words and FP4 activation words), 2 bytes (NVFP4 scale pairs), 1 byte (e8m0 scales).

@@ -45,10 +45,15 @@ from ._common import GemvOperands, ScaleAddressing, apply_global_scales, decode_
 from ._decode import doubled_e2m1
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
 
-__all__ = ["WeightOnlyConfig", "default_config", "supports", "launch", "mode", "weight_only_gemv_kernel", "MAX_N",
-           "MAX_SPLIT_N"]
+__all__ = ["WeightOnlyConfig", "default_config", "check_config", "supports", "launch", "mode", "step_spec",
+           "weight_only_gemv_kernel", "MAX_N", "MAX_SPLIT_N", "MAX_WARPS"]
 
 MAX_N = 16
+MAX_WARPS = 16
+# Resident warps per SM the default configuration aims at: with a step's loads at its top, 16 warps of 2 tiles
+# keep 16 * 32 * 64 = 32 KB of weights in flight per SM (Little's law at ~17.5 bytes per cycle and ~1500 cycles
+# of loaded DRAM latency wants ~26 KB).
+_TARGET_WARPS_PER_SM = 16
 # split gives each n-tile 2 activation rows (4 K owners x 2 columns): N <= 4 with two n-tiles.
 MAX_SPLIT_N = 4
 # ptxas options of ``WeightOnlyConfig.loads_first``.
@@ -81,23 +86,34 @@ def mode(scale_block: int, config: WeightOnlyConfig) -> str:
 def default_config(m: int, k: int, batch: int, n: int, fmt: str, activation: str, sm_count: int) -> WeightOnlyConfig:
     """The configuration for ``batch`` x ``m x k`` weights and N = ``n`` (``activation``: 'f16', 'bf16', 'fp4').
 
-    Untuned: predictions (docs/performance.md, weight-only kernel) until benchmarks/sweep_weight_only.py has run
-    on the H200.  Split for N <= 2 (it replaces the per-pair scale multiplications by one fp32 fma per C element
-    and block); tiles per warp grow with the rows (activation reuse) while every SM keeps two or more programs;
-    warps along K grow when rows are few.
+    Predictions, not yet measured (docs/performance.md, weight-only kernel; benchmarks/sweep_weight_only.py
+    times them): split for N <= 2 (one fp32 fma per C element and block instead of a multiplication per weight
+    pair); tiles per warp grow with the rows (activation reuse) while every SM keeps 2-3 programs; warps along K
+    make about ``_TARGET_WARPS_PER_SM`` resident warps; two chunks per step where K leaves a warp 4 steps or fewer
+    (fewer, fuller round trips).
     """
     rows = m * batch
-    tiles = 4 if rows >= 16 * 4 * 2 * sm_count else 2 if rows >= 16 * 2 * sm_count else 1
+    tiles = 4 if rows >= 24 * 1024 else 2 if rows >= 12 * 1024 else 1
     programs = -(-rows // (16 * tiles))
-    warps = 8 if programs < 2 * sm_count else 4
-    warps = max(1, min(warps, _pow2_at_most(max(k, 128) // 128)))
-    steps = -(-k // (128 * warps))
-    chunks = 2 if steps <= 2 and tiles <= 2 and k >= 256 * warps else 1
+    warps = _pow2_at_most(max(1, _TARGET_WARPS_PER_SM * sm_count // programs))
+    warps = max(1, min(warps, MAX_WARPS, _pow2_at_most(max(k, 128) // 128)))
+    chunks = 2 if k >= 256 * warps and k <= 4 * 128 * warps and tiles <= 2 else 1
     return WeightOnlyConfig(tiles, warps, chunks, split=n <= 2, pdl=True)
 
 
 def _pow2_at_most(x: int) -> int:
     return 1 << (max(x, 1).bit_length() - 1)
+
+
+def check_config(config: WeightOnlyConfig, n: int) -> None:
+    """ValueError naming ``config`` unless it is one the kernel compiles: tiles 1, 2 or 4, warps a power of two up
+    to ``MAX_WARPS``, chunks 1 or 2, split only for N <= ``MAX_SPLIT_N``."""
+    if config.tiles not in (1, 2, 4) or config.chunks not in (1, 2):
+        raise ValueError(f"config: expected tiles 1, 2 or 4 and chunks 1 or 2, got {config}")
+    if not 1 <= config.warps <= MAX_WARPS or config.warps & (config.warps - 1):
+        raise ValueError(f"config: expected warps a power of two from 1 to {MAX_WARPS}, got {config}")
+    if config.split and n > MAX_SPLIT_N:
+        raise ValueError(f"config: split takes N <= {MAX_SPLIT_N} activation rows, got N = {n}")
 
 
 def supports(ops: GemvOperands, *, scale_block: int, k: int, activation_dtype: torch.dtype | None,
