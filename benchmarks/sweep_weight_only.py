@@ -44,9 +44,9 @@ NVFP4_SHAPES = [Shape(7168, 16384), Shape(4096, 7168, 8), Shape(4096, 4096), Sha
 MXFP4_SHAPES = NVFP4_SHAPES + [Shape(5760, 2880), Shape(2880, 2880)]  # + gpt-oss-20b's experts
 # An alternative to the default per shape (tiles, warps, chunks): the other side of the trade-off the default
 # makes (docs/performance.md): fewer tiles and more warps, or more tiles and fewer warps, or two chunks.
-ALTERNATIVE = {(7168, 16384, 1): (2, 4, 1), (4096, 7168, 8): (2, 4, 1), (4096, 4096, 1): (1, 8, 1),
-               (14336, 4096, 1): (1, 8, 1), (28672, 8192, 1): (2, 4, 1), (1024, 4096, 1): (1, 8, 2),
-               (4096, 14336, 1): (1, 8, 2), (5760, 2880, 1): (1, 8, 1), (2880, 2880, 1): (1, 16, 1)}
+ALTERNATIVE = {(7168, 16384, 1): (1, 4, 1), (4096, 7168, 8): (2, 4, 1), (4096, 4096, 1): (1, 8, 2),
+               (14336, 4096, 1): (2, 8, 1), (28672, 8192, 1): (2, 4, 1), (1024, 4096, 1): (1, 8, 2),
+               (4096, 14336, 1): (1, 8, 1), (5760, 2880, 1): (1, 8, 1), (2880, 2880, 1): (1, 16, 1)}
 # (fmt, act, N, shapes) in priority order.
 CASES = [("nvfp4", "bf16", 1, NVFP4_SHAPES), ("mxfp4", "bf16", 1, MXFP4_SHAPES),
          ("nvfp4", "bf16", 8, NVFP4_SHAPES), ("mxfp4", "bf16", 8, MXFP4_SHAPES),
@@ -76,9 +76,9 @@ def operands(a: FP4Tensor, b, out: torch.Tensor) -> GemvOperands:
                         a.global_scale, gsb)
 
 
-def launch_wo(ops: GemvOperands, fmt: str, act: str, k: int, config: WeightOnlyConfig) -> None:
-    weight_only.launch(ops, scale_block=16 if fmt == "nvfp4" else 32, k=k, activation_dtype=DTYPES[act],
-                       config=config, use_ptx=True)
+def launch_wo(ops: GemvOperands, fmt: str, act: str, k: int, config: WeightOnlyConfig):
+    return weight_only.launch(ops, scale_block=16 if fmt == "nvfp4" else 32, k=k, activation_dtype=DTYPES[act],
+                              config=config, use_ptx=True)
 
 
 def launch_hmma(x, k: int, act: str) -> None:
@@ -205,8 +205,11 @@ def time_case(fmt: str, act: str, n: int, shape: Shape, reads: StreamReads) -> d
     inputs = [random_gemv_operands(s, fmt, "fp4" if act == "fp4" else {"f16": "fp16", "bf16": "bf16"}[act], seed=i)
               for i in range(input_count(nbytes))]
     row = {"fmt": fmt, "act": act, "n": n, "m": s.m, "k": s.k, "l": s.l, "bytes": nbytes, "us": {}, "configs": {}}
+    row["registers"] = {}
     for name, config in variants(fmt, act, n, s).items():
         ops = [operands(a, b, out) for a, b, out in inputs]
+        kernel = launch_wo(ops[0], fmt, act, s.k, config)
+        row["registers"][name] = [getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None)]
         row["us"][name] = median_us(lambda x, c=config: launch_wo(x, fmt, act, s.k, c), ops)
         row["configs"][name] = config._asdict()
     if fmt == "nvfp4" and (act != "fp4" or n > 1):
@@ -263,9 +266,10 @@ def main() -> int:
             break
         row = time_case(fmt, act, n, s, reads)
         result["rows"].append(row)
+        spills = {k: v[1] for k, v in row["registers"].items() if v[1]}
         print(f"time {fmt} {act} N={n} {s.m}x{s.k}x{s.l}: read {row['read_us']:.2f} | "
-              + " | ".join(f"{k} {v:.2f}" for k, v in row["us"].items()) + f"  [{time.time() - start:.0f} s]",
-              flush=True)
+              + " | ".join(f"{k} {v:.2f}" for k, v in row["us"].items()) + f"  [{time.time() - start:.0f} s]"
+              + (f"  SPILLS {spills}" if spills else ""), flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "sweep_weight_only.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result["rows"]))

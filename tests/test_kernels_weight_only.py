@@ -564,6 +564,50 @@ def test_weight_only_compiles_for_sm90_with_its_operand_layout(compile_for_sm90)
     assert {"a_ptr", "b_ptr", "K", "a_stride_m"} <= set(report["fold-f16-k16384"]["marked"])
 
 
+_PACK_PROBE = r'''
+import triton, triton.language as tl
+
+ASM = tl.constexpr("{\nmov.b32 $0, $8;\nmov.b32 $1, $9;\nmov.b32 $2, $10;\nmov.b32 $3, $11;\n}")
+
+
+@triton.jit
+def probe(out_ptr, P: tl.constexpr, W: tl.constexpr):
+    e = tl.arange(0, P)[:, None]
+    tid = tl.arange(0, 32 * W)[None, :]
+    v = (e * 1000 + 7 + 0 * tid).to(tl.float32)
+    r = tl.inline_asm_elementwise(ASM, "=f,=f,=f,=f,0,1,2,3,f,f,f,f", [tl.zeros([P, 32 * W], tl.float32), v],
+                                  dtype=tl.float32, is_pure=True, pack=P)
+    tl.store(out_ptr + e * (32 * W) + tid, r)
+'''
+
+# A @triton.jit function needs a source file: the script writes the probe to one and compiles it.
+_AOT_PACK_ORDER = f"PROBE = {_PACK_PROBE!r}\n" + r'''
+import importlib.util, os, re, struct, tempfile, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+path = os.path.join(tempfile.mkdtemp(), "pack_probe.py")
+with open(path, "w") as f:
+    f.write(PROBE)
+spec = importlib.util.spec_from_file_location("pack_probe", path)
+probe = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(probe)
+ptx = triton.compile(ASTSource(probe.probe, {"out_ptr": "*fp32", "P": "constexpr", "W": "constexpr"},
+                               {"P": 4, "W": 4}), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+consts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", ptx))
+asm = ptx[ptx.index("// begin inline asm"):]
+inputs = re.findall(r"mov\.b32 %r\d+, (%r\d+);", asm)[:4]
+print("ORDER", [struct.unpack("f", struct.pack("I", int(consts[r])))[0] for r in inputs])
+'''
+
+
+def test_asm_pack_is_the_registers_dimension_in_order(compile_for_sm90):
+    """The asm's pack of P elements per thread is element e = 0 .. P - 1 of the [P, 32 warps] operand, in order
+    (what ``_mma_step`` numbers its operands by): a probe kernel passes e * 1000 + 7 through such an asm."""
+    out = compile_for_sm90(_AOT_PACK_ORDER)
+    assert "ORDER [7.0, 1007.0, 2007.0, 3007.0]" in out, out
+
+
 # --- GPU ----------------------------------------------------------------------------------------------------
 
 

@@ -88,16 +88,22 @@ def default_config(m: int, k: int, batch: int, n: int, fmt: str, activation: str
 
     Predictions, not yet measured (docs/performance.md, weight-only kernel; benchmarks/sweep_weight_only.py
     times them): split for N <= 2 (one fp32 fma per C element and block instead of a multiplication per weight
-    pair); tiles per warp grow with the rows (activation reuse) while every SM keeps 2-3 programs; warps along K
+    pair); tiles per warp grow with the rows (activation reuse) while every SM keeps a program; warps along K
     make about ``_TARGET_WARPS_PER_SM`` resident warps; two chunks per step where K leaves a warp 4 steps or fewer
     (fewer, fuller round trips).
     """
     rows = m * batch
-    tiles = 4 if rows >= 24 * 1024 else 2 if rows >= 12 * 1024 else 1
+    # 2 tiles need ~30% fewer instructions per weight byte than 1 (the activation's fragments and a step's
+    # pointer updates serve twice the rows; benchmarks/sass_stats.py: NVFP4 x bf16 split 6.6 -> 5.7 per byte),
+    # worth a few idle SMs (4096 rows: 128 programs on 132 SMs).
+    tiles = 4 if rows >= 24 * 1024 else 2 if rows >= 30 * sm_count else 1
     programs = -(-rows // (16 * tiles))
     warps = _pow2_at_most(max(1, _TARGET_WARPS_PER_SM * sm_count // programs))
     warps = max(1, min(warps, MAX_WARPS, _pow2_at_most(max(k, 128) // 128)))
-    chunks = 2 if k >= 256 * warps and k <= 4 * 128 * warps and tiles <= 2 else 1
+    # Two chunks hold twice the step's operands in registers: with 16 warps (at most 128 registers a thread)
+    # only split's N <= 2 stays clear of spills (benchmarks/sass_stats.py: split N = 4 and MXFP4 x MXFP4 N = 8 at
+    # 2 tiles spill), with 8 warps or fewer N <= 8.
+    chunks = 2 if k >= 256 * warps and k <= 4 * 128 * warps and tiles <= 2 and n <= (2 if warps > 8 else 8) else 1
     return WeightOnlyConfig(tiles, warps, chunks, split=n <= 2, pdl=True)
 
 
@@ -161,8 +167,9 @@ def step_spec(ops: GemvOperands, *, scale_block: int, activation_dtype: torch.dt
 
 
 def launch(ops: GemvOperands, *, scale_block: int, k: int, activation_dtype: torch.dtype | None,
-           config: WeightOnlyConfig, use_ptx: bool) -> None:
+           config: WeightOnlyConfig, use_ptx: bool):
     """Launch :func:`weight_only_gemv_kernel` on operands that :func:`supports` accepts; nothing is validated.
+    Returns what Triton's launch returns (on a GPU the compiled kernel: registers, spills).
 
     ops.a: uint8 ``[L, M, K/2]`` packed weights (stride 1 along K, batch stride may be 0); ops.sfa their scale
         bytes, addressed by ``ops.sfa_addressing`` (linear or swizzled) from their data pointer.
@@ -177,7 +184,7 @@ def launch(ops: GemvOperands, *, scale_block: int, k: int, activation_dtype: tor
     asm_tail, constraints_tail = step_asm(spec._replace(tail=True))
     sfb, sfb_addressing, gsa, gsb = ops.optional_pointer_args()
     pdl = config.pdl and not interpreting()
-    weight_only_gemv_kernel[(triton.cdiv(m, 16 * config.tiles), batch)](
+    return weight_only_gemv_kernel[(triton.cdiv(m, 16 * config.tiles), batch)](
         a, ops.sfa, b, sfb, gsa, gsb, c,
         m, b.shape[1], k,
         a.stride(0), a.stride(1),
