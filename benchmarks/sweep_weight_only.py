@@ -13,8 +13,9 @@ PYTHONPATH=src python benchmarks/sweep_weight_only.py [--budget-s 280] [--no-che
    scales are other compiles; tests/test_kernels_weight_only.py covers them).
 2. Device time (fp4gemv.bench.device_time_us: CUDA-graph replay of >= 20 distinct inputs, L2 flushed) of the
    weight-only kernel's default configuration and an alternative per shape, of the tensor-core kernel it may
-   replace (NVFP4), and of the Triton stream read (with PDL) of the same bytes; highest-priority cases first,
-   stopping at the budget.  Compiles cost ~1 s each; the plan needs about 80.
+   replace (NVFP4), and of the Triton stream read (with PDL) of the same bytes.
+Case by case in priority order (its configurations checked, then timed), stopping at the budget.  Each
+configuration is a compile (~1 s offline); the plan has 92 (and 12 of the tensor-core kernel).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ MXFP4_SHAPES = NVFP4_SHAPES + [Shape(5760, 2880), Shape(2880, 2880)]  # + gpt-os
 ALTERNATIVE = {(7168, 16384, 1): (1, 4, 1), (4096, 7168, 8): (2, 4, 1), (4096, 4096, 1): (1, 8, 2),
                (14336, 4096, 1): (2, 8, 1), (28672, 8192, 1): (2, 4, 1), (1024, 4096, 1): (1, 8, 2),
                (4096, 14336, 1): (1, 8, 1), (5760, 2880, 1): (1, 8, 1), (2880, 2880, 1): (1, 16, 1)}
+# N = 4 in split mode (two n-tiles) as well as fold / k32 on these.
+SPLIT_N4 = {(7168, 16384, 1), (28672, 8192, 1)}
 # (fmt, act, N, shapes) in priority order.
 CASES = [("nvfp4", "bf16", 1, NVFP4_SHAPES), ("mxfp4", "bf16", 1, MXFP4_SHAPES),
          ("nvfp4", "bf16", 8, NVFP4_SHAPES), ("mxfp4", "bf16", 8, MXFP4_SHAPES),
@@ -87,13 +90,14 @@ def launch_hmma(x, k: int, act: str) -> None:
 
 
 def variants(fmt: str, act: str, n: int, shape: Shape) -> dict[str, WeightOnlyConfig]:
-    """The weight-only configurations timed for one case: the default, the per-shape alternative (for N = 4 the
-    other mode instead), and the extras."""
+    """The weight-only configurations timed for one case: the default, the per-shape alternative for bf16 with
+    N = 1 and 8 and NVFP4 x NVFP4 with N = 8, split for N = 4 on two shapes, and the extras."""
     default = weight_only.default_config(shape.m, shape.k, shape.l, n, fmt, act, SMS)
     out = {"wo": default}
-    if n == 4:
+    if n == 4 and (shape.m, shape.k, shape.l) in SPLIT_N4:
         out["wo-split"] = default._replace(split=True)
-    else:
+    elif n in (1, 8) and act == "bf16" or (fmt, act, n) == ("nvfp4", "fp4", 8):
+        # (each configuration is a compile of ~1 s: alternatives where they inform most)
         tiles, warps, chunks = ALTERNATIVE[(shape.m, shape.k, shape.l)]
         alt = default._replace(tiles=tiles, warps=warps, chunks=chunks)
         if alt != default:
@@ -201,9 +205,9 @@ class StreamReads:
 
 def time_case(fmt: str, act: str, n: int, shape: Shape, reads: StreamReads) -> dict:
     s = Shape(shape.m, shape.k, shape.l, n)
-    nbytes = case_bytes(s, fmt, "fp4" if act == "fp4" else {"f16": "fp16", "bf16": "bf16"}[act])
-    inputs = [random_gemv_operands(s, fmt, "fp4" if act == "fp4" else {"f16": "fp16", "bf16": "bf16"}[act], seed=i)
-              for i in range(input_count(nbytes))]
+    bench_act = {"f16": "fp16", "bf16": "bf16", "fp4": "fp4"}[act]  # fp4gemv.bench's names
+    nbytes = case_bytes(s, fmt, bench_act)
+    inputs = [random_gemv_operands(s, fmt, bench_act, seed=i) for i in range(input_count(nbytes))]
     row = {"fmt": fmt, "act": act, "n": n, "m": s.m, "k": s.k, "l": s.l, "bytes": nbytes, "us": {}, "configs": {}}
     row["registers"] = {}
     for name, config in variants(fmt, act, n, s).items():
@@ -245,25 +249,22 @@ def main() -> int:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     plan = [(fmt, act, n, s) for fmt, act, n, shapes in CASES for s in shapes]
     result = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__}, "checks": [], "rows": []}
-    if not args.no_check:
-        seen = {}
-        for fmt, act, n, s in plan:
-            for config in variants(fmt, act, n, s).values():
-                # the check's N: same specialization and n-tiles as the timed N (N = 1 is a constant to the JIT)
-                n_check = n if n in (1, 16) else (3 if config.split else 5)
-                seen.setdefault((fmt, act, n_check, config), None)
-        checks = Checks()
-        for fmt, act, n, config in seen:
-            r = checks(fmt, act, n, config)
-            result["checks"].append(r)
-            print(f"check {fmt} {act} N={n} {tuple(config)}: unwritten {r['unwritten']}, worst err/bound "
-                  f"{r['worst_err_over_bound']:.3f} {'OK' if r['ok'] else 'FAIL'}  [{time.time() - start:.0f} s]",
-                  flush=True)
-    reads = StreamReads()
-    for fmt, act, n, s in plan:
+    checks, checked, reads = Checks(), set(), StreamReads()
+    for fmt, act, n, s in plan:  # in priority order: each case's configurations checked, then timed
         if time.time() - start > args.budget_s:
             print(f"budget reached: {len(plan) - len(result['rows'])} cases not timed", flush=True)
             break
+        for config in variants(fmt, act, n, s).values():
+            # the check's N: the same specialization and n-tiles as the timed N (N = 1 is a constant to the JIT)
+            n_check = n if n in (1, 16) else (3 if config.split else 5)
+            if args.no_check or (fmt, act, n_check, config) in checked:
+                continue
+            checked.add((fmt, act, n_check, config))
+            r = checks(fmt, act, n_check, config)
+            result["checks"].append(r)
+            print(f"check {fmt} {act} N={n_check} {tuple(config)}: unwritten {r['unwritten']}, worst err/bound "
+                  f"{r['worst_err_over_bound']:.3f} {'OK' if r['ok'] else 'FAIL'}  [{time.time() - start:.0f} s]",
+                  flush=True)
         row = time_case(fmt, act, n, s, reads)
         result["rows"].append(row)
         spills = {k: v[1] for k, v in row["registers"].items() if v[1]}
