@@ -140,7 +140,7 @@ def _inputs(spec: StepSpec) -> list[tuple[str, str]]:
     names = [("pa", "l"), ("ps", "l"), ("px", "l")]
     if spec.act == "fp4":
         names += [("pxs0", "l"), ("pxs1", "l")] if spec.fmt == "mxfp4" else [("pxs", "l")]
-    names += [("ka", "l"), ("ks", "l"), ("kx", "l")] + ([("kxs", "l")] if spec.act == "fp4" else [])
+    names += [("ka", "r"), ("ks", "r"), ("kx", "r")] + ([("kxs", "r")] if spec.act == "fp4" else [])
     names += [("xon", "r")] + [(m, "r") for m in MULTIPLIERS]
     if spec.tail:
         names.append(("kleft", "r"))
@@ -154,7 +154,7 @@ def step_asm(spec: StepSpec) -> tuple[str, str]:
     weight-scale pointers of row e at the thread's first chunk; ``px[nt]`` the activation pointer of the thread's
     B fragment row (fold, k32: n = g + 8 nt; split: n = 2 nt + g % 2); for FP4 activations ``pxs[nt]`` (NVFP4:
     that row's scales) or ``pxs0[nt]``, ``pxs1[nt]`` (MXFP4: the scales of its C columns' rows); ``ka``, ``ks``,
-    ``kx``, ``kxs`` the step's byte offsets; ``xon`` (split: whether the thread supplies B, g // 2 == c);
+    ``kx``, ``kxs`` the step's byte offsets (32-bit); ``xon`` (split: whether the thread supplies B, g // 2 == c);
     ``MULTIPLIERS``; for the tail ``kleft`` = elements of K left from the thread's first chunk.
     """
     if spec.mode not in MODES:
@@ -193,7 +193,10 @@ class _Step:
     def load(self, kind: str, dst: list[str], pointer: str, offset: str, imm: int, pred: str | None = None) -> None:
         """``dst`` (one register or a vector) = [pointer + offset + imm]; zero where ``pred`` is false."""
         addr = self.reg("b64", f"ad{len(self.code)}")
-        self.emit(f"add.s64 {addr}, {pointer}, {offset};")
+        # A 32-bit offset widened here lets ptxas form the address with one IMAD.WIDE (FMA pipe) where a 64-bit
+        # one took IADD3 + IADD3.X (ALU pipe).
+        wide = self.reg("b64", f"wo{offset[1:]}")
+        self.emit(f"cvt.u64.u32 {wide}, {offset};", f"add.s64 {addr}, {pointer}, {wide};")
         target = dst[0] if len(dst) == 1 else "{" + ", ".join(dst) + "}"
         if pred is not None:
             self.emit(*(f"mov.b{16 if kind == 'b16' else 32} {d}, 0;" for d in dst))

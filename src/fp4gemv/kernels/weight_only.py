@@ -254,8 +254,9 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
     kxs = (k0 // (4 * BLOCK)) * SFB_COL_TILE
     kleft = (K - k0).to(tl.int32) - k_first  # [1, T]: elements of K left from the thread's first chunk
     if USE_PTX:
-        a0, a1, a2, a3 = _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka + zero, ks + zero, kx + zero,
-                                   kxs + zero, xon, muls, kleft + zero, ASM, CONSTRAINTS, MX, ACT, N_TILES, TAIL, P)
+        a0, a1, a2, a3 = _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka.to(tl.int32) + zero,
+                                   ks.to(tl.int32) + zero, kx.to(tl.int32) + zero, kxs.to(tl.int32) + zero, xon, muls,
+                                   kleft + zero, ASM, CONSTRAINTS, MX, ACT, N_TILES, TAIL, P)
     else:
         a0, a1, a2, a3 = _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, c,
                                       MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE)
