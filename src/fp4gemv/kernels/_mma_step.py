@@ -23,6 +23,7 @@ C[row 16 t + 8 h + g][column 8 nt + 2 c + j] of this warp's K chunks.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import NamedTuple
 
@@ -147,6 +148,7 @@ def _inputs(spec: StepSpec) -> list[tuple[str, str]]:
     return names
 
 
+@functools.lru_cache(maxsize=None)
 def step_asm(spec: StepSpec) -> tuple[str, str]:
     """(asm, constraints) of one step; see the module docstring for the layout.
 
@@ -155,7 +157,8 @@ def step_asm(spec: StepSpec) -> tuple[str, str]:
     B fragment row (fold, k32: n = g + 8 nt; split: n = 2 nt + g % 2); for FP4 activations ``pxs[nt]`` (NVFP4:
     that row's scales) or ``pxs0[nt]``, ``pxs1[nt]`` (MXFP4: the scales of its C columns' rows); ``ka``, ``ks``,
     ``kx``, ``kxs`` the step's byte offsets (32-bit); ``xon`` (split: whether the thread supplies B, g // 2 == c);
-    ``MULTIPLIERS``; for the tail ``kleft`` = elements of K left from the thread's first chunk.
+    ``MULTIPLIERS``; for the tail ``kleft`` = elements of K left from the thread's first chunk.  Cached: a launch
+    passes the same string objects again (the JIT's cache key hashes them; a string caches its hash).
     """
     if spec.mode not in MODES:
         raise ValueError(f"spec.mode: expected one of {MODES}, got {spec.mode!r}")

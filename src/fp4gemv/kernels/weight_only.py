@@ -67,8 +67,8 @@ class WeightOnlyConfig(NamedTuple):
     ``chunks`` 128-element K chunks per warp and step (a thread has 2 * tiles * chunks 16-byte weight loads in
     flight), ``split``: the split mode (N <= 4) instead of fold (NVFP4) / k32 (MXFP4), ``pdl``: programmatic
     dependent launch, ``loads_first``: compile with ``ptxas -O1``, which keeps every load of a step at its top
-    (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split, 2 tiles, 2 of the step's 12
-    loads were issued before its first mma)."""
+    (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split, 2 tiles, 5 of the step's 12
+    loads, 2 of its 4 weight loads, were issued before its first mma; docs/performance.md, v9)."""
 
     tiles: int = 2
     warps: int = 4
