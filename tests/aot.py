@@ -44,17 +44,18 @@ def jit_specialization(fn, args, kw):
 
 
 class Sm90Launch:
-    """What ``gemv(a, b, out=out, ...)`` launches on sm_90: ``spec``, ``config``, ``kernel`` (the JIT function),
-    ``grid``, ``args`` (every parameter by name, tensors for pointers), ``options``."""
+    """What ``gemv(a, b, out=out, ...)`` launches on sm_90 (``target``: SM90, PTX mode; its ``mode="triton"``
+    twin for the pure-Triton paths): ``spec``, ``config``, ``kernel`` (the JIT function), ``grid``, ``args``
+    (every parameter by name, tensors for pointers), ``options``."""
 
-    def __init__(self, a, b, out=None, *, out_dtype=torch.float16, kernel=None, config=None):
+    def __init__(self, a, b, out=None, *, out_dtype=torch.float16, kernel=None, config=None, target=SM90):
         if out is None:
             out = torch.empty(ops.result_shape(a, b), dtype=out_dtype)
         operands = GemvOperands.of(a, b, out)
         case = operands.case
-        self.spec = ops.choose_kernel(case, SM90, kernel)
-        self.config = config if config is not None else self.spec.default_config(case, SM90)
-        launch = self.spec.triton_launch(case, self.config, SM90)
+        self.spec = ops.choose_kernel(case, target, kernel)
+        self.config = config if config is not None else self.spec.default_config(case, target)
+        launch = self.spec.triton_launch(case, self.config, target)
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options
         self.args = fill_sources(launch.args, operands)
         for p in self.kernel.params:

@@ -375,23 +375,28 @@ def _block_scales(sf_ptr, k_ok, BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 def _activation_values(x_ptr, sx_ptr, k_ok, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
                        SFB_COL_TILE: tl.constexpr):
     """The activation at a warp chunk from byte pointers ``x_ptr`` ``[1, T]``: float32 ``[1, T, 128 * CHUNKS]``,
-    NVFP4 with its scales applied; for MXFP4 also the decoded scales ``[1, T, 4 * CHUNKS]`` (else None)."""
+    NVFP4 with its scales applied; for MXFP4 also the decoded scales ``[1, T, 4 * CHUNKS]`` (else a placeholder
+    that is never read: compiled Triton cannot return None from a jit function)."""
     KC: tl.constexpr = 128 * CHUNKS
     kk = tl.arange(0, KC)
+    # One return at the end: compiled Triton checks every return statement's type, constexpr branches too.
     if ACT == 2:
         v = _chunk_values(x_ptr.to(tl.pointer_type(tl.int32)), k_ok, CHUNKS)
         if MX:
-            return v, _block_scales(sx_ptr, k_ok, 4 * CHUNKS, 32, SFB_COL_TILE)
-        s = _block_scales(sx_ptr, k_ok, 8 * CHUNKS, 16, SFB_COL_TILE)
-        v = tl.reshape(v, [1, v.shape[1], 8 * CHUNKS, 16]) * s[:, :, :, None]
-        return tl.reshape(v, [1, v.shape[1], KC]), None
-    ptrs = x_ptr[:, :, None] + 2 * kk
-    ok = kk < k_ok[:, :, None]
-    if ACT == 1:
-        x = tl.load(ptrs.to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0).to(tl.float32)
+            scales = _block_scales(sx_ptr, k_ok, 4 * CHUNKS, 32, SFB_COL_TILE)
+        else:
+            s = _block_scales(sx_ptr, k_ok, 8 * CHUNKS, 16, SFB_COL_TILE)
+            v = tl.reshape(tl.reshape(v, [1, v.shape[1], 8 * CHUNKS, 16]) * s[:, :, :, None], [1, v.shape[1], KC])
+            scales = tl.full([1, 1, 1], 1.0, tl.float32)
     else:
-        x = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
-    return x, None
+        ptrs = x_ptr[:, :, None] + 2 * kk
+        ok = kk < k_ok[:, :, None]
+        if ACT == 1:
+            v = tl.load(ptrs.to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0).to(tl.float32)
+        else:
+            v = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
+        scales = tl.full([1, 1, 1], 1.0, tl.float32)
+    return v, scales
 
 
 @triton.jit
