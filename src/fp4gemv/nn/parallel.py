@@ -196,6 +196,16 @@ _DATA_AND_SCALES = {"compressed-tensors": ("weight_packed", "weight_scale"), "mo
 _SAFETENSORS_SCALE_FORMATS = {"F8_E4M3": "nvfp4", "F8_E8M0": "mxfp4"}
 
 
+def _read_checkpoint_shard(checkpoint, prefix: str, split: str, rank: int, world_size: int, scale_layout):
+    """``_read_shard`` on ``checkpoint`` (a directory, opened and closed here, or an open reader)."""
+    reader, opened = _open(checkpoint)
+    try:
+        return _read_shard(reader, prefix, split, rank, world_size, scale_layout)
+    finally:
+        if opened:
+            reader.close()
+
+
 def _read_shard(tensors, prefix: str, split: str, rank: int, world_size: int,
                 scale_layout: str | None) -> dict[str, torch.Tensor]:
     """One rank's tensors of the layer at ``prefix``, under the checkpoint's own key names, shaped as a layer of
@@ -425,12 +435,7 @@ class ColumnParallelFP4Linear(_TensorParallelFP4Linear):
         """
         rank, world_size = _rank_and_size(group, rank, world_size)
         _check_collective(collective)
-        reader, opened = _open(checkpoint)
-        try:
-            tensors = _read_shard(reader, prefix, "rows", rank, world_size, scale_layout)
-        finally:
-            if opened:
-                reader.close()
+        tensors = _read_checkpoint_shard(checkpoint, prefix, "rows", rank, world_size, scale_layout)
         shard = layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
         return cls(shard, shard.out_features * world_size, group=group, rank=rank, world_size=world_size,
                    gather_output=gather_output, collective=collective)
@@ -546,12 +551,7 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         split on tile boundaries (ValueError otherwise)."""
         rank, world_size = _rank_and_size(group, rank, world_size)
         _check_collective(collective)
-        reader, opened = _open(checkpoint)
-        try:
-            tensors = _read_shard(reader, prefix, "k", rank, world_size, scale_layout)
-        finally:
-            if opened:
-                reader.close()
+        tensors = _read_checkpoint_shard(checkpoint, prefix, "k", rank, world_size, scale_layout)
         bias_key = _key(prefix, "bias")
         bias = tensors.pop(bias_key, None)
         shard = layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
