@@ -27,3 +27,25 @@ def test_ci_runs_the_readme_test_command():
     command = re.search(r"Run the tests.*?\n\n    (.*?)\n", _readme(), re.S).group(1)
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         assert command in f.read()
+
+
+def test_the_installed_package_imports_without_warnings():
+    """numpy is a dependency (torch's CPU wheel warns "Failed to initialize NumPy" without it, and Triton's
+    interpreter needs it): importing fp4gemv in a fresh interpreter prints nothing."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    done = subprocess.run([sys.executable, "-W", "default", "-c", "import fp4gemv, fp4gemv.cli"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stderr == "", done.stderr[-2000:]
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        pyproject = f.read()
+    assert '"numpy<2.4"' in pyproject and '"triton>=3.6,<3.7' in pyproject
+
+
+def test_bench_options_have_help_text():
+    from fp4gemv import cli
+
+    bench = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("bench"))
+    for action in bench._actions:
+        if action.dest != "help":
+            assert action.help, action.dest
