@@ -76,11 +76,7 @@ def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layo
 
 def traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
     """:func:`fp4gemv.gemv` under ``torch.compile``: the metadata checks, then the custom op."""
-    shape = ops.result_shape(a, b)
-    if b.device != a.device:
-        raise ValueError(f"b: expected device {a.device} like a, got {b.device}")
-    if out_dtype not in ops.OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected {ops._names(ops.OUT_DTYPES)}, got {out_dtype}")
+    ops.check_arguments(a, b, out, out_dtype)
     if config is not None and kernel is None:
         raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
     fp4 = isinstance(b, FP4Tensor)
@@ -89,7 +85,6 @@ def traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tenso
     options = (backend, kernel, None if config is None else [int(v) for v in config])
     if out is None:
         return torch.ops.fp4gemv.gemv(*args, out_dtype, *options)
-    ops._check_out(out, shape, out_dtype, a.device)
     torch.ops.fp4gemv.gemv_out(*args, out, *options)
     return out
 

@@ -23,7 +23,7 @@ from .kernels.spec import GemvCase, GemvOperands, KernelSpec, Src, TritonKernelS
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["gemv", "select_kernel", "plan_for", "prepared", "PreparedGemv", "SLOTS", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
+__all__ = ["gemv", "select_kernel", "plan_for", "check_arguments", "prepared", "PreparedGemv", "SLOTS", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
 # Activation rows per launch: the kernels keep every row's accumulator in registers.
 MAX_N = 16
@@ -77,6 +77,19 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype
         raise ValueError(f"out: expected device {device} like a, got {out.device}")
 
 
+def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, ...]:
+    """The checks of :func:`gemv` that read metadata only (operands against each other, devices, out_dtype,
+    out); the result's shape.  Eager calls and ``torch.compile`` (``library.traced_gemv``) share them."""
+    shape = result_shape(a, b)
+    if b.device != a.device:
+        raise ValueError(f"b: expected device {a.device} like a, got {b.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
+    if out is not None:
+        _check_out(out, shape, out_dtype, a.device)
+    return shape
+
+
 def _needs_copy(b: torch.Tensor) -> bool:
     """A float activation is read from a contiguous copy unless it is contiguous along K with 16-byte aligned
     rows (the tensor-core kernel's 16-byte loads); the copy is N x K elements, small next to the weights."""
@@ -110,14 +123,8 @@ def plan_for(
     config=None,
 ) -> GemvPlan:
     """Validate the arguments of :func:`gemv` (same meaning) and decide what it runs; raises as gemv does."""
-    shape = result_shape(a, b)
+    shape = check_arguments(a, b, out, out_dtype)
     device = a.device
-    if b.device != device:
-        raise ValueError(f"b: expected device {device} like a, got {b.device}")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
-    if out is not None:
-        _check_out(out, shape, out_dtype, device)
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         raise ValueError(f"a: expected tensors on the current CUDA device (cuda:{torch.cuda.current_device()}), "
                          f"got {device}; select it with torch.cuda.device({device.index})")

@@ -15,7 +15,7 @@ import triton
 
 from . import formats, layouts
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
-from .target import interpreting
+from .target import resolve_target
 from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
 from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, _resolve_format
 
@@ -29,14 +29,11 @@ _F32_SMALLEST_NORMAL = 2.0**-126
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto': the Triton kernel on CUDA, the CPU path elsewhere; 'triton' off CUDA only under TRITON_INTERPRET=1."""
+    """'auto': the Triton kernel on CUDA, the CPU path elsewhere; 'triton' off CUDA only under TRITON_INTERPRET=1
+    (``target.resolve_target``, gemv's rule)."""
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, QUANTIZE_BACKENDS))}, got {backend!r}")
-    if backend == "auto":
-        return "triton" if device.type == "cuda" else "reference"
-    if backend == "triton" and device.type != "cuda" and not interpreting():
-        raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
-    return backend
+    return "triton" if resolve_target(backend, device).runs_triton else "reference"
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
-from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 from .w4a4 import w4a4_config
 
 __all__ = ["GeneralConfig", "General", "gemv_kernel"]
@@ -219,13 +219,11 @@ class General(TritonKernelSpec):
             b_src, b_strides, sfb = Src("b_data", torch.int64), (b.batch_stride // 8, b.row_stride // 8, 1), b.scales
         else:
             b_src, b_strides, sfb = Src("b_data", b.dtype), b.strides, (0, 0, 0, 0, 0)
+        gsa_ptr, gsb_ptr = global_scale_sources(case)
         args = dict(
             a_ptr=Src("a_data", torch.int64), sfa_ptr=Src("a_scales", torch.uint8), b_ptr=b_src,
             sfb_ptr=Src("b_scales" if fp4 else "a_scales", torch.uint8),
-            gsa_ptr=Src("a_global_scale" if a.has_global_scale else "a_scales",
-                        torch.float32 if a.has_global_scale else torch.uint8),
-            gsb_ptr=Src("b_global_scale" if fp4 and b.has_global_scale else "a_scales",
-                        torch.float32 if fp4 and b.has_global_scale else torch.uint8),
+            gsa_ptr=gsa_ptr, gsb_ptr=gsb_ptr,
             c_ptr=Src("out", case.out_dtype),
             M=case.m, NB=nb,
             a_stride_l=a.batch_stride // 8, a_stride_m=a.row_stride // 8,

@@ -43,7 +43,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
-from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
 __all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
 
@@ -445,13 +445,11 @@ class Hmma(TritonKernelSpec):
             size = 2
             b_strides = (b.strides[0] * size, b.strides[1] * size)
             sfb = (0, 0, 0, 0, 0)
+        gsa_ptr, gsb_ptr = global_scale_sources(case)
         args = dict(
             a_ptr=Src("a_data", torch.int32), sfa_ptr=Src("a_scales", torch.uint8),
             b_ptr=Src("b_data", torch.uint8), sfb_ptr=Src("b_scales" if fp4 else "a_scales", torch.uint8),
-            gsa_ptr=Src("a_global_scale" if a.has_global_scale else "a_scales",
-                        torch.float32 if a.has_global_scale else torch.uint8),
-            gsb_ptr=Src("b_global_scale" if fp4 and b.has_global_scale else "a_scales",
-                        torch.float32 if fp4 and b.has_global_scale else torch.uint8),
+            gsa_ptr=gsa_ptr, gsb_ptr=gsb_ptr,
             c_ptr=Src("out", case.out_dtype),
             M=case.m, N=case.n, K=case.k,
             a_stride_l=a.batch_stride // 4, a_stride_m=a.row_stride // 4,

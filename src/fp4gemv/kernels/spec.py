@@ -26,7 +26,7 @@ from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
            "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
-           "check_powers_of_two"]
+           "global_scale_sources", "check_powers_of_two"]
 
 
 def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
@@ -213,6 +213,15 @@ class TritonLaunch:
     grid: tuple[int, ...]
     args: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def global_scale_sources(case: GemvCase) -> tuple[Src, Src]:
+    """The ``gsa_ptr`` / ``gsb_ptr`` arguments: each operand's fp32 global scale, or, where it has none (the kernel
+    then never reads it: HAS_GSA / HAS_GSB false), a's scale bytes as a placeholder pointer."""
+    placeholder = Src("a_scales", torch.uint8)
+    gsa = Src("a_global_scale", torch.float32) if case.a.has_global_scale else placeholder
+    gsb = Src("b_global_scale", torch.float32) if case.fp4_activation and case.b.has_global_scale else placeholder
+    return gsa, gsb
 
 
 def check_powers_of_two(config: NamedTuple, fields: tuple[str, ...]) -> None:

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
-from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
 __all__ = ["W4A4Config", "W4A4", "w4a4_gemv_kernel"]
 
@@ -276,13 +276,11 @@ class W4A4(TritonKernelSpec):
         pdl = config.pdl and target.pdl
         lane_rows = min(max(1, 64 // config.blocks), config.rows)  # rows side by side in a warp (see the kernel)
         # The activation's one row: int64 blocks [L, K/16] (row 0 of b).
+        gsa_ptr, gsb_ptr = global_scale_sources(case)
         args = dict(
             a_ptr=Src("a_data", torch.int64), b_ptr=Src("b_data", torch.int64),
             sfa_ptr=Src("a_scales", torch.uint8), sfb_ptr=Src("b_scales", torch.uint8),
-            gsa_ptr=Src("a_global_scale" if a.has_global_scale else "a_scales", torch.float32 if a.has_global_scale
-                        else torch.uint8),
-            gsb_ptr=Src("b_global_scale" if b.has_global_scale else "a_scales", torch.float32 if b.has_global_scale
-                        else torch.uint8),
+            gsa_ptr=gsa_ptr, gsb_ptr=gsb_ptr,
             c_ptr=Src("out", case.out_dtype),
             M=case.m, NB=nb,
             a_stride_l=a.batch_stride // 8, a_stride_m=a.row_stride // 8,

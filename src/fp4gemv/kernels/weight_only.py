@@ -51,7 +51,7 @@ from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_
 from ._decode import doubled_e2m1
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
 from .hmma_gemv import Hmma
-from .spec import FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch
+from .spec import FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, global_scale_sources
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
@@ -223,11 +223,11 @@ class WeightOnly(TritonKernelSpec):
             b_strides, sfb = (2 * b.strides[0], 2 * b.strides[1]), (0, 0, 0, 0)
         gsa, gsb = a.has_global_scale, fp4 and b.has_global_scale
         pdl = config.pdl and target.pdl
+        gsa_ptr, gsb_ptr = global_scale_sources(case)
         args = dict(
             a_ptr=Src("a_data", torch.uint8), sfa_ptr=Src("a_scales", torch.uint8), b_ptr=Src("b_data", torch.uint8),
             sfb_ptr=Src("b_scales" if fp4 else "a_scales", torch.uint8),
-            gsa_ptr=Src("a_global_scale", torch.float32) if gsa else Src("a_scales", torch.uint8),
-            gsb_ptr=Src("b_global_scale", torch.float32) if gsb else Src("a_scales", torch.uint8),
+            gsa_ptr=gsa_ptr, gsb_ptr=gsb_ptr,
             c_ptr=Src("out", case.out_dtype),
             M=case.m, N=case.n, K=case.k,
             a_stride_l=a.batch_stride, a_stride_m=a.row_stride,
