@@ -106,6 +106,24 @@ def _e4m3_round(s):
 
 
 @triton.jit
+def _tile(rows, n_blocks, FORMAT: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.constexpr):
+    """This program's tile: (batch, rows ``r`` [ROWS], scale blocks ``b`` [BLOCKS], ``r3`` = r[:, None, None], the
+    word columns ``col`` [1, BLOCKS, pairs per block], the mask).  The mask depends on the row and the block only,
+    so it is constant along each block's words."""
+    if FORMAT == "nvfp4":
+        PAIRS: tl.constexpr = 8
+    else:
+        PAIRS: tl.constexpr = 16
+    pid_l = tl.program_id(2).to(tl.int64)
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    r3 = r[:, None, None]
+    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
+    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    return pid_l, r, b, r3, col, mask
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     data_ptr,
@@ -132,18 +150,7 @@ def quantize_kernel(
     """Quantize pair words ``x`` ``[L, rows, K/2]`` into packed bytes ``[L, rows, K/2]`` and scale bytes
     (addressed by ``ScaleAddressing``) of ``FORMAT`` ("nvfp4" or "mxfp4"); ``gs_ptr``: the fp32 global scale,
     read when HAS_GLOBAL."""
-    if FORMAT == "nvfp4":
-        BLOCK_SIZE: tl.constexpr = 16
-    else:
-        BLOCK_SIZE: tl.constexpr = 32
-    PAIRS: tl.constexpr = BLOCK_SIZE // 2
-    pid_l = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    r3 = r[:, None, None]
-    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
-    # The mask depends on the row and the block only, so it is constant along each block's words.
-    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    pid_l, r, b, r3, col, mask = _tile(rows, n_blocks, FORMAT, ROWS, BLOCKS)
     words = tl.load(x_ptr + pid_l * x_stride_l + r3 * x_stride_r + col, mask=mask, other=0)
     lo_bits, hi_bits = _unpack_pairs(words, FLOAT_CODE)
     lo = lo_bits.to(tl.float32, bitcast=True)
@@ -292,17 +299,7 @@ def dequantize_kernel(
 ):
     """Dequantize packed bytes ``[L, rows, K/2]`` with their ``FORMAT`` scale bytes into pair words ``out``
     ``[L, rows, K/2]``: each value the exact ``e2m1 * scale (* global)`` rounded once to the output float."""
-    if FORMAT == "nvfp4":
-        BLOCK_SIZE: tl.constexpr = 16
-    else:
-        BLOCK_SIZE: tl.constexpr = 32
-    PAIRS: tl.constexpr = BLOCK_SIZE // 2
-    pid_l = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    r3 = r[:, None, None]
-    col = b[None, :, None] * PAIRS + tl.arange(0, PAIRS)[None, None, :]
-    mask = (r3 < rows) & (b[None, :, None] < n_blocks)
+    pid_l, r, b, r3, col, mask = _tile(rows, n_blocks, FORMAT, ROWS, BLOCKS)
     packed = tl.load(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, mask=mask, other=0).to(tl.int32)
     sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
                  + (b // 4 * sf_col_tile + b % 4)[None, :])
