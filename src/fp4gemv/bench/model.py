@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .timing import _L2_FLUSH_BYTES
+from .timing import device_time_us
 
 __all__ = ["MODELS", "ModelShape", "decode_benchmark", "format_decode_table"]
 
@@ -87,27 +87,7 @@ def _token(layers, inputs) -> None:
 
 def _graph_us(layers, inputs, replays: int = 10) -> float:
     """Median device time of one token (all layers) in a CUDA graph, L2 flushed before each replay."""
-    flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _token(layers, inputs)  # compile, cache plans, warm up
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        _token(layers, inputs)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        flush.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    del graph
-    return statistics.median(times)
+    return statistics.median(device_time_us(lambda _: _token(layers, inputs), [None], replays=replays))
 
 
 def _eager_us(layers, inputs, tokens: int = 10) -> float:
