@@ -184,6 +184,11 @@ def test_choice_follows_the_target():
     assert ops.choose_kernel(_case(mx, x), sm80).name == "weight_only"
     assert ops.choose_kernel(_case(mx, _x(3, 64, dtype=torch.bfloat16)), sm80).name == "general"
     assert ops.choose_kernel(_case(mx, x), Target("cpu")).name == "reference"
+    # sm_89 (Ada): e4m3x2 but no mul.rn.bf16x2, which both tensor-core kernels' bf16 paths use.
+    sm89 = Target("cuda", (8, 9), 128, "ptx")
+    assert ops.choose_kernel(_case(nv, _x(9, 64)), sm89).name == "hmma"
+    assert ops.choose_kernel(_case(nv, _x(9, 64, dtype=torch.bfloat16)), sm89).name == "general"
+    assert ops.choose_kernel(_case(nv, _x(3, 64, dtype=torch.bfloat16)), sm89).name == "general"
 
 
 # --- cached calls -----------------------------------------------------------------------------------------

@@ -70,8 +70,8 @@ class Target:
 
     @property
     def bf16x2_mul(self) -> bool:
-        """``mul.rn.bf16x2`` (the weight-only kernel's bf16 decode and activation bias): sm_90 and newer (CPU:
-        the interpreter runs the pure-Triton twin)."""
+        """``mul.rn.bf16x2`` (the bf16 paths of the tensor-core kernels, hmma and weight_only): sm_90 and newer
+        (CPU: the interpreter runs the pure-Triton twins)."""
         return self._at_least(9, 0) or self.interpreter
 
     @property

@@ -421,6 +421,8 @@ class Hmma(TritonKernelSpec):
         else:
             if case.b.dtype not in (torch.float16, torch.bfloat16):
                 return f"needs fp16 or bf16 activations, got {case.b.dtype}"
+            if case.b.dtype == torch.bfloat16 and not target.bf16x2_mul:
+                return f"needs mul.rn.bf16x2 for bf16 activations (sm_90 or newer; this is {target.describe()})"
             if case.b.align < 16:
                 return "b: needs rows contiguous along K at 16-byte aligned addresses"
         return None
