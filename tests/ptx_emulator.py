@@ -3,7 +3,7 @@ every code in every position)."""
 
 
 def emulate_ptx(lines, regs):
-    """Run the integer PTX the tensor-core kernels' decoders emit (shl, shr, and, or, prmt, mul.hi, mad.lo, mov on
+    """Run the integer PTX the tensor-core kernels' decoders emit (shl, shr, and, or, prmt, mul.lo, mul.hi, mad.lo, mov on
     .b32/.u32) on ``regs`` (register name -> value), in place; returns ``regs``."""
     def value(x):
         return regs[x] if x in regs else int(x, 0)
@@ -24,6 +24,8 @@ def emulate_ptx(lines, regs):
             regs[dst] = v[0]
         elif op == "mul.hi.u32":
             regs[dst] = (v[0] * v[1]) >> 32
+        elif op == "mul.lo.u32":
+            regs[dst] = (v[0] * v[1]) & 0xFFFFFFFF
         elif op == "mad.lo.u32":
             regs[dst] = (v[0] * v[1] + v[2]) & 0xFFFFFFFF
         elif op == "prmt.b32":  # bytes of {b, a}, selected by the four low nibbles of c (no sign mode used)

@@ -6,12 +6,13 @@ from .general import General
 from .hmma_gemv import Hmma
 from .reference import Reference
 from .spec import KernelSpec
+from .stream import Stream
 from .w4a4 import W4A4
 from .weight_only import WeightOnly
 
 __all__ = ["GEMV_KERNELS", "kernel_by_name"]
 
-GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), WeightOnly(), Hmma(), General(), Reference())
+GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
 
 
 def kernel_by_name(name: str) -> KernelSpec:

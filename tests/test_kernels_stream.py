@@ -1,0 +1,174 @@
+"""The streaming kernel (kernels/stream.py): its pure-Triton twin against the exact oracle for every shipped
+configuration (CPU, interpreter), its PTX decode for every byte, dispatch, its refusals, and its sm_90 machine code
+(TMA copies, tensor cores, no local memory) compiled offline."""
+
+import textwrap
+
+import pytest
+import torch
+
+import operands as O
+from fp4gemv import gemv, select_kernel
+from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.kernels.stream import SHIPPED_CONFIGS, Stream, StreamConfig, decode_asm, stream_config
+from fp4gemv.ops import choose_kernel
+from fp4gemv.target import SM90, Target
+from ptx_emulator import emulate_ptx
+
+FOLD = {torch.bfloat16: 7, torch.float16: 14}
+
+
+def _case(m, k, n, batch=1, dtype=torch.bfloat16, layout="swizzled"):
+    a = O.random_fp4((batch, m, k), "nvfp4", layout, seed=1, device="cpu")
+    b = O.random_activation((n, k), dtype, seed=2, device="cpu")
+    return GemvOperands.of(a, b, torch.empty((batch, m, n), dtype=torch.float16)).case
+
+
+@pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda c: f"ksplit{c.ksplit}-stages{c.num_stages}")
+@pytest.mark.parametrize("layout", ["swizzled", "linear"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_twin_matches_exact_result(config, layout, dtype):
+    # Rows not a multiple of 64 (a partial tile), N < 16, a batch, a global scale, K of 2048 (8 steps).
+    a = O.random_fp4((2, 100, 2048), "nvfp4", layout, seed=3, global_scale=0.375, device="cpu")
+    b = O.random_activation((2, 5, 2048), dtype, seed=4, device="cpu")
+    out = O.poisoned((2, 100, 5), torch.float32, device="cpu")
+    gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream", config=config)
+    O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=FOLD[dtype])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_rows_rounded_once(out_dtype):
+    a = O.random_fp4((192, 512), "nvfp4", "swizzled", seed=5, device="cpu")
+    b = O.random_activation((16, 512), torch.bfloat16, seed=6, device="cpu")
+    got = gemv(a, b, out_dtype=out_dtype, backend="triton", kernel="stream", config=StreamConfig(64, 256, 2, 2, 2))
+    O.assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=7)
+
+
+def test_bound_rejects_a_wrong_scale():
+    """The check can fail: the same product with one block scale doubled is off the bound."""
+    a = O.random_fp4((64, 512), "nvfp4", "linear", seed=7, device="cpu")
+    b = O.random_activation((3, 512), torch.bfloat16, seed=8, device="cpu")
+    got = gemv(a, b, out_dtype=torch.float32, backend="triton", kernel="stream", config=StreamConfig(64, 256, 1, 2, 2))
+    scales = a.scales.clone()
+    scales[5, 3] = (scales[5, 3] + 8) % 0x7F  # one more exponent step: twice the scale
+    wrong = type(a)(a.data, scales, "nvfp4", "linear")
+    assert not O.within_bound(got, wrong, b, torch.float32, tensor_cores=True, fold=7).all()
+
+
+@pytest.mark.parametrize("mag_shift, dtype", [(6, torch.bfloat16), (9, torch.float16)])
+def test_decode_ptx_gives_every_bytes_two_codes(mag_shift, dtype):
+    def pattern(code):
+        return ((code & 7) << mag_shift) | ((code & 8) << 12)
+
+    lines = [line.strip() for line in decode_asm(mag_shift).splitlines() if line.strip() not in ("{", "}")]
+    lines = [line for line in lines if not line.startswith(".reg")]
+    for b0 in range(256):
+        b1 = 255 - b0
+        regs = emulate_ptx(lines, {"$2": b0 | b0 << 8 | b1 << 16 | b1 << 24})
+        assert regs["$0"] == pattern(b0 & 15) | pattern(b0 >> 4) << 16
+        assert regs["$1"] == pattern(b1 & 15) | pattern(b1 >> 4) << 16
+    # The pattern is the value times 2^-126 (bf16) or 2^-14 (fp16), subnormal for code 1.
+    bits = torch.tensor([pattern(c) for c in range(16)], dtype=torch.int32).to(torch.int16).view(dtype)
+    expected = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
+    factor = 2.0 ** (126 if dtype == torch.bfloat16 else 14)
+    assert torch.equal(bits.double() * factor, expected)
+
+
+def test_dispatch_from_nine_rows_on_sm90():
+    a = O.random_fp4((256, 1024), "nvfp4", "swizzled", seed=9, device="cpu")
+    for n, expected in ((8, "weight_only"), (9, "stream"), (16, "stream")):
+        case = GemvOperands.of(a, torch.empty(n, 1024, dtype=torch.bfloat16), torch.empty(256, n)).case
+        assert choose_kernel(case, SM90).name == expected, n
+
+
+def test_refusals_name_the_reason():
+    spec = Stream()
+    assert "NVFP4" in spec.why_not(_case_mx(), SM90)
+    assert "K a multiple of 256" in spec.why_not(_case(128, 2880 // 32 * 32, 4), SM90)
+    assert "N <= 16" in spec.why_not(_case(128, 512, 17), SM90)
+    assert "sm_90" in spec.why_not(_case(128, 512, 4), Target("cuda", (8, 9), 128, "ptx"))
+
+
+def _case_mx():
+    a = O.random_fp4((128, 512), "mxfp4", "swizzled", seed=1, device="cpu")
+    return GemvOperands.of(a, torch.empty(4, 512, dtype=torch.bfloat16), torch.empty(128, 4)).case
+
+
+def test_default_config_splits_k_to_fill_the_gpu():
+    assert stream_config(_case(7168, 16384, 16), 132).ksplit == 4
+    assert stream_config(_case(28672, 8192, 16), 132).ksplit == 1
+    assert stream_config(_case(4096, 4096, 16), 132).ksplit == 8
+    assert stream_config(_case(4096, 512, 16), 132).ksplit == 2  # K / 256 = 2 steps: ksplit divides it
+
+
+def test_bad_config_is_a_value_error_before_writing():
+    a = O.random_fp4((64, 512), "nvfp4", "swizzled", seed=1, device="cpu")
+    b = O.random_activation((3, 512), torch.bfloat16, seed=2, device="cpu")
+    out = O.poisoned((64, 3), torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="ksplit to divide"):
+        gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream", config=StreamConfig(64, 256, 4))
+    assert torch.isnan(out).all()
+
+
+def test_selected_on_cpu_only_by_name():
+    a = O.random_fp4((64, 512), "nvfp4", "swizzled", seed=1, device="cpu")
+    b = O.random_activation((12, 512), torch.bfloat16, seed=2, device="cpu")
+    assert select_kernel(a, b).name == "reference"
+
+
+_COMPILE = textwrap.dedent("""
+    import collections, sys, torch, triton
+    sys.path.insert(0, "tests")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from aot import local_memory, sass_listing
+    from fp4gemv.kernels import stream as S
+    for swizzled in (False, True):
+        sig = {n: "i32" for n in S.stream_gemv_kernel.arg_names}
+        sig.update(a_ptr="*u8", sfa_ptr="*u8", b_ptr="*bf16", gsa_ptr="*u8", c_ptr="*fp32")
+        const = dict(DECODE=S._DECODE_ASM[torch.bfloat16], BF16=True, SWIZZLED=swizzled, FOLD=128.0, HAS_GSA=False,
+                     USE_PTX=True, SPLIT=True, BLOCK_M=64, BLOCK_K=256, KSPLIT=4, NUM_STAGES=4)
+        sig.update({k: "constexpr" for k in const})
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+        c = triton.compile(ASTSource(S.stream_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=2))
+        ops = collections.Counter(op.split(".")[0] for _, op, _ in sass_listing(c))
+        print(swizzled, ops["UTMALDG"], ops["HMMA"], local_memory(c))
+""")
+
+
+def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory(compile_for_sm90):
+    lines = compile_for_sm90(_COMPILE).strip().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        swizzled, tma, mma, local = line.split(" ", 3)
+        assert int(tma) >= 2, line  # weights and scales through the copy engine
+        assert int(mma) > 0, line
+        assert local == "[]", line
+
+
+# --- GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["swizzled", "linear"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k, n, batch", [(4096, 4096, 16, 1), (1000, 2048, 9, 2), (7168, 1024, 13, 1)])
+def test_ptx_path_exact_and_equal_to_its_twin(layout, dtype, m, k, n, batch):
+    a = O.random_fp4((batch, m, k), "nvfp4", layout, seed=m, global_scale=0.375 if batch > 1 else None, device="cuda")
+    b = O.random_activation((n, k), dtype, seed=k, device="cuda")
+    for config in SHIPPED_CONFIGS:
+        if (k // 256) % config.ksplit:
+            continue
+        out = O.poisoned((batch, m, n), torch.bfloat16, device="cuda")
+        gemv(a, b, out=out, out_dtype=torch.bfloat16, backend="triton-ptx", kernel="stream", config=config)
+        twin = gemv(a, b, out_dtype=torch.bfloat16, backend="triton", kernel="stream", config=config)
+        O.assert_matches_exact(out.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=FOLD[dtype])
+        O.assert_matches_exact(twin.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=FOLD[dtype])
+
+
+@pytest.mark.gpu
+def test_chosen_on_the_gpu_from_nine_rows():
+    a = O.random_fp4((4096, 4096), "nvfp4", "swizzled", seed=1, device="cuda")
+    assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "stream"
+    assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
