@@ -15,7 +15,6 @@ from fp4gemv.ops import choose_kernel
 from fp4gemv.target import SM90, Target
 from ptx_emulator import emulate_ptx
 
-FOLD = {torch.bfloat16: 7, torch.float16: 14}
 
 
 def _case(m, k, n, batch=1, dtype=torch.bfloat16, layout="swizzled"):
@@ -33,7 +32,7 @@ def test_twin_matches_exact_result(config, layout, dtype):
     b = O.random_activation((2, 5, 2048), dtype, seed=4, device="cpu")
     out = O.poisoned((2, 100, 5), torch.float32, device="cpu")
     gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream", config=config)
-    O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=FOLD[dtype])
+    O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=0)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
@@ -41,7 +40,7 @@ def test_sixteen_rows_rounded_once(out_dtype):
     a = O.random_fp4((192, 512), "nvfp4", "swizzled", seed=5, device="cpu")
     b = O.random_activation((16, 512), torch.bfloat16, seed=6, device="cpu")
     got = gemv(a, b, out_dtype=out_dtype, backend="triton", kernel="stream", config=StreamConfig(64, 256, 2, 2, 2))
-    O.assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=7)
+    O.assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=0)
 
 
 def test_bound_rejects_a_wrong_scale():
@@ -52,26 +51,22 @@ def test_bound_rejects_a_wrong_scale():
     scales = a.scales.clone()
     scales[5, 3] = (scales[5, 3] + 8) % 0x7F  # one more exponent step: twice the scale
     wrong = type(a)(a.data, scales, "nvfp4", "linear")
-    assert not O.within_bound(got, wrong, b, torch.float32, tensor_cores=True, fold=7).all()
+    assert not O.within_bound(got, wrong, b, torch.float32, tensor_cores=True, fold=0).all()
 
 
-@pytest.mark.parametrize("mag_shift, dtype", [(6, torch.bfloat16), (9, torch.float16)])
-def test_decode_ptx_gives_every_bytes_two_codes(mag_shift, dtype):
-    def pattern(code):
-        return ((code & 7) << mag_shift) | ((code & 8) << 12)
-
-    lines = [line.strip() for line in decode_asm(mag_shift).splitlines() if line.strip() not in ("{", "}")]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_ptx_gives_every_bytes_two_values(dtype):
+    lines = [line.strip() for line in decode_asm(dtype).splitlines() if line.strip() not in ("{", "}")]
     lines = [line for line in lines if not line.startswith(".reg")]
+    values = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=dtype)
+    bits = values.view(torch.int16).to(torch.int32) & 0xFFFF
     for b0 in range(256):
-        b1 = 255 - b0
-        regs = emulate_ptx(lines, {"$2": b0 | b0 << 8 | b1 << 16 | b1 << 24})
-        assert regs["$0"] == pattern(b0 & 15) | pattern(b0 >> 4) << 16
-        assert regs["$1"] == pattern(b1 & 15) | pattern(b1 >> 4) << 16
-    # The pattern is the value times 2^-126 (bf16) or 2^-14 (fp16), subnormal for code 1.
-    bits = torch.tensor([pattern(c) for c in range(16)], dtype=torch.int32).to(torch.int16).view(dtype)
-    expected = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], dtype=torch.float64)
-    factor = 2.0 ** (126 if dtype == torch.bfloat16 else 14)
-    assert torch.equal(bits.double() * factor, expected)
+        rest = [(b0 * 7 + 3) % 256, (b0 * 13 + 5) % 256, 255 - b0]
+        word = [b0] + rest
+        regs = emulate_ptx(lines, {"$4": word[0] * 0x0101 | word[1] * 0x01010000,
+                                   "$5": word[2] * 0x0101 | word[3] * 0x01010000})
+        for j, byte in enumerate(word):
+            assert regs[f"${j}"] == int(bits[byte & 15]) | int(bits[byte >> 4]) << 16, (b0, j)
 
 
 def test_dispatch_from_nine_rows_on_sm90():
@@ -126,8 +121,8 @@ _COMPILE = textwrap.dedent("""
     for swizzled in (False, True):
         sig = {n: "i32" for n in S.stream_gemv_kernel.arg_names}
         sig.update(a_ptr="*u8", sfa_ptr="*u8", b_ptr="*bf16", gsa_ptr="*u8", c_ptr="*fp32")
-        const = dict(DECODE=S._DECODE_ASM[torch.bfloat16], BF16=True, SWIZZLED=swizzled, FOLD=128.0, HAS_GSA=False,
-                     USE_PTX=True, SPLIT=True, BLOCK_M=64, BLOCK_K=256, KSPLIT=4, NUM_STAGES=4)
+        const = dict(DECODE=S._DECODE_ASM[torch.bfloat16], CONSTRAINTS=S._CONSTRAINTS, BF16=True, SWIZZLED=swizzled,
+                     HAS_GSA=False, USE_PTX=True, SPLIT=True, BLOCK_M=64, BLOCK_K=256, KSPLIT=4, NUM_STAGES=4)
         sig.update({k: "constexpr" for k in const})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
         c = triton.compile(ASTSource(S.stream_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
@@ -163,8 +158,8 @@ def test_ptx_path_exact_and_equal_to_its_twin(layout, dtype, m, k, n, batch):
         out = O.poisoned((batch, m, n), torch.bfloat16, device="cuda")
         gemv(a, b, out=out, out_dtype=torch.bfloat16, backend="triton-ptx", kernel="stream", config=config)
         twin = gemv(a, b, out_dtype=torch.bfloat16, backend="triton", kernel="stream", config=config)
-        O.assert_matches_exact(out.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=FOLD[dtype])
-        O.assert_matches_exact(twin.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=FOLD[dtype])
+        O.assert_matches_exact(out.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=0)
+        O.assert_matches_exact(twin.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=0)
 
 
 @pytest.mark.gpu

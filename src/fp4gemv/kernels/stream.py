@@ -9,17 +9,15 @@ activation's 16-bit type with its block scale multiplied in and multiplied on th
 ``mma.sync`` at these tile sizes), fp32 accumulation.  With ``ksplit`` > 1 each program writes its fp32 partial
 ``[block_m, 16]`` to a workspace and :func:`stream_reduce_kernel` sums the partials in K order and rounds once.
 
-The decode (``_pairs_asm``, inline PTX; the pure-Triton twin computes the same bits).  The tile is duplicated
-byte by byte (``join(w, w)``, so element ``2 i + p`` holds byte i and the register pairs of the MMA operand are
-the two nibbles of one byte); a code c becomes the 16-bit pattern ``(c & 7) << m | (c & 8) << 12`` (m = 6 for
-bf16: the value times 2^-126; m = 9 for fp16: times 2^-14), both nibbles of a byte with two multiplies and two
-masks.
+The decode (``decode_asm``, inline PTX; the pure-Triton twin computes the same values).  The tile is duplicated
+byte by byte (``join(w, w)``: element ``2 i + p`` holds byte i, so each register pair of the MMA operand holds the
+two nibbles of one byte); prmt byte tables give the exact e2m1 values in the activation's 16-bit type, 16
+instructions per 8 weights, and one 16-bit multiply per pair applies the block scale.
 
-Exactness.  Every decoded value is exact, and so is its product with the scale factor: bf16, v * 2^-126 times
-bf16(s * 2^119) = v * s * 2^-7, at most 6 significant bits and normal for every e4m3 scale; fp16, v * 2^-14
-times s = v * s * 2^-14, a multiple of 2^-24 below 0.17.  The tensor cores multiply these exactly by the
-activation and accumulate in fp32; the epilogue multiplies by 2^7 (2^14) and the global scale, then rounds once.
-MXFP4 weights (e8m0 scales over 2^-127 .. 2^127) are not folded this way: they stay on ``weight_only``.
+Exactness.  An e4m3 scale s (|s| in [2^-9, 448]) is exact in bf16 and fp16, and v * s has at most 6
+significant bits in [2^-10, 2688]: exact and normal in both.  The tensor cores multiply these exactly by the
+activation and accumulate in fp32; the epilogue multiplies by the global scale and rounds once.  MXFP4 weights
+(e8m0 scales over 2^-127 .. 2^127) do not fit 16 bits this way: they stay on ``weight_only``.
 
 Scales: linear ``[L, M, K/16]`` rows as a 2-D descriptor; the 128x4 swizzle as the ``[L, M/128, atoms * 32, 16]``
 lines of its 512-byte atoms, whole atoms per copy, the program's 64 rows picked out in registers.
@@ -46,9 +44,6 @@ BLOCK_N = 16
 # Measured faster than the register-fed kernels only above this many rows (docs/performance.md, "the streaming
 # skeleton"): at N <= 8 weight_only is faster.
 MIN_N = 9
-# Bits of 2^119 and 2^7, 2^14: the scale bias that keeps bf16 products normal, and the epilogue's factors.
-_BF16_SCALE_BIAS = 2.0 ** 119
-_FOLD = {torch.bfloat16: 2.0 ** 7, torch.float16: 2.0 ** 14}
 
 
 class StreamConfig(NamedTuple):
@@ -85,27 +80,40 @@ def stream_config(case: GemvCase, sm_count: int) -> StreamConfig:
     return best
 
 
-def decode_asm(mag_shift: int) -> str:
-    """PTX: ``$2`` holds bytes ``[b0, b0, b1, b1]``; ``$0``, ``$1`` the 16-bit patterns of b0's and b1's low
-    (low half) and high (high half) nibbles, ``(c & 7) << mag_shift | (c & 8) << 12`` each.
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as 16-bit floats, as byte tables that prmt indexes (bytes 0..3 in
+# the first word, 4..7 in the second): bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0; fp16 0x0000
+# 0x3800 0x3C00 0x3E00 0x4000 0x4200 0x4400 0x4600 (low bytes zero).  The first words reach the asm as registers.
+DECODE_TABLES = {torch.bfloat16: ((0x3F3F3F00, 0x40404040), (0xC0800000, 0xC0804000)),
+                 torch.float16: ((0x3E3C3800, 0x46444240), (0, 0))}
 
-    The magnitudes of a byte's nibbles sit at bits 0-2 and 12-14 of (d & 0x7007); one multiply by
-    2^m + 2^(m + 4) moves them to m and m + 16 (the other two copies land on bits the mask clears).  The signs,
-    bits 3 and 15 of (d & 0x8008), go to 15 and 31 with 2^12 + 2^16 likewise."""
-    mags = ((7 << mag_shift) | (7 << (mag_shift + 16)))
-    mul = (1 << mag_shift) + (1 << (mag_shift + 4))
-    lines = ["{", ".reg .b32 d, y, z;", "mov.b32 d, $2;"]
-    for out in ("$0", "$1"):
-        lines += ["and.b32 y, d, 0x7007;", "and.b32 z, d, 0x8008;", f"mul.lo.u32 y, y, {mul:#x};",
-                  "mul.lo.u32 z, z, 0x11000;", f"and.b32 y, y, {mags:#x};", "and.b32 z, z, 0x80008000;",
-                  f"or.b32 {out}, y, z;"]
-        if out == "$0":
-            lines.append("shr.b32 d, d, 16;")
-    lines.append("}")
+
+def decode_asm(dtype: torch.dtype) -> str:
+    """PTX: ``$4``, ``$5`` hold bytes ``[b0, b0, b1, b1]``, ``[b2, b2, b3, b3]``; ``$0``..``$3`` the 16-bit values
+    of byte j's low (low half) and high (high half) nibble, exact e2m1 values in ``dtype``.
+
+    One prmt gathers the word of the four bytes (element i in nibble i); prmt looks the 3-bit magnitudes up in
+    the byte tables, four elements at a time; the signs come from prmt in sign-replicate mode (selector bit 3)
+    on bytes whose top bit is a code's sign (w << 4 for the even elements, w for the odd ones), or-ed into the
+    high bytes; a prmt interleaves low and high bytes into each byte's pair: 16 instructions for 8 weights (14
+    for fp16, whose low bytes are zero)."""
+    (high0, high1), (low0, low1) = DECODE_TABLES[dtype]
+    lines = ["{", ".reg .b32 w, m, mh, h0, h1, l0, l1, a, s0, s1, t0, t1;", f"mov.b32 t0, {high0:#010x};",
+             f"mov.b32 t1, {low0:#010x};", "prmt.b32 w, $4, $5, 0x6420;",
+             "and.b32 m, w, 0x77777777;", "shr.u32 mh, m, 16;",
+             f"prmt.b32 h0, t0, {high1:#010x}, m;", f"prmt.b32 h1, t0, {high1:#010x}, mh;",
+             "shl.b32 a, w, 4;", "prmt.b32 s0, a, w, 0xD9C8;", "prmt.b32 s1, a, w, 0xFBEA;",
+             "lop3.b32 h0, h0, s0, 0x80808080, 0xF8;", "lop3.b32 h1, h1, s1, 0x80808080, 0xF8;"]
+    if low0 or low1:
+        lines += [f"prmt.b32 l0, t1, {low1:#010x}, m;", f"prmt.b32 l1, t1, {low1:#010x}, mh;"]
+    else:
+        lines += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
+    lines += ["prmt.b32 $0, l0, h0, 0x5140;", "prmt.b32 $1, l0, h0, 0x7362;",
+              "prmt.b32 $2, l1, h1, 0x5140;", "prmt.b32 $3, l1, h1, 0x7362;", "}"]
     return "\n".join(lines)
 
 
-_DECODE_ASM = {torch.bfloat16: decode_asm(6), torch.float16: decode_asm(9)}
+_DECODE_ASM = {torch.bfloat16: decode_asm(torch.bfloat16), torch.float16: decode_asm(torch.float16)}
+_CONSTRAINTS = "=r,=r,=r,=r,r,r"
 
 
 class Stream(KernelSpec):
@@ -171,14 +179,14 @@ class Stream(KernelSpec):
             a.batch_stride, a.row_stride, a.scales.batch, a.scales.row_tile if swizzled else a.scales.r32,
             case.b.strides[0], case.b.strides[1],
             case.out_strides[0], case.out_strides[1], case.out_strides[2],
-            DECODE=_DECODE_ASM[dtype], BF16=dtype == torch.bfloat16, SWIZZLED=swizzled,
-            FOLD=_FOLD[dtype], HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=split,
+            DECODE=_DECODE_ASM[dtype], CONSTRAINTS=_CONSTRAINTS, BF16=dtype == torch.bfloat16, SWIZZLED=swizzled,
+            HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=split,
             BLOCK_M=config.block_m, BLOCK_K=config.block_k, KSPLIT=config.ksplit, NUM_STAGES=config.num_stages,
             num_warps=config.num_warps)
         if split:
             stream_reduce_kernel[(m_tiles, case.batch)](
                 partial, ops.out, gsa, case.m, case.n, case.out_strides[0], case.out_strides[1], case.out_strides[2],
-                FOLD=_FOLD[dtype], HAS_GSA=a.has_global_scale, BLOCK_M=config.block_m, KSPLIT=config.ksplit,
+                HAS_GSA=a.has_global_scale, BLOCK_M=config.block_m, KSPLIT=config.ksplit,
                 num_warps=4)
 
 
@@ -199,10 +207,11 @@ def install_scratch_allocator(target: Target) -> None:
 
 
 @triton.jit
-def _weights(packed, raw_scales, DECODE: tl.constexpr, BF16: tl.constexpr, USE_PTX: tl.constexpr):
+def _weights(packed, raw_scales, DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr,
+             BF16: tl.constexpr, USE_PTX: tl.constexpr):
     """``[BM, BK / 2]`` packed bytes and ``[BM, BK / 16]`` e4m3 bytes to ``[BM, BK]`` 16-bit weights times their
-    scale and 2^-7 (bf16) or 2^-14 (fp16), exact (module docstring).  The PTX path decodes bit patterns and
-    multiplies in 16 bits; the twin computes the same values in fp32 and converts them, exactly."""
+    scale, exact (module docstring).  The PTX path looks the values up (``decode_asm``) and multiplies in 16 bits;
+    the twin computes the same values in fp32 and converts them, exactly."""
     BM: tl.constexpr = packed.shape[0]
     BK: tl.constexpr = 2 * packed.shape[1]
     pairs = tl.reshape(tl.join(packed, packed), [BM, BK])  # element 2 i + p: byte i, nibble p
@@ -210,19 +219,19 @@ def _weights(packed, raw_scales, DECODE: tl.constexpr, BF16: tl.constexpr, USE_P
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 16]), [BM, BK])
     if USE_PTX:
         if BF16:
-            v = tl.inline_asm_elementwise(DECODE, "=r,=r,r", [pairs], dtype=tl.bfloat16, is_pure=True, pack=4)
-            w = v * (s * 6.646139978924579e35).to(tl.bfloat16)  # v * 2^-126 times s * 2^119
+            v = tl.inline_asm_elementwise(DECODE, CONSTRAINTS, [pairs], dtype=tl.bfloat16, is_pure=True, pack=8)
+            w = v * s.to(tl.bfloat16)
         else:
-            v = tl.inline_asm_elementwise(DECODE, "=r,=r,r", [pairs], dtype=tl.float16, is_pure=True, pack=4)
-            w = v * s.to(tl.float16)  # v * 2^-14 times s
+            v = tl.inline_asm_elementwise(DECODE, CONSTRAINTS, [pairs], dtype=tl.float16, is_pure=True, pack=8)
+            w = v * s.to(tl.float16)
     else:
         k = tl.arange(0, BK)[None, :]
         code = tl.where(k % 2 == 1, pairs >> 4, pairs & 15)
-        value = doubled_e2m1(code.to(tl.int32)).to(tl.float32) * s  # 2 v s
+        value = doubled_e2m1(code.to(tl.int32)).to(tl.float32) * 0.5 * s
         if BF16:
-            w = (value * 0.00390625).to(tl.bfloat16)  # v * s * 2^-7
+            w = value.to(tl.bfloat16)
         else:
-            w = (value * 3.0517578125e-05).to(tl.float16)  # v * s * 2^-14
+            w = value.to(tl.float16)
     return w
 
 
@@ -243,7 +252,8 @@ def stream_gemv_kernel(
     a_stride_l, a_stride_m, sfa_stride_l, sfa_stride_rows,
     b_stride_l, b_stride_n,
     c_stride_l, c_stride_m, c_stride_n,
-    DECODE: tl.constexpr, BF16: tl.constexpr, SWIZZLED: tl.constexpr, FOLD: tl.constexpr, HAS_GSA: tl.constexpr,
+    DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr, BF16: tl.constexpr, SWIZZLED: tl.constexpr,
+    HAS_GSA: tl.constexpr,
     USE_PTX: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -279,7 +289,7 @@ def stream_gemv_kernel(
         else:
             raw = s_desc.load([row0, k0 // 16])
         x = tl.load(x_rows + (k0 + kk)[None, :], mask=n[:, None] < N, other=0.0)
-        w = _weights(packed, raw, DECODE, BF16, USE_PTX)
+        w = _weights(packed, raw, DECODE, CONSTRAINTS, BF16, USE_PTX)
         if USE_PTX:
             acc = tl.dot(w, tl.trans(x), acc)
         else:  # the same exact products in fp32 (Triton 3.6's interpreter mis-multiplies bf16 dots)
@@ -290,14 +300,14 @@ def stream_gemv_kernel(
         ptrs = c_ptr + ((pid_k * tl.num_programs(2) + pid_l) * (tl.num_programs(0) * BLOCK_M) + rows[:, None]) * BN
         tl.store(ptrs + n[None, :], acc)
     else:
-        out = apply_global_scales(acc * FOLD, gsa_ptr, gsa_ptr, HAS_GSA, False)
+        out = apply_global_scales(acc, gsa_ptr, gsa_ptr, HAS_GSA, False)
         ptrs = c_ptr + pid_l * c_stride_l + rows[:, None].to(tl.int64) * c_stride_m + n[None, :] * c_stride_n
         store_rounded(ptrs, out, (rows[:, None] < M) & (n[None, :] < N))
 
 
 @triton.jit
 def stream_reduce_kernel(p_ptr, c_ptr, gsa_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
-                         FOLD: tl.constexpr, HAS_GSA: tl.constexpr, BLOCK_M: tl.constexpr, KSPLIT: tl.constexpr):
+                         HAS_GSA: tl.constexpr, BLOCK_M: tl.constexpr, KSPLIT: tl.constexpr):
     """Sum the ``KSPLIT`` partials of one row tile in K order, then the epilogue and the one rounding."""
     BN: tl.constexpr = 16
     pid_m = tl.program_id(0)
@@ -308,6 +318,6 @@ def stream_reduce_kernel(p_ptr, c_ptr, gsa_ptr, M, N, c_stride_l, c_stride_m, c_
     acc = tl.zeros([BLOCK_M, BN], dtype=tl.float32)
     for k in tl.static_range(KSPLIT):
         acc += tl.load(p_ptr + (k * tl.num_programs(1) + pid_l) * (tl.num_programs(0) * BLOCK_M * BN) + tile)
-    out = apply_global_scales(acc * FOLD, gsa_ptr, gsa_ptr, HAS_GSA, False)
+    out = apply_global_scales(acc, gsa_ptr, gsa_ptr, HAS_GSA, False)
     ptrs = c_ptr + pid_l * c_stride_l + rows[:, None].to(tl.int64) * c_stride_m + n[None, :] * c_stride_n
     store_rounded(ptrs, out, (rows[:, None] < M) & (n[None, :] < N))
