@@ -1,0 +1,69 @@
+import os, sys, time, re, collections
+import torch, triton, triton.language as tl
+sys.path.insert(0, "tests"); sys.path.insert(0, "src")
+
+def _decode_asm(mag_shift, sign_shift):
+    # $0,$1: low nibbles of the 4 bytes of $4 as 16-bit bit patterns (2 per register), $2,$3: high nibbles
+    lines = ["{", ".reg .b32 t0, t1, x, y;", "prmt.b32 t0, $4, 0, 0x4140;", "prmt.b32 t1, $4, 0, 0x4342;"]
+    mask_m = (7 << mag_shift) | (7 << (mag_shift + 16))
+    for out, t, nib in (("$0", "t0", 0), ("$1", "t1", 0), ("$2", "t0", 4), ("$3", "t1", 4)):
+        ms, ss = mag_shift - nib, sign_shift - nib
+        lines.append(f"shl.b32 x, {t}, {ms};" if ms >= 0 else f"shr.b32 x, {t}, {-ms};")
+        lines.append(f"shl.b32 y, {t}, {ss};")
+        lines.append(f"and.b32 x, x, {mask_m:#x};")
+        lines.append(f"and.b32 y, y, 0x80008000;")
+        lines.append(f"or.b32 {out}, x, y;")
+    lines.append("}")
+    return "\n".join(lines)
+
+DECODE_BF16 = _decode_asm(6, 12)
+
+@triton.jit
+def proto(w_desc, s_desc, x_ptr, out_ptr, M, K, N, s_stride_m, x_stride_n, out_stride_m,
+          BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, STAGES: tl.constexpr, KSPLIT: tl.constexpr, ASM: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    row0 = pid_m * BM
+    rows = row0 + tl.arange(0, BM)
+    n = tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], tl.float32)
+    k_per = K // KSPLIT
+    k_lo = pid_k * k_per
+    kb = tl.arange(0, BK // 2)
+    for k0 in tl.range(k_lo, k_lo + k_per, BK, num_stages=STAGES):
+        wp = w_desc.load([row0, k0 // 2])
+        sc = s_desc.load([row0, k0 // 16])
+        x2 = tl.load(x_ptr + n[:, None, None] * x_stride_n + (k0 + 2 * kb)[None, :, None] + tl.arange(0, 2)[None, None, :],
+                     mask=n[:, None, None] < N, other=0.0)
+        xe, xo = tl.split(x2)
+        lo, hi = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [wp], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        s = (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 6.646139978924579e+35).to(tl.bfloat16)  # s * 2^119
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 8]), [BM, BK // 2])
+        acc = tl.dot(lo * s, tl.trans(xe), acc)
+        acc = tl.dot(hi * s, tl.trans(xo), acc)
+    out = acc * 128.0
+    tl.store(out_ptr + rows[:, None] * out_stride_m + n[None, :], out.to(tl.bfloat16), mask=n[None, :] < N)
+def compile_sm90(BM=64, BK=256, BN=16, STAGES=4, KSPLIT=1, num_warps=4):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {"w_desc": f"tensordesc<u8[{BM}, {BK//2}]>", "s_desc": f"tensordesc<u8[{BM}, {BK//16}]>", "x_ptr": "*bf16", "out_ptr": "*bf16",
+           "M": "i32", "K": "i32", "N": "i32", "s_stride_m": "i32", "x_stride_n": "i32", "out_stride_m": "i32",
+           "BM": "constexpr", "BK": "constexpr", "BN": "constexpr", "STAGES": "constexpr", "KSPLIT": "constexpr", "ASM": "constexpr"}
+    const = dict(BM=BM, BK=BK, BN=BN, STAGES=STAGES, KSPLIT=KSPLIT, ASM=DECODE_BF16)
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (1, 2, 3, 4, 5, 7, 8, 9)}
+    t = time.time()
+    c = triton.compile(ASTSource(proto, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
+    return c, time.time() - t
+
+if __name__ == "__main__":
+    from aot import sass_listing, main_loop, local_memory, registers
+    cfg = dict(BM=int(sys.argv[1]), BK=int(sys.argv[2]), BN=int(sys.argv[3]), STAGES=int(sys.argv[4]), num_warps=int(sys.argv[5]))
+    c, dt = compile_sm90(**cfg)
+    body = main_loop(sass_listing(c))
+    ops = collections.Counter(op.split(".")[0] for _, op, _ in body)
+    weights = cfg["BM"] * cfg["BK"]
+    threads = 32 * cfg["num_warps"]
+    print(cfg, f"compile {dt:.1f}s regs {registers(c)} local {local_memory(c)} loop {len(body)} instr; per weight per thread-instr: {len(body)*threads/weights:.2f}")
+    print(dict(ops.most_common()))
+    open("/tmp/p10.sass", "w").write("\n".join(f"{a:05x} {o} {r}" for a, o, r in body))
+    open("/tmp/p10.ttgir", "w").write(c.asm["ttgir"])
