@@ -16,6 +16,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from fp4gemv import dequantize
 from fp4gemv.nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear
 from fp4gemv.nn.checkpoints import SafetensorsDirectory
 
@@ -40,8 +41,8 @@ def _x(tokens: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def row_bound(layer: FP4Linear, x: torch.Tensor, world: int, activation=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(S, the bound on |s - S|): S the exact sums [T, N], the fp32 reduction's bound of the module docstring,
     plus the float64 accumulation of the oracle (K 2^-53 sum |w x|, both ways)."""
-    w = layer.quantized_weight().dequantize(torch.float64)
-    xv = (activation.dequantize(torch.float64) if activation is not None else x.to(torch.float64))
+    w = dequantize(layer.quantized_weight(), torch.float64)
+    xv = (dequantize(activation, torch.float64) if activation is not None else x.to(torch.float64))
     k_local = layer.in_features // world
     partials = [xv[:, r * k_local:(r + 1) * k_local] @ w[:, r * k_local:(r + 1) * k_local].t() for r in range(world)]
     exact = sum(partials)

@@ -54,11 +54,11 @@ from operands import (
 )
 from ptx_emulator import emulate_ptx
 
-from fp4gemv import FP4Tensor, formats, gemv, ops, task
+from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops, task
 from fp4gemv.kernels import hmma_gemv
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
-from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.w4a4 import W4A4Config
 from fp4gemv.target import SM90
 
@@ -201,7 +201,7 @@ def _one_hot_activation(k, activation):
 
 
 def _one_hot_expected(a, m, k):
-    weights = a.dequantize(torch.float32)  # exact: e2m1 x e4m3, no global scale
+    weights = dequantize(a, torch.float32)  # exact: e2m1 x e4m3, no global scale
     return weights.reshape(m, k // 16, 16).permute(1, 0, 2)  # [l, m, n] = weight (m, 16 l + n)
 
 
@@ -230,7 +230,7 @@ def test_hmma_kernel_k_order_matches_the_activation(activation, k, config):
 def test_distinct_weights_tell_every_two_positions_apart(m, k, seed):
     """The premise of the K-order tests: for any two positions along K, some row holds different values, so
     reading one in place of the other changes an output."""
-    w = _distinct_weights(m, k, seed=seed).dequantize(torch.float64)
+    w = dequantize(_distinct_weights(m, k, seed=seed), torch.float64)
     differ = (w[:, :, None] != w[:, None, :]).any(0)
     assert (differ | torch.eye(k, dtype=torch.bool)).all()
 
@@ -296,7 +296,7 @@ def _plan(a, b, **kw):
 
 
 def _case(a, b):
-    return GemvOperands.of(a, b, torch.empty(result_shape(a, b), device=a.device)).case
+    return gemv_operands(a, b, torch.empty(result_shape(a, b), device=a.device)).case
 
 
 # The default dispatch (kernels.GEMV_KERNELS: w4a4, weight_only, hmma, general): NVFP4 goes to hmma with N > 8

@@ -31,21 +31,22 @@ from operands import (
     DEVICE,
     LAYOUTS,
     OUT_DTYPES,
+    accumulator_fold,
     assert_matches_exact,
     build_case,
     poisoned,
     random_activation,
     random_fp4,
     result_shape,
-    weight_only_fold,
     within_bound,
 )
 from ptx_emulator import emulate_ptx
 
-from fp4gemv import FP4Tensor, formats, gemv, ops
+from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops
 from fp4gemv.kernels import _mma_step
 from fp4gemv.kernels.hmma_gemv import HmmaConfig
-from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.kernels import choose_kernel
+from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_only_config
 from fp4gemv.target import SM90
 
@@ -60,7 +61,7 @@ def run(a, b, out, config, backend="triton"):
 
 
 def _fold(a, b, config):
-    return weight_only_fold(ops.plan_for(a, b, backend="triton", kernel="weight_only", config=config))
+    return accumulator_fold(ops.plan_for(a, b, backend="triton", kernel="weight_only", config=config))
 
 
 def _exact(got, a, b, out_dtype, config):
@@ -192,14 +193,14 @@ def test_weight_only_k_order_matches_the_activation(fmt, activation, n, config):
     a = _distinct_weights(m, k, fmt, seed=k).with_scale_layout("swizzled")
     x = _one_hot_activation(k, n, activation, fmt)
     got = run(a.to(DEVICE), x.to(DEVICE), poisoned((k // n, m, n), torch.float32), config).cpu()
-    expected = a.dequantize(torch.float32).reshape(m, k // n, n).permute(1, 0, 2)
+    expected = dequantize(a, torch.float32).reshape(m, k // n, n).permute(1, 0, 2)
     wrong = (got != expected).nonzero()[:5].tolist()
     assert not wrong, [(i, got[tuple(i)].item(), expected[tuple(i)].item()) for i in wrong]
 
 
 def test_distinct_weights_tell_every_two_positions_apart():
     for fmt in FORMATS:
-        w = _distinct_weights(32, 128, fmt, seed=128).dequantize(torch.float64)
+        w = dequantize(_distinct_weights(32, 128, fmt, seed=128), torch.float64)
         differ = (w[:, :, None] != w[:, None, :]).any(0)
         assert (differ | torch.eye(128, dtype=torch.bool)).all(), fmt
 
@@ -233,7 +234,7 @@ def test_bound_rejects_plausible_bugs():
 
 
 def _why_not(a, b):
-    return WeightOnly().why_not(GemvOperands.of(a, b, torch.empty(result_shape(a, b))).case, SM90)
+    return WeightOnly().why_not(gemv_operands(a, b, torch.empty(result_shape(a, b))).case, SM90)
 
 
 def _skewed(t):
@@ -299,8 +300,8 @@ DISPATCH = [
 @pytest.mark.parametrize("kind, n, k, expected", DISPATCH, ids=str)
 def test_dispatch_follows_the_measurements(kind, n, k, expected):
     a, b = _kind(kind, n, k)
-    case = GemvOperands.of(a, b, torch.empty(result_shape(a, b))).case
-    assert ops.choose_kernel(case, SM90).name == expected
+    case = gemv_operands(a, b, torch.empty(result_shape(a, b))).case
+    assert choose_kernel(case, SM90).name == expected
     assert ops.select_kernel(a, b, backend="triton").name == expected  # the interpreter target chooses alike
     if expected == "hmma":  # still runs them when named
         assert ops.plan_for(a, b, backend="triton", kernel="weight_only").spec.name == "weight_only"
@@ -325,7 +326,7 @@ def _case_like(m, k, L, n, fmt="nvfp4", act=torch.bfloat16):
     a = random_fp4((48, 128), fmt, "swizzled", seed=1, device="cpu")
     b = random_fp4((2, 128), fmt, "swizzled", seed=2, device="cpu") if act == "fp4" else \
         random_activation((2, 128), act, seed=2, device="cpu")
-    return dataclasses.replace(GemvOperands.of(a, b, torch.empty(48, 2)).case, m=m, k=k, batch=L, n=n)
+    return dataclasses.replace(gemv_operands(a, b, torch.empty(48, 2)).case, m=m, k=k, batch=L, n=n)
 
 
 @pytest.mark.parametrize("shape", sorted(MEASURED_BEST), ids=lambda s: "x".join(map(str, s)))
@@ -596,7 +597,7 @@ def _both_within_bound(a, b, config=None, out_dtype=torch.float32):
                    kernel="weight_only", config=config)
         assert not torch.isnan(got).any(), backend
         plan = ops.plan_for(a, b, backend=backend, kernel="weight_only", config=config)
-        assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=weight_only_fold(plan))
+        assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=accumulator_fold(plan))
 
 
 @pytest.mark.gpu
@@ -624,7 +625,7 @@ def test_weight_only_k_order_on_gpu(fmt):
             continue
         x = _one_hot_activation(k, n, activation, fmt).to("cuda")
         if n not in expected:
-            expected[n] = a.to("cpu").dequantize(torch.float32).reshape(m, k // n, n).permute(1, 0, 2).cuda()
+            expected[n] = dequantize(a.to("cpu"), torch.float32).reshape(m, k // n, n).permute(1, 0, 2).cuda()
         for backend in ("triton-ptx", "triton"):
             got = run(a, x, poisoned((k // n, m, n), torch.float32), config, backend=backend)
             assert torch.equal(got, expected[n]), (activation, n, config, backend)
@@ -643,7 +644,7 @@ def test_bf16_activations_at_the_ends_of_the_window_are_exact_on_gpu(fmt, config
     ends = torch.tensor([2.0**-77, -(2.0**-77) * 1.5, 2.0**63 * 1.9921875, -(2.0**-76)], dtype=torch.bfloat16)
     x = _one_hot_activation(k, n, torch.bfloat16, fmt) * ends[None, :, None]  # row i scaled by ends[i]
     got = run(a, x.to("cuda"), poisoned((k // n, m, n), torch.float32), config, backend="triton-ptx").cpu()
-    w = a.to("cpu").dequantize(torch.float64).reshape(m, k // n, n).permute(1, 0, 2)
+    w = dequantize(a.to("cpu"), torch.float64).reshape(m, k // n, n).permute(1, 0, 2)
     assert torch.equal(got.double(), w * ends.double()[None, None, :])
     over = x.clone()
     over[0, 0, 0] = 2.0**64
@@ -659,8 +660,8 @@ def test_bench_mxfp4_bf16_cases_run_the_weight_only_kernel():
 
     for n in (1, 8):
         a, b, out = bench.random_gemv_operands(bench.Shape(256, 512, 2, n), "mxfp4", "bf16", seed=0, device="cpu")
-        case = GemvOperands.of(a, b, out).case
-        assert ops.choose_kernel(case, SM90).name == "weight_only"
+        case = gemv_operands(a, b, out).case
+        assert choose_kernel(case, SM90).name == "weight_only"
         plan = ops.plan_for(a, b, out=out, backend="triton")
         assert _describe_plan(plan).startswith("weight_only tiles=1,warps=")
 

@@ -34,8 +34,8 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from .block_sum_tiles import w4a4_config
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
-from .w4a4 import w4a4_config
 
 __all__ = ["GeneralConfig", "General", "gemv_kernel"]
 

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
-from ..ops import gemv
+from ..library import gemv, quantize
+from ..quantize import dequantize
 from ..tensor import FP4Tensor
 
 __all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "per_tensor_scale"]
@@ -100,7 +101,7 @@ class FP4Linear(nn.Module):
     forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
     dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
     product of x's leading dimensions) run through ``fp4gemv.gemv``, rounded once to x's dtype, then
-    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, W.dequantize(x.dtype), bias)``
+    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, dequantize(W, x.dtype), bias)``
     where ``x_q`` is x (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
     """
 
@@ -210,7 +211,7 @@ class FP4Linear(nn.Module):
         multiplier = self.input_multiplier()
         if multiplier is None and self.fmt == "nvfp4":
             multiplier = per_tensor_scale(x2d.detach().abs().amax())
-        return FP4Tensor.quantize(x2d, self.fmt, "linear", multiplier)
+        return quantize(x2d, self.fmt, "linear", multiplier)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -265,8 +266,8 @@ class FP4Linear(nn.Module):
                 y.add_(bias)
             return y
         if isinstance(activation, FP4Tensor):
-            activation = activation.dequantize(out_dtype)
-        return F.linear(activation.to(out_dtype), weight.dequantize(out_dtype), bias)
+            activation = dequantize(activation, out_dtype)
+        return F.linear(activation.to(out_dtype), dequantize(weight, out_dtype), bias)
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
@@ -313,7 +314,7 @@ class FP4Linear(nn.Module):
         per_tensor: Literal["pow2", "amax"] = "pow2",
         input_scale: float | torch.Tensor | None = None,
     ) -> FP4Linear:
-        """Quantize an ``nn.Linear``'s weight (``FP4Tensor.quantize``); the bias is copied as it is.
+        """Quantize an ``nn.Linear``'s weight (``fp4gemv.quantize``); the bias is copied as it is.
 
         NVFP4 weights get the per-tensor multiplier :func:`per_tensor_scale` of their amax (``per_tensor``:
         ``"pow2"``, exact in every checkpoint convention, or ModelOpt's ``"amax"``); MXFP4 weights none.
@@ -332,7 +333,7 @@ class FP4Linear(nn.Module):
                      weight_scale=None if multiplier is None else "multiplier",
                      input_scale=None if input_scale is None else "multiplier",
                      device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype)
-        q = FP4Tensor.quantize(weight, fmt, scale_layout, multiplier)
+        q = quantize(weight, fmt, scale_layout, multiplier)
         module.weight.copy_(q.data)
         module.weight_scale.view(torch.uint8).copy_(q.scales)
         if multiplier is not None:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import formats, layouts
+from ..library import quantize
 from ..tensor import FP4Tensor
 from .checkpoints import _LAYER_NAMES, SafetensorsDirectory, _key, detect_convention, layer_from_tensors
 from .linear import DECODE_MAX_TOKENS, X_DTYPES, FP4Linear, per_tensor_scale
@@ -493,7 +494,7 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         if not self.input_is_parallel:
             k0 = self.tp_rank * k_local
             x2d = x2d[:, k0: k0 + k_local].contiguous()
-        activation = None if multiplier is None else FP4Tensor.quantize(x2d, shard.fmt, "linear", multiplier)
+        activation = None if multiplier is None else quantize(x2d, shard.fmt, "linear", multiplier)
         return x2d, activation, lead
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
