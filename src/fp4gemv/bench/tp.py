@@ -39,7 +39,6 @@ import torch.distributed as dist
 
 from .. import formats, layouts
 from ..nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear
-from ..nn.checkpoints import layer_from_tensors
 from ..nn.parallel import COLLECTIVES
 from .timing import device_time_us, input_count, summarize
 
@@ -86,7 +85,7 @@ def random_layer(m: int, k: int, fmt: str, seed: int, device, scale_layout: str 
     tensors = {"weight": data, "weight_scale": scales.view(f.scale_dtype)}
     if fmt == "nvfp4":
         tensors["weight_scale_2"] = torch.ones((), device=device)
-    return layer_from_tensors(tensors, activations="weight-only")
+    return FP4Linear.from_state_dict(tensors, activations="weight-only")
 
 
 def parallel_layer(split: str, whole: FP4Linear, collective: str):
