@@ -46,6 +46,7 @@ __all__ = [
     "compare_to_reference",
     "check_implementation",
     "custom_kernel",
+    "task_views",
 ]
 
 TaskInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -294,7 +295,7 @@ _TASK_ITEMS = "(a, b, sfa, sfb, sfa_permuted, sfb_permuted, c)"
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _task_views(data: TaskInput):
+def task_views(data: TaskInput):
     """FP4Tensor views of a and b's row 0 and the ``[L, M, 1]`` view of c, checked with the task's names."""
     if not isinstance(data, (tuple, list)) or len(data) != 7:
         what = f"a {type(data).__name__} of {len(data)} items" if isinstance(data, (tuple, list)) else type(data).__name__
@@ -349,7 +350,7 @@ def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
         call.launch_at(ops.GemvAddresses(a_data=a.data_ptr(), a_scales=sfa_permuted.data_ptr(), b_data=b.data_ptr(),
                                          out=c.data_ptr(), b_scales=sfb_permuted.data_ptr()))
         return c
-    weights, activation, out = _task_views(data)
+    weights, activation, out = task_views(data)
     call = ops.prepare_gemv(weights, activation, out=out, out_dtype=out.dtype, backend=backend, metadata_key=key)
     call(weights, activation, out)
     return data[6]

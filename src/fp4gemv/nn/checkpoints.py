@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 
 from .. import formats
 
@@ -342,8 +343,6 @@ class SafetensorsDirectory(Mapping):
     """
 
     def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
         directory = Path(directory)
         files = sorted(directory.glob("*.safetensors"))
         if not files:

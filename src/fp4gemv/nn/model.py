@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors
@@ -332,8 +333,6 @@ def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, to
 
 
 def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dict[str, dict]) -> Path:
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     seen, plain = set(), {}

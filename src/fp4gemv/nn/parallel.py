@@ -333,6 +333,7 @@ class _TensorParallelFP4Linear(nn.Module):
         key = (tokens, dtype)
         buffer = self._symm_buffers.get(key)
         if buffer is None:
+            # Loaded on first use: torch's symmetric memory is CUDA-only and most layers never use it.
             import torch.distributed._symmetric_memory as symm_mem
 
             group = self._process_group()
