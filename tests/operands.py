@@ -115,6 +115,26 @@ def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False, fold=None):
         raise AssertionError(f"{int((~ok).sum())} of {got.numel()} outputs off the exact result; first: {detail}")
 
 
+def dtype_name(x):
+    """A dtype (or anything else) as a short test-id string: ``torch.bfloat16`` -> ``bfloat16``."""
+    return str(x).replace("torch.", "")
+
+
+def one_hot_activation(k, n, activation, fmt="nvfp4"):
+    """[L = K / n, n, K]: batch l, row i is 1 at element n * l + i, else 0; in ``activation`` (a float dtype) or
+    FP4 (``"fp4"``) of ``fmt`` with unit scales, swizzled."""
+    L = k // n
+    hot = torch.zeros(L, n, k)
+    hot[torch.arange(L)[:, None], torch.arange(n)[None, :], n * torch.arange(L)[:, None] + torch.arange(n)] = 1
+    if activation != "fp4":
+        return hot.to(activation)
+    block = formats.FORMATS[fmt].block_size
+    encode = formats.encode_e4m3 if fmt == "nvfp4" else formats.encode_e8m0
+    scales = encode(torch.ones(L, n, k // block))
+    return FP4Tensor(formats.pack_e2m1(formats.encode_e2m1(hot)), scales, fmt, "linear").with_scale_layout(
+        "swizzled")
+
+
 def poisoned(shape, dtype, device=DEVICE):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 

@@ -34,6 +34,8 @@ from operands import (
     accumulator_fold,
     assert_matches_exact,
     build_case,
+    dtype_name,
+    one_hot_activation,
     poisoned,
     random_activation,
     random_fp4,
@@ -49,6 +51,8 @@ from fp4gemv.kernels import choose_kernel
 from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_only_config
 from fp4gemv.target import SM90
+
+pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
 
 FORMATS = ("nvfp4", "mxfp4")
 
@@ -99,13 +103,9 @@ for fmt, activation, split in itertools.product(FORMATS, ("fp4", torch.float16, 
                       (i // 2) % 2 == 1))
 
 
-def _name(x):
-    return str(x).replace("torch.", "")
-
-
 def _case_id(case):
     fmt, activation, n, layout, out_dtype, shape, cfg, gs = case
-    return (f"{fmt}-{_name(activation)}-n{n}-{layout}-{_name(out_dtype)}-{'x'.join(map(str, shape))}-"
+    return (f"{fmt}-{dtype_name(activation)}-n{n}-{layout}-{dtype_name(out_dtype)}-{'x'.join(map(str, shape))}-"
             f"t{cfg.tiles}w{cfg.warps}c{cfg.chunks}{'-split' if cfg.split else ''}{'-gs' if gs else ''}")
 
 
@@ -162,20 +162,6 @@ def _distinct_weights(m, k, fmt, seed):
     return FP4Tensor(formats.pack_e2m1(codes), scales, fmt, "linear")
 
 
-def _one_hot_activation(k, n, activation, fmt):
-    """[L = K / n, n, K]: batch l, row i is 1 at element n * l + i, else 0."""
-    L = k // n
-    hot = torch.zeros(L, n, k)
-    hot[torch.arange(L)[:, None], torch.arange(n)[None, :], n * torch.arange(L)[:, None] + torch.arange(n)] = 1
-    if activation != "fp4":
-        return hot.to(activation)
-    block = formats.FORMATS[fmt].block_size
-    encode = formats.encode_e4m3 if fmt == "nvfp4" else formats.encode_e8m0
-    scales = encode(torch.ones(L, n, k // block))
-    return FP4Tensor(formats.pack_e2m1(formats.encode_e2m1(hot)), scales, fmt, "linear").with_scale_layout(
-        "swizzled")
-
-
 @pytest.mark.parametrize("fmt, activation, n, config", [
     ("nvfp4", torch.float16, 16, WeightOnlyConfig(2, 2, 1)),
     ("nvfp4", "fp4", 16, WeightOnlyConfig(1, 1, 1)),
@@ -184,14 +170,14 @@ def _one_hot_activation(k, n, activation, fmt):
     ("mxfp4", "fp4", 16, WeightOnlyConfig(1, 2, 1)),
     ("mxfp4", torch.float16, 4, WeightOnlyConfig(2, 1, 1, split=True)),
     ("mxfp4", "fp4", 4, WeightOnlyConfig(1, 1, 1, split=True)),
-], ids=lambda x: x if isinstance(x, str) else _name(x) if not isinstance(x, tuple) else
+], ids=lambda x: x if isinstance(x, str) else dtype_name(x) if not isinstance(x, tuple) else
    f"t{x.tiles}w{x.warps}{'s' if x.split else ''}")
 def test_weight_only_k_order_matches_the_activation(fmt, activation, n, config):
     """One-hot activation rows pick single weights: output (l, m, i) is weight (m, n l + i), exactly (a K order
     that differs between weights and activation, a wrong block's scale or a wrong K owner picks another)."""
     m, k = 16 * config.tiles, 128
     a = _distinct_weights(m, k, fmt, seed=k).with_scale_layout("swizzled")
-    x = _one_hot_activation(k, n, activation, fmt)
+    x = one_hot_activation(k, n, activation, fmt)
     got = run(a.to(DEVICE), x.to(DEVICE), poisoned((k // n, m, n), torch.float32), config).cpu()
     expected = dequantize(a, torch.float32).reshape(m, k // n, n).permute(1, 0, 2)
     wrong = (got != expected).nonzero()[:5].tolist()
@@ -623,7 +609,7 @@ def test_weight_only_k_order_on_gpu(fmt):
                                                    (WeightOnlyConfig(2, 2, 1), WeightOnlyConfig(1, 4, 1, split=True))):
         if config.split and n > 4:
             continue
-        x = _one_hot_activation(k, n, activation, fmt).to("cuda")
+        x = one_hot_activation(k, n, activation, fmt).to("cuda")
         if n not in expected:
             expected[n] = dequantize(a.to("cpu"), torch.float32).reshape(m, k // n, n).permute(1, 0, 2).cuda()
         for backend in ("triton-ptx", "triton"):
@@ -642,7 +628,7 @@ def test_bf16_activations_at_the_ends_of_the_window_are_exact_on_gpu(fmt, config
     m, k, n = 64, 512, 4
     a = _distinct_weights(m, k, fmt, seed=3).with_scale_layout("swizzled").to("cuda")
     ends = torch.tensor([2.0**-77, -(2.0**-77) * 1.5, 2.0**63 * 1.9921875, -(2.0**-76)], dtype=torch.bfloat16)
-    x = _one_hot_activation(k, n, torch.bfloat16, fmt) * ends[None, :, None]  # row i scaled by ends[i]
+    x = one_hot_activation(k, n, torch.bfloat16, fmt) * ends[None, :, None]  # row i scaled by ends[i]
     got = run(a, x.to("cuda"), poisoned((k // n, m, n), torch.float32), config, backend="triton-ptx").cpu()
     w = dequantize(a.to("cpu"), torch.float64).reshape(m, k // n, n).permute(1, 0, 2)
     assert torch.equal(got.double(), w * ends.double()[None, None, :])

@@ -76,7 +76,7 @@ class WeightOnlyConfig(NamedTuple):
     dependent launch (where the target has it), ``loads_first``: compile with ``ptxas -O1``, which keeps every
     load of a step at its top (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split,
     2 tiles, 5 of the step's 12 loads, 2 of its 4 weight loads, were issued before its first mma;
-    docs/performance.md, v9)."""
+    docs/performance.md, the weight-only kernel's section)."""
 
     tiles: int = 1
     warps: int = 4
@@ -97,10 +97,11 @@ def _split_aligned(case: GemvCase) -> bool:
 
 
 def weight_only_config(case: GemvCase, sm_count: int) -> WeightOnlyConfig:
-    """The configuration for ``case`` on a GPU of ``sm_count`` SMs, from the H200 sweeps (docs/performance.md, v9).
+    """The configuration for ``case`` on a GPU of ``sm_count`` SMs, from the H200 sweeps (docs/performance.md,
+    the weight-only kernel's section).
 
     fp16/bf16 activations (bf16 measured at N = 1 and 8 over tiles x warps; fp16 shares the loads and grid, and
-    was only timed with an earlier rule): split for N <= 2; 4 tiles of 16 rows per warp with about 16 resident
+    was not swept on this rule itself): split for N <= 2; 4 tiles of 16 rows per warp with about 16 resident
     warps per SM where N <= 2 and the rows (M x L) reach 24K (4096 x 7168 x 8 and 28672 x 8192: the 4 tiles'
     shared activation fragments pay), else 1 tile and about 32 warp-chunks per SM (programs x warps x chunks
     over the SMs: 27-31 in every measured best but the grid-limited 1024 x 4096), spent as two chunks on half the
