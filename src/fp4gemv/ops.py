@@ -89,7 +89,7 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype
 
 def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, ...]:
     """The checks of :func:`gemv` that read metadata only (operands against each other, devices, out_dtype,
-    out); the result's shape.  Eager calls and ``torch.compile`` (``library.traced_gemv``) share them."""
+    out); the result's shape.  Eager calls and ``torch.compile`` (``fp4gemv.gemv``, ``library.py``) share them."""
     shape = result_shape(a, b)
     if b.device != a.device:
         raise ValueError(f"b: expected device {a.device} like a, got {b.device}")
@@ -248,15 +248,16 @@ class GemvAddresses(NamedTuple):
 _ADDRESS_INDEX = {name: GemvAddresses._fields.index(name) for name in GemvAddresses._fields}
 
 
-def _addresses(a, b, out) -> GemvAddresses:
+def _addresses(a, b, out) -> tuple:
+    """The operands' addresses in :class:`GemvAddresses`' order, as a plain tuple."""
     fp4_b = type(b) is FP4Tensor
     gs_a, gs_b = a.global_scale, b.global_scale if fp4_b else None
-    return GemvAddresses(a.data.data_ptr(), a.scales.data_ptr(), (b.data if fp4_b else b).data_ptr(), out.data_ptr(),
-                         b.scales.data_ptr() if fp4_b else 0, 0 if gs_a is None else gs_a.data_ptr(),
-                         0 if gs_b is None else gs_b.data_ptr())
+    return (a.data.data_ptr(), a.scales.data_ptr(), (b.data if fp4_b else b).data_ptr(), out.data_ptr(),
+            b.scales.data_ptr() if fp4_b else 0, 0 if gs_a is None else gs_a.data_ptr(),
+            0 if gs_b is None else gs_b.data_ptr())
 
 
-def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, GemvAddresses | None]:
+def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, tuple | None]:
     """Everything validation and dispatch depend on (shapes, strides, dtypes, devices, formats, layouts, the
     alignment of every address, the arguments, the current device), and the operands' addresses; (None, None)
     for arguments that validation must look at (and reject).
@@ -290,7 +291,7 @@ def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[t
     align = (pa & 15, ps & 15, pg & 15, pb & 15, pbs & 15, pbg & 15, po & 15)
     key = (a.fmt, a.scale_layout, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
            out_dtype, backend, kernel, config, where)
-    return key, GemvAddresses(pa, ps, pb, po, pbs, pg, pbg)
+    return key, (pa, ps, pb, po, pbs, pg, pbg)  # GemvAddresses' order; a plain tuple is faster to make
 
 
 class PreparedGemv:
@@ -302,7 +303,8 @@ class PreparedGemv:
     the compiled kernel's launcher directly: :attr:`launches_by_address` is then True, and
     :meth:`launch_at` launches on addresses alone."""
 
-    __slots__ = ("plan", "_template", "_compiled", "_argv", "_slots", "_grid", "_launcher", "_direct_launch")
+    __slots__ = ("plan", "_template", "_compiled", "_argv", "_slots", "_grid", "_launcher", "_direct_launch",
+                 "_current_stream", "_runtime_knobs")
 
     def __init__(self, plan: GemvPlan, direct_launch: bool = _DIRECT_LAUNCH):
         self.plan = plan
@@ -322,7 +324,7 @@ class PreparedGemv:
         """``gemv(a, b, out=out)`` with this plan, for operands of its metadata; returns the result."""
         return self._run(a, b, out, None if out is None else _addresses(a, b, out))
 
-    def _run(self, a, b, out, addresses: GemvAddresses | None) -> torch.Tensor:
+    def _run(self, a, b, out, addresses: tuple | None) -> torch.Tensor:
         plan = self.plan
         if self._compiled is not None and addresses is not None and out is not None and not plan.copy_activation:
             self._launch(addresses)
@@ -363,6 +365,7 @@ class PreparedGemv:
             self._launcher = functools.partial(_launch_c, launcher)
         else:
             self._launcher = launcher
+        self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
         self._compiled = compiled
 
     def launch_at(self, addresses: GemvAddresses) -> None:
@@ -372,13 +375,13 @@ class PreparedGemv:
                                "call it with the operands)")
         self._launch(addresses)
 
-    def _launch(self, addresses: GemvAddresses) -> None:
+    def _launch(self, addresses: tuple) -> None:
         argv = self._argv.copy()
         for i, j in self._slots:
             argv[i] = addresses[j]
         k = self._compiled
-        stream = driver.active.get_current_stream(self.plan.device.index)
-        runtime = knobs.runtime
+        stream = self._current_stream(self.plan.device.index)
+        runtime = self._runtime_knobs
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
         self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
@@ -394,7 +397,7 @@ def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
 _CACHE: dict[object, PreparedGemv] = {}
 
 
-def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, GemvAddresses | None]:
+def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
     key, addresses = _key_and_addresses(a, b, out, out_dtype, backend, kernel, config)
     cached = None
     if key is not None:
