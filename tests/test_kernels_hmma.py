@@ -193,7 +193,7 @@ def _one_hot_expected(a, m, k):
     return weights.reshape(m, k // 16, 16).permute(1, 0, 2)  # [l, m, n] = weight (m, 16 l + n)
 
 
-@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
+@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=dtype_name)
 @pytest.mark.parametrize("k, config", [(192, HmmaConfig(2)), (64, HmmaConfig(1)), (64, HmmaConfig(4)),
                                        (128, HmmaConfig(1)), (384, HmmaConfig(2))],
                          ids=["k192-w2", "k64-w1", "k64-w4", "k128-w1", "k384-w2"])
@@ -242,7 +242,7 @@ def _shift_scales(t):
     return FP4Tensor(t.data, lin, t.fmt, "linear", t.global_scale)
 
 
-@pytest.mark.parametrize("activation", ("fp4", torch.float16, torch.bfloat16), ids=_name)
+@pytest.mark.parametrize("activation", ("fp4", torch.float16, torch.bfloat16), ids=dtype_name)
 def test_hmma_bound_rejects_plausible_bugs(activation):
     """The kernel's correct output, checked against the exact result of a slightly wrong operand, fails."""
     a, b = build_case("nvfp4", activation, 3, "swizzled", (128, 128, 1), False, seed=9)
@@ -598,7 +598,7 @@ def _both_backends_within_bound(a, b, config=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.float16, 1), (torch.bfloat16, 5),
                                            (torch.bfloat16, "vector"), ("fp4", 3), ("fp4", 9), ("fp4", 16)],
-                         ids=_name)
+                         ids=dtype_name)
 def test_hmma_ptx_and_triton_within_bound(activation, n, config):
     a, b = build_case("nvfp4", activation, n, "swizzled", (2432, 4608, 2), True, seed=len(str(n)))
     _both_backends_within_bound(a, b, config)
@@ -607,7 +607,7 @@ def test_hmma_ptx_and_triton_within_bound(activation, n, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(s.m, s.k, s.l) for s in task.BENCHMARK_SHAPES] + [(2432, 4608, 2)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
+@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=dtype_name)
 def test_hmma_matches_exact_on_task_shapes(shape, activation):
     """The default configuration on the task's shapes, N = 1, 2, 8, 16 (2, 8, 16 for NVFP4: N = 1 is w4a4's),
     both backends, both out dtypes."""
@@ -626,7 +626,7 @@ def test_hmma_matches_exact_on_task_shapes(shape, activation):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.bfloat16, 1), ("fp4", 3), ("fp4", 9)],
-                         ids=_name)
+                         ids=dtype_name)
 @pytest.mark.parametrize("shape, config", [((208, 320, 3), None), ((208, 320, 3), HmmaConfig(2)),
                                            ((208, 320, 3), HmmaConfig(4)), ((256, 192, 1), None),
                                            ((256, 192, 1), HmmaConfig(1)), ((256, 192, 1), HmmaConfig(8))],

@@ -363,7 +363,7 @@ def _words():
     return words + [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
 
 
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=_name)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=dtype_name)
 def test_decode_ptx_places_every_code(dtype):
     """The decoders on words covering every code in every position: pair i of a word is (e_i, e_{i+4}), each
     half the 16-bit float of the e2m1 value times 2^-14 (fp16) or 2^-126 (bf16), what the exactness argument
