@@ -72,7 +72,7 @@ def check(x, fmt, layout, gs, label, dequant_dtypes=(torch.float32, torch.float1
     _same_bytes(f"{label} scales", got.scales, want.scales)
     for dt in dequant_dtypes:
         _same_floats(f"{label} dequantize {DTYPE_NAMES[dt]}", dequantize(got, dt, backend="triton"),
-                     want.dequantize(dt))
+                     dequantize(want, dt))
     return cpu_s
 
 

@@ -19,7 +19,9 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
 from fp4gemv import ops
-from fp4gemv.kernels.spec import GemvOperands, fill_sources
+from fp4gemv.kernels import choose_kernel
+from fp4gemv.kernels.spec import fill_sources
+from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -51,9 +53,9 @@ class Sm90Launch:
     def __init__(self, a, b, out=None, *, out_dtype=torch.float16, kernel=None, config=None, target=SM90):
         if out is None:
             out = torch.empty(ops.result_shape(a, b), dtype=out_dtype)
-        operands = GemvOperands.of(a, b, out)
+        operands = gemv_operands(a, b, out)
         case = operands.case
-        self.spec = ops.choose_kernel(case, target, kernel)
+        self.spec = choose_kernel(case, target, kernel)
         self.config = config if config is not None else self.spec.default_config(case, target)
         launch = self.spec.triton_launch(case, self.config, target)
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options

@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker, and Triton's interpreter on machines without a GPU."""
+"""Shared pytest setup: the ``gpu`` marker, Triton's interpreter on machines without a GPU, and the
+``interpreter_bf16`` fixture for the tests whose kernels run bf16 arithmetic in it."""
 
 import os
 
@@ -14,15 +15,20 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_interpreter_bf16() -> None:
-    """Make the interpreter's bf16 ``tl.dot`` and bf16 multiplication compute with numbers.
+@pytest.fixture
+def interpreter_bf16(monkeypatch):
+    """Make the interpreter's bf16 ``tl.dot`` and bf16 multiplication compute with numbers, for one test.
 
     Triton 3.6's interpreter stores bf16 tensors as their uint16 bit patterns and hands those to
     ``np.matmul`` / ``np.multiply`` as integers, so both return garbage (a dot is off by ~1e10 on unit-sized
-    data; fp16 is fine).  Patched here the way the GPU computes: bf16 -> fp32 is exact (the bits shifted up
-    by 16); a dot sums the exact products in fp32; a product of two bf16 is exact in fp32 and then rounded
-    once to bf16, nearest even.  Other bf16 arithmetic is left as it was (the kernels use none).
+    data; fp16 is fine).  Patched the way the GPU computes: bf16 -> fp32 is exact (the bits shifted up by
+    16); a dot sums the exact products in fp32; a product of two bf16 is exact in fp32 and then rounded once to
+    bf16, nearest even.  Other bf16 arithmetic is left as it is (the kernels use none).  Test modules whose
+    kernels run bf16 twins in the interpreter use it (``pytestmark``); nothing is patched outside the
+    interpreter or after the test.
     """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -50,12 +56,8 @@ def _patch_interpreter_bf16() -> None:
             return to_bf16(as_f32(lhs).data * as_f32(rhs).data)
         return create_fmul(self, lhs, rhs)
 
-    interpreter.InterpreterBuilder.create_dot = patched_dot
-    interpreter.InterpreterBuilder.create_fmul = patched_fmul
-
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_interpreter_bf16()
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fmul", patched_fmul)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,13 +12,13 @@ n * u < 1e-3 here), plus n * 2^-149 for fp32 underflow.  The one rounding to the
 ulp of the output.  The float64 oracle itself is off by at most (K + 3) * 2^-53 * sum_k |t_k|.
 ``tensor_cores=True`` switches to the bound of the tensor-core kernels (kernels/hmma_gemv.py and
 kernels/weight_only.py, derived in tests/test_kernels_hmma.py): all K products in one fp32 accumulation that may
-truncate, the accumulator scaled by 2^-fold (``fold``: the kernel's, hmma's by default).  ``bound_options`` says
-which bound a call of gemv needs.
+truncate, the accumulator scaled by 2^-fold (``fold``: the kernel's, hmma's by default).  Each kernel spec says
+which bound it needs (``KernelSpec.error_model``); ``bound_options`` reads it for a call of gemv.
 """
 
 import torch
 
-from fp4gemv import FP4Tensor, formats, ops, select_kernel
+from fp4gemv import FP4Tensor, dequantize, formats, ops
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
 
 LAYOUTS = ("linear", "swizzled")
@@ -58,7 +58,7 @@ def random_activation(shape, dtype, seed, device=DEVICE):
 
 
 def values(t):
-    return t.dequantize(torch.float64) if isinstance(t, FP4Tensor) else t.to(torch.float64)
+    return dequantize(t, torch.float64) if isinstance(t, FP4Tensor) else t.to(torch.float64)
 
 
 def _fold_exponent(b):
@@ -115,6 +115,26 @@ def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False, fold=None):
         raise AssertionError(f"{int((~ok).sum())} of {got.numel()} outputs off the exact result; first: {detail}")
 
 
+def dtype_name(x):
+    """A dtype (or anything else) as a short test-id string: ``torch.bfloat16`` -> ``bfloat16``."""
+    return str(x).replace("torch.", "")
+
+
+def one_hot_activation(k, n, activation, fmt="nvfp4"):
+    """[L = K / n, n, K]: batch l, row i is 1 at element n * l + i, else 0; in ``activation`` (a float dtype) or
+    FP4 (``"fp4"``) of ``fmt`` with unit scales, swizzled."""
+    L = k // n
+    hot = torch.zeros(L, n, k)
+    hot[torch.arange(L)[:, None], torch.arange(n)[None, :], n * torch.arange(L)[:, None] + torch.arange(n)] = 1
+    if activation != "fp4":
+        return hot.to(activation)
+    block = formats.FORMATS[fmt].block_size
+    encode = formats.encode_e4m3 if fmt == "nvfp4" else formats.encode_e8m0
+    scales = encode(torch.ones(L, n, k // block))
+    return FP4Tensor(formats.pack_e2m1(formats.encode_e2m1(hot)), scales, fmt, "linear").with_scale_layout(
+        "swizzled")
+
+
 def poisoned(shape, dtype, device=DEVICE):
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
@@ -134,30 +154,16 @@ def build_case(fmt, activation, n, layout, shape, global_scales, seed):
 
 
 def result_shape(a, b):
-    from fp4gemv.ops import result_shape as shape
-
-    return shape(a, b)
+    return ops.result_shape(a, b)
 
 
-def uses_tensor_cores(a, b) -> bool:
-    """Whether gemv(a, b, backend="triton") runs the hmma kernel (kernels/hmma_gemv.py)."""
-    return select_kernel(a, b, backend="triton").name == "hmma"
-
-
-def weight_only_fold(plan) -> int:
-    """The fold exponent of the weight-only kernel's accumulators for a plan that runs it."""
-    from fp4gemv.kernels import _mma_step, weight_only
-
-    spec = weight_only.step_spec(plan.case, plan.config)
-    return _mma_step.fold_exponent(spec.fmt, spec.act, spec.mode)
+def accumulator_fold(plan) -> int:
+    """The fold exponent of the accumulators of the kernel a plan runs (its spec's ``ErrorModel``)."""
+    return plan.spec.error_model(plan.case, plan.config).fold
 
 
 def bound_options(a, b, backend="triton", **kw) -> dict:
-    """The ``assert_matches_exact`` options for what gemv(a, b, backend=backend, **kw) runs: the tensor-core
-    bound with the kernel's fold for hmma and weight_only, the block-sum bound otherwise."""
+    """The ``assert_matches_exact`` options for what gemv(a, b, backend=backend, **kw) runs: the kernel spec's
+    ``ErrorModel`` (block sums, or tensor cores with the kernel's fold)."""
     plan = ops.plan_for(a, b, backend=backend, **kw)
-    if plan.spec.name == "hmma":
-        return dict(tensor_cores=True)
-    if plan.spec.name == "weight_only":
-        return dict(tensor_cores=True, fold=weight_only_fold(plan))
-    return {}
+    return plan.spec.error_model(plan.case, plan.config)._asdict()

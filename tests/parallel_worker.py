@@ -8,6 +8,7 @@ with the whole layer read by ``FP4Linear.from_state_dict``, run on the same rank
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from fp4gemv import dequantize
 from fp4gemv.nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear
 from fp4gemv.nn.checkpoints import SafetensorsDirectory
 
@@ -40,8 +42,8 @@ def _x(tokens: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def row_bound(layer: FP4Linear, x: torch.Tensor, world: int, activation=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(S, the bound on |s - S|): S the exact sums [T, N], the fp32 reduction's bound of the module docstring,
     plus the float64 accumulation of the oracle (K 2^-53 sum |w x|, both ways)."""
-    w = layer.quantized_weight().dequantize(torch.float64)
-    xv = (activation.dequantize(torch.float64) if activation is not None else x.to(torch.float64))
+    w = dequantize(layer.quantized_weight(), torch.float64)
+    xv = (dequantize(activation, torch.float64) if activation is not None else x.to(torch.float64))
     k_local = layer.in_features // world
     partials = [xv[:, r * k_local:(r + 1) * k_local] @ w[:, r * k_local:(r + 1) * k_local].t() for r in range(world)]
     exact = sum(partials)
@@ -213,10 +215,12 @@ def case_symm_mem_needs_cuda(world, rank, dirs):
 
 
 def case_bench_measure_on_cpu(world, rank, dirs):
-    """fp4gemv bench --tp's per-rank measurement with the GPU timer replaced by one that runs every launch:
+    """benchmarks/tp_layers.py's per-rank measurement with a timer that runs every launch instead of the GPU's:
     the layers it builds, the shards, the output check, the ranks' summary and table."""
-    from fp4gemv.bench import tp
-
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "tp_layers.py")
+    spec = importlib.util.spec_from_file_location("tp_layers", path)
+    tp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp)
     timed = []
 
     def run_every_launch(launch, inputs, replays=15, before_replay=None):
@@ -226,27 +230,22 @@ def case_bench_measure_on_cpu(world, rank, dirs):
         timed.append(len(inputs))
         return [float(len(timed))]
 
-    saved = tp.device_time_us, tp.input_count
-    tp.device_time_us, tp.input_count = run_every_launch, lambda nbytes: 2
-    try:
-        rows = []
-        for split, m, k in (("column", 256, 512), ("row", 128, 1024)):
-            for fmt, act in (("nvfp4", "bf16"), ("mxfp4", "fp16")):
-                mine = tp.measure_case(split, m, k, 3, fmt, act, rank, world, dist.barrier, torch.device("cpu"),
-                                       collectives=("default",))
-                if split == "column":
-                    assert mine["rel_error"] == 0.0, f"column {fmt} {act}: {mine['rel_error']}"
-                else:  # one rounding of a bf16 / fp16 output at most
-                    assert mine["rel_error"] <= 2.0 ** -7, f"row {fmt} {act}: {mine['rel_error']}"
-                per_rank = [None] * world
-                dist.all_gather_object(per_rank, mine)
-                rows.append({"split": split, "m": m, "k": k, "n": 3, **tp.summarize_case(per_rank)})
-        assert timed == [2, 2, 2] * 4, timed  # whole layers, shards without and with the collective
-        assert all(r["best_collective"] == "default" and r["symm_mem_us"] is None for r in rows)
-        table = tp.format_tp_table(rows, world).splitlines()
-        assert len(table) == 2 + len(rows) and "column" in table[2] and "n/a" in table[2], table
-    finally:
-        tp.device_time_us, tp.input_count = saved
+    rows = []
+    for split, m, k in (("column", 256, 512), ("row", 128, 1024)):
+        for fmt, act in (("nvfp4", "bf16"), ("mxfp4", "fp16")):
+            mine = tp.measure_case(split, m, k, 3, fmt, act, rank, world, dist.barrier, torch.device("cpu"),
+                                   collectives=("default",), time_us=run_every_launch, count_inputs=lambda nbytes: 2)
+            if split == "column":
+                assert mine["rel_error"] == 0.0, f"column {fmt} {act}: {mine['rel_error']}"
+            else:  # one rounding of a bf16 / fp16 output at most
+                assert mine["rel_error"] <= 2.0 ** -7, f"row {fmt} {act}: {mine['rel_error']}"
+            per_rank = [None] * world
+            dist.all_gather_object(per_rank, mine)
+            rows.append({"split": split, "m": m, "k": k, "n": 3, **tp.summarize_case(per_rank)})
+    assert timed == [2, 2, 2] * 4, timed  # whole layers, shards without and with the collective
+    assert all(r["best_collective"] == "default" and r["symm_mem_us"] is None for r in rows)
+    table = tp.format_tp_table(rows, world).splitlines()
+    assert len(table) == 2 + len(rows) and "column" in table[2] and "n/a" in table[2], table
 
 
 CASES = {name: fn for name, fn in globals().items() if name.startswith("case_")}

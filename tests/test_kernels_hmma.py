@@ -11,7 +11,7 @@ step, N padding, the second n-tile for N > 8) and the epilogue.  The sm_90 compi
 checks the layout the asm relies on; ``gpu`` tests run the PTX (both it and the twin within the bound: they sum
 in different orders, so they need not agree bit for bit), task-sized shapes, tails, and the K order.
 
-The bound (``tensor_cores=True`` in test_kernels_gemv's ``error_bound``).  The weights (and NVFP4
+The bound (``tensor_cores=True`` in tests/operands.py's ``error_bound``).  The weights (and NVFP4
 activations) are decoded exactly into fp16/bf16 with their scales folded in, and the tensor cores multiply
 exactly, so every term t_k = a_k * b_k enters an fp32 accumulator exactly, scaled by 2^-f (f = 14 for fp16
 activations, 7 for bf16, 28 for NVFP4 activations; ``_fold_exponent``).  Unlike the dp4a kernels there are no
@@ -28,7 +28,7 @@ fp32 subnormal step 2^-149 in the accumulator's units, which the fold 2^f and th
 scale to 2^(f - 149) * gs in the result's units (and 2^-149 for the epilogue's own roundings and for the twin,
 which does not fold): at most n * 2^-149 * max(1, 2^f * gs) in all.  The one rounding to the output dtype adds
 half an ulp of the output, and the float64 oracle is off by at most (K + 3) * 2^-53 * sum_k |t_k|, as in
-test_kernels_gemv.py.
+tests/operands.py.
 
 This bound is about 2 (K + 24) / (K / 16 + 22) times the dp4a kernels' (10x at K = 128, 31x at K = 16384), so a
 bug confined to one small-scaled block can hide in it; ``test_hmma_bound_rejects_plausible_bugs`` uses bugs that
@@ -46,6 +46,8 @@ from operands import (
     OUT_DTYPES,
     assert_matches_exact,
     build_case,
+    dtype_name,
+    one_hot_activation,
     poisoned,
     random_activation,
     random_fp4,
@@ -54,13 +56,15 @@ from operands import (
 )
 from ptx_emulator import emulate_ptx
 
-from fp4gemv import FP4Tensor, formats, gemv, ops, task
+from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops, task
 from fp4gemv.kernels import hmma_gemv
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
-from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.w4a4 import W4A4Config
 from fp4gemv.target import SM90
+
+pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
 
 # The activations of the tensor-core kernel with the N they are tested at: NVFP4 needs N > 1 (N = 1 is
 # w4a4.py's); N > 8 uses the second n-tile (N_TILES = 2).
@@ -83,13 +87,9 @@ CASES = [
 ]
 
 
-def _name(x):
-    return str(x).replace("torch.", "")
-
-
 def _case_id(c):
     activation, n, layout, out_dtype, shape, cfg, gs = c
-    return (f"{_name(activation)}-n{n}-{layout}-{_name(out_dtype)}-{'x'.join(map(str, shape))}-"
+    return (f"{dtype_name(activation)}-n{n}-{layout}-{dtype_name(out_dtype)}-{'x'.join(map(str, shape))}-"
             f"w{cfg.warps}{'-gs' if gs else ''}")
 
 
@@ -122,7 +122,7 @@ def test_cases_cover_shapes_configs_and_global_scales_for_every_activation():
     ("fp4", 3, (200, 192, 2), 1),
     (torch.float16, 5, (40, 1024, 1), 4),
     ("fp4", 9, (24, 8192, 1), 8),  # few rows, long K: 8 warps
-], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else _name(x))
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else dtype_name(x))
 def test_hmma_kernel_with_default_config(activation, n, shape, warps):
     a, b = build_case("nvfp4", activation, n, "swizzled", shape, True, seed=5)
     assert hmma_config(*shape) == HmmaConfig(warps)  # the configuration this case runs
@@ -188,24 +188,12 @@ def _distinct_weights(m, k, seed):
     return FP4Tensor(formats.pack_e2m1(codes), scales, "nvfp4", "linear")
 
 
-def _one_hot_activation(k, activation):
-    """[L = K / 16, 16, K]: batch l, row n is 1 at element 16 l + n, else 0."""
-    L = k // 16
-    hot = torch.zeros(L, 16, k)
-    hot[torch.arange(L)[:, None], torch.arange(16)[None, :], 16 * torch.arange(L)[:, None] + torch.arange(16)] = 1
-    if activation != "fp4":
-        return hot.to(activation)
-    codes = formats.encode_e2m1(hot)  # 1.0 is code 2
-    scales = formats.encode_e4m3(torch.ones(L, 16, k // 16))
-    return FP4Tensor(formats.pack_e2m1(codes), scales, "nvfp4", "linear").with_scale_layout("swizzled")
-
-
 def _one_hot_expected(a, m, k):
-    weights = a.dequantize(torch.float32)  # exact: e2m1 x e4m3, no global scale
+    weights = dequantize(a, torch.float32)  # exact: e2m1 x e4m3, no global scale
     return weights.reshape(m, k // 16, 16).permute(1, 0, 2)  # [l, m, n] = weight (m, 16 l + n)
 
 
-@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
+@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=dtype_name)
 @pytest.mark.parametrize("k, config", [(192, HmmaConfig(2)), (64, HmmaConfig(1)), (64, HmmaConfig(4)),
                                        (128, HmmaConfig(1)), (384, HmmaConfig(2))],
                          ids=["k192-w2", "k64-w1", "k64-w4", "k128-w1", "k384-w2"])
@@ -218,7 +206,7 @@ def test_hmma_kernel_k_order_matches_the_activation(activation, k, config):
     other weight of a row has another value (``_distinct_weights``).  N = 16 covers both n-tiles."""
     m = 32
     a = _distinct_weights(m, k, seed=k).with_scale_layout("swizzled")
-    x = _one_hot_activation(k, activation)
+    x = one_hot_activation(k, 16, activation)
     got = gemv(a.to(DEVICE), x.to(DEVICE), out=poisoned((k // 16, m, 16), torch.float32), out_dtype=torch.float32,
                backend="triton", kernel="hmma", config=config).cpu()
     expected = _one_hot_expected(a, m, k)
@@ -230,7 +218,7 @@ def test_hmma_kernel_k_order_matches_the_activation(activation, k, config):
 def test_distinct_weights_tell_every_two_positions_apart(m, k, seed):
     """The premise of the K-order tests: for any two positions along K, some row holds different values, so
     reading one in place of the other changes an output."""
-    w = _distinct_weights(m, k, seed=seed).dequantize(torch.float64)
+    w = dequantize(_distinct_weights(m, k, seed=seed), torch.float64)
     differ = (w[:, :, None] != w[:, None, :]).any(0)
     assert (differ | torch.eye(k, dtype=torch.bool)).all()
 
@@ -239,8 +227,9 @@ def test_distinct_weights_tell_every_two_positions_apart(m, k, seed):
 
 
 def _swap_nibbles(t, rows):
-    """Neighbouring elements swapped along the whole of some rows.  (Swapping them in one block only, as
-    test_kernels_gemv does, can stay within this looser bound when that block's scales are small.)"""
+    """Neighbouring elements swapped along the whole of some rows.  (Swapping them in one block only, as the
+    block-sum bound of tests/operands.py does, can stay within this looser bound when that block's scales are
+    small.)"""
     data = t.data.clone()
     data[..., rows, :] = (data[..., rows, :] >> 4) | (data[..., rows, :] << 4)
     return FP4Tensor(data, t.scales, t.fmt, t.scale_layout, t.global_scale)
@@ -253,7 +242,7 @@ def _shift_scales(t):
     return FP4Tensor(t.data, lin, t.fmt, "linear", t.global_scale)
 
 
-@pytest.mark.parametrize("activation", ("fp4", torch.float16, torch.bfloat16), ids=_name)
+@pytest.mark.parametrize("activation", ("fp4", torch.float16, torch.bfloat16), ids=dtype_name)
 def test_hmma_bound_rejects_plausible_bugs(activation):
     """The kernel's correct output, checked against the exact result of a slightly wrong operand, fails."""
     a, b = build_case("nvfp4", activation, 3, "swizzled", (128, 128, 1), False, seed=9)
@@ -296,7 +285,7 @@ def _plan(a, b, **kw):
 
 
 def _case(a, b):
-    return GemvOperands.of(a, b, torch.empty(result_shape(a, b), device=a.device)).case
+    return gemv_operands(a, b, torch.empty(result_shape(a, b), device=a.device)).case
 
 
 # The default dispatch (kernels.GEMV_KERNELS: w4a4, weight_only, hmma, general): NVFP4 goes to hmma with N > 8
@@ -420,7 +409,7 @@ def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
 # --- compiled for the GPU without one ------------------------------------------------------------------
 
 # Compiles hmma_gemv_kernel ahead of time for sm_90 down to a cubin (Triton's bundled ptxas) in a fresh
-# interpreter (see test_kernels_gemv.py), and checks what the asm relies on: the layout of its operands.  The
+# interpreter (see test_kernels_general.py), and checks what the asm relies on: the layout of its operands.  The
 # asm (pack=8) gets each thread's 8 elements of the [8, WARPS, 2, 16] tile; they are the mma fragment only when
 # lane = 4 g + word // 4, warps along dimension 1, 4 words per thread and the half in registers.  Triton picks
 # that layout from the 16-byte weight load, so it depends on what Triton can prove about alignment: the JIT
@@ -609,7 +598,7 @@ def _both_backends_within_bound(a, b, config=None, out_dtype=torch.float32):
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=_config_id)
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.float16, 1), (torch.bfloat16, 5),
                                            (torch.bfloat16, "vector"), ("fp4", 3), ("fp4", 9), ("fp4", 16)],
-                         ids=_name)
+                         ids=dtype_name)
 def test_hmma_ptx_and_triton_within_bound(activation, n, config):
     a, b = build_case("nvfp4", activation, n, "swizzled", (2432, 4608, 2), True, seed=len(str(n)))
     _both_backends_within_bound(a, b, config)
@@ -618,7 +607,7 @@ def test_hmma_ptx_and_triton_within_bound(activation, n, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(s.m, s.k, s.l) for s in task.BENCHMARK_SHAPES] + [(2432, 4608, 2)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=_name)
+@pytest.mark.parametrize("activation", (torch.float16, torch.bfloat16, "fp4"), ids=dtype_name)
 def test_hmma_matches_exact_on_task_shapes(shape, activation):
     """The default configuration on the task's shapes, N = 1, 2, 8, 16 (2, 8, 16 for NVFP4: N = 1 is w4a4's),
     both backends, both out dtypes."""
@@ -637,7 +626,7 @@ def test_hmma_matches_exact_on_task_shapes(shape, activation):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("activation, n", [(torch.float16, 16), (torch.bfloat16, 1), ("fp4", 3), ("fp4", 9)],
-                         ids=_name)
+                         ids=dtype_name)
 @pytest.mark.parametrize("shape, config", [((208, 320, 3), None), ((208, 320, 3), HmmaConfig(2)),
                                            ((208, 320, 3), HmmaConfig(4)), ((256, 192, 1), None),
                                            ((256, 192, 1), HmmaConfig(1)), ((256, 192, 1), HmmaConfig(8))],
@@ -666,7 +655,7 @@ def test_hmma_one_hot_k_order_on_gpu():
     a = _distinct_weights(m, k, seed=2).with_scale_layout("swizzled").to("cuda")
     expected = _one_hot_expected(a.to("cpu"), m, k).to("cuda")
     for activation, config in itertools.product((torch.float16, torch.bfloat16, "fp4"), GPU_CONFIGS):
-        x = _one_hot_activation(k, activation).to("cuda")
+        x = one_hot_activation(k, 16, activation).to("cuda")
         for backend in ("triton-ptx", "triton"):
             got = gemv(a, x, out_dtype=torch.float32, backend=backend, kernel="hmma", config=config)
             assert torch.equal(got, expected), (activation, config, backend)

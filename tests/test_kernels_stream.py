@@ -9,9 +9,9 @@ import torch
 
 import operands as O
 from fp4gemv import gemv, select_kernel
-from fp4gemv.kernels.spec import GemvOperands
 from fp4gemv.kernels.stream import SHIPPED_CONFIGS, Stream, StreamConfig, decode_asm, stream_config
-from fp4gemv.ops import choose_kernel
+from fp4gemv.kernels import choose_kernel
+from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90, Target
 from ptx_emulator import emulate_ptx
 
@@ -20,7 +20,7 @@ from ptx_emulator import emulate_ptx
 def _case(m, k, n, batch=1, dtype=torch.bfloat16, layout="swizzled"):
     a = O.random_fp4((batch, m, k), "nvfp4", layout, seed=1, device="cpu")
     b = O.random_activation((n, k), dtype, seed=2, device="cpu")
-    return GemvOperands.of(a, b, torch.empty((batch, m, n), dtype=torch.float16)).case
+    return gemv_operands(a, b, torch.empty((batch, m, n), dtype=torch.float16)).case
 
 
 @pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda c: f"ksplit{c.ksplit}-stages{c.num_stages}")
@@ -72,7 +72,7 @@ def test_decode_ptx_gives_every_bytes_two_values(dtype):
 def test_dispatch_from_nine_rows_on_sm90():
     a = O.random_fp4((256, 1024), "nvfp4", "swizzled", seed=9, device="cpu")
     for n, expected in ((8, "weight_only"), (9, "stream"), (16, "stream")):
-        case = GemvOperands.of(a, torch.empty(n, 1024, dtype=torch.bfloat16), torch.empty(256, n)).case
+        case = gemv_operands(a, torch.empty(n, 1024, dtype=torch.bfloat16), torch.empty(256, n)).case
         assert choose_kernel(case, SM90).name == expected, n
 
 
@@ -86,7 +86,7 @@ def test_refusals_name_the_reason():
 
 def _case_mx():
     a = O.random_fp4((128, 512), "mxfp4", "swizzled", seed=1, device="cpu")
-    return GemvOperands.of(a, torch.empty(4, 512, dtype=torch.bfloat16), torch.empty(128, 4)).case
+    return gemv_operands(a, torch.empty(4, 512, dtype=torch.bfloat16), torch.empty(128, 4)).case
 
 
 def test_default_config_splits_k_to_fill_the_gpu():

@@ -214,11 +214,11 @@ def test_mxfp4_scale_per_two_blocks_is_read(k, column):
 def test_scale_rows_even_decides_the_16_bit_scale_loads():
     """The launch's alignment fact: every scale row at an even address (swizzled, or linear with even K/16 and
     an even start), else byte loads."""
-    from fp4gemv.kernels.spec import GemvOperands
+    from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.w4a4 import scale_rows_even
 
     def even(a):
-        return scale_rows_even(GemvOperands.of(a, a.first_rows(1), torch.empty(a.rows, 1)).case.a)
+        return scale_rows_even(gemv_operands(a, a.first_rows(1), torch.empty(a.rows, 1)).case.a)
 
     assert even(random_fp4((128, 128), "nvfp4", "swizzled", seed=0, device="cpu"))
     assert even(random_fp4((128, 96), "nvfp4", "linear", seed=0, device="cpu"))  # 6 scales per row

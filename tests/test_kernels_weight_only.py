@@ -31,23 +31,28 @@ from operands import (
     DEVICE,
     LAYOUTS,
     OUT_DTYPES,
+    accumulator_fold,
     assert_matches_exact,
     build_case,
+    dtype_name,
+    one_hot_activation,
     poisoned,
     random_activation,
     random_fp4,
     result_shape,
-    weight_only_fold,
     within_bound,
 )
 from ptx_emulator import emulate_ptx
 
-from fp4gemv import FP4Tensor, formats, gemv, ops
+from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops
 from fp4gemv.kernels import _mma_step
 from fp4gemv.kernels.hmma_gemv import HmmaConfig
-from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.kernels import choose_kernel
+from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_only_config
 from fp4gemv.target import SM90
+
+pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
 
 FORMATS = ("nvfp4", "mxfp4")
 
@@ -60,7 +65,7 @@ def run(a, b, out, config, backend="triton"):
 
 
 def _fold(a, b, config):
-    return weight_only_fold(ops.plan_for(a, b, backend="triton", kernel="weight_only", config=config))
+    return accumulator_fold(ops.plan_for(a, b, backend="triton", kernel="weight_only", config=config))
 
 
 def _exact(got, a, b, out_dtype, config):
@@ -98,13 +103,9 @@ for fmt, activation, split in itertools.product(FORMATS, ("fp4", torch.float16, 
                       (i // 2) % 2 == 1))
 
 
-def _name(x):
-    return str(x).replace("torch.", "")
-
-
 def _case_id(case):
     fmt, activation, n, layout, out_dtype, shape, cfg, gs = case
-    return (f"{fmt}-{_name(activation)}-n{n}-{layout}-{_name(out_dtype)}-{'x'.join(map(str, shape))}-"
+    return (f"{fmt}-{dtype_name(activation)}-n{n}-{layout}-{dtype_name(out_dtype)}-{'x'.join(map(str, shape))}-"
             f"t{cfg.tiles}w{cfg.warps}c{cfg.chunks}{'-split' if cfg.split else ''}{'-gs' if gs else ''}")
 
 
@@ -161,20 +162,6 @@ def _distinct_weights(m, k, fmt, seed):
     return FP4Tensor(formats.pack_e2m1(codes), scales, fmt, "linear")
 
 
-def _one_hot_activation(k, n, activation, fmt):
-    """[L = K / n, n, K]: batch l, row i is 1 at element n * l + i, else 0."""
-    L = k // n
-    hot = torch.zeros(L, n, k)
-    hot[torch.arange(L)[:, None], torch.arange(n)[None, :], n * torch.arange(L)[:, None] + torch.arange(n)] = 1
-    if activation != "fp4":
-        return hot.to(activation)
-    block = formats.FORMATS[fmt].block_size
-    encode = formats.encode_e4m3 if fmt == "nvfp4" else formats.encode_e8m0
-    scales = encode(torch.ones(L, n, k // block))
-    return FP4Tensor(formats.pack_e2m1(formats.encode_e2m1(hot)), scales, fmt, "linear").with_scale_layout(
-        "swizzled")
-
-
 @pytest.mark.parametrize("fmt, activation, n, config", [
     ("nvfp4", torch.float16, 16, WeightOnlyConfig(2, 2, 1)),
     ("nvfp4", "fp4", 16, WeightOnlyConfig(1, 1, 1)),
@@ -183,23 +170,23 @@ def _one_hot_activation(k, n, activation, fmt):
     ("mxfp4", "fp4", 16, WeightOnlyConfig(1, 2, 1)),
     ("mxfp4", torch.float16, 4, WeightOnlyConfig(2, 1, 1, split=True)),
     ("mxfp4", "fp4", 4, WeightOnlyConfig(1, 1, 1, split=True)),
-], ids=lambda x: x if isinstance(x, str) else _name(x) if not isinstance(x, tuple) else
+], ids=lambda x: x if isinstance(x, str) else dtype_name(x) if not isinstance(x, tuple) else
    f"t{x.tiles}w{x.warps}{'s' if x.split else ''}")
 def test_weight_only_k_order_matches_the_activation(fmt, activation, n, config):
     """One-hot activation rows pick single weights: output (l, m, i) is weight (m, n l + i), exactly (a K order
     that differs between weights and activation, a wrong block's scale or a wrong K owner picks another)."""
     m, k = 16 * config.tiles, 128
     a = _distinct_weights(m, k, fmt, seed=k).with_scale_layout("swizzled")
-    x = _one_hot_activation(k, n, activation, fmt)
+    x = one_hot_activation(k, n, activation, fmt)
     got = run(a.to(DEVICE), x.to(DEVICE), poisoned((k // n, m, n), torch.float32), config).cpu()
-    expected = a.dequantize(torch.float32).reshape(m, k // n, n).permute(1, 0, 2)
+    expected = dequantize(a, torch.float32).reshape(m, k // n, n).permute(1, 0, 2)
     wrong = (got != expected).nonzero()[:5].tolist()
     assert not wrong, [(i, got[tuple(i)].item(), expected[tuple(i)].item()) for i in wrong]
 
 
 def test_distinct_weights_tell_every_two_positions_apart():
     for fmt in FORMATS:
-        w = _distinct_weights(32, 128, fmt, seed=128).dequantize(torch.float64)
+        w = dequantize(_distinct_weights(32, 128, fmt, seed=128), torch.float64)
         differ = (w[:, :, None] != w[:, None, :]).any(0)
         assert (differ | torch.eye(128, dtype=torch.bool)).all(), fmt
 
@@ -233,7 +220,7 @@ def test_bound_rejects_plausible_bugs():
 
 
 def _why_not(a, b):
-    return WeightOnly().why_not(GemvOperands.of(a, b, torch.empty(result_shape(a, b))).case, SM90)
+    return WeightOnly().why_not(gemv_operands(a, b, torch.empty(result_shape(a, b))).case, SM90)
 
 
 def _skewed(t):
@@ -299,8 +286,8 @@ DISPATCH = [
 @pytest.mark.parametrize("kind, n, k, expected", DISPATCH, ids=str)
 def test_dispatch_follows_the_measurements(kind, n, k, expected):
     a, b = _kind(kind, n, k)
-    case = GemvOperands.of(a, b, torch.empty(result_shape(a, b))).case
-    assert ops.choose_kernel(case, SM90).name == expected
+    case = gemv_operands(a, b, torch.empty(result_shape(a, b))).case
+    assert choose_kernel(case, SM90).name == expected
     assert ops.select_kernel(a, b, backend="triton").name == expected  # the interpreter target chooses alike
     if expected == "hmma":  # still runs them when named
         assert ops.plan_for(a, b, backend="triton", kernel="weight_only").spec.name == "weight_only"
@@ -325,7 +312,7 @@ def _case_like(m, k, L, n, fmt="nvfp4", act=torch.bfloat16):
     a = random_fp4((48, 128), fmt, "swizzled", seed=1, device="cpu")
     b = random_fp4((2, 128), fmt, "swizzled", seed=2, device="cpu") if act == "fp4" else \
         random_activation((2, 128), act, seed=2, device="cpu")
-    return dataclasses.replace(GemvOperands.of(a, b, torch.empty(48, 2)).case, m=m, k=k, batch=L, n=n)
+    return dataclasses.replace(gemv_operands(a, b, torch.empty(48, 2)).case, m=m, k=k, batch=L, n=n)
 
 
 @pytest.mark.parametrize("shape", sorted(MEASURED_BEST), ids=lambda s: "x".join(map(str, s)))
@@ -376,7 +363,7 @@ def _words():
     return words + [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
 
 
-@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=_name)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=dtype_name)
 def test_decode_ptx_places_every_code(dtype):
     """The decoders on words covering every code in every position: pair i of a word is (e_i, e_{i+4}), each
     half the 16-bit float of the e2m1 value times 2^-14 (fp16) or 2^-126 (bf16), what the exactness argument
@@ -596,7 +583,7 @@ def _both_within_bound(a, b, config=None, out_dtype=torch.float32):
                    kernel="weight_only", config=config)
         assert not torch.isnan(got).any(), backend
         plan = ops.plan_for(a, b, backend=backend, kernel="weight_only", config=config)
-        assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=weight_only_fold(plan))
+        assert_matches_exact(got, a, b, out_dtype, tensor_cores=True, fold=accumulator_fold(plan))
 
 
 @pytest.mark.gpu
@@ -622,9 +609,9 @@ def test_weight_only_k_order_on_gpu(fmt):
                                                    (WeightOnlyConfig(2, 2, 1), WeightOnlyConfig(1, 4, 1, split=True))):
         if config.split and n > 4:
             continue
-        x = _one_hot_activation(k, n, activation, fmt).to("cuda")
+        x = one_hot_activation(k, n, activation, fmt).to("cuda")
         if n not in expected:
-            expected[n] = a.to("cpu").dequantize(torch.float32).reshape(m, k // n, n).permute(1, 0, 2).cuda()
+            expected[n] = dequantize(a.to("cpu"), torch.float32).reshape(m, k // n, n).permute(1, 0, 2).cuda()
         for backend in ("triton-ptx", "triton"):
             got = run(a, x, poisoned((k // n, m, n), torch.float32), config, backend=backend)
             assert torch.equal(got, expected[n]), (activation, n, config, backend)
@@ -641,9 +628,9 @@ def test_bf16_activations_at_the_ends_of_the_window_are_exact_on_gpu(fmt, config
     m, k, n = 64, 512, 4
     a = _distinct_weights(m, k, fmt, seed=3).with_scale_layout("swizzled").to("cuda")
     ends = torch.tensor([2.0**-77, -(2.0**-77) * 1.5, 2.0**63 * 1.9921875, -(2.0**-76)], dtype=torch.bfloat16)
-    x = _one_hot_activation(k, n, torch.bfloat16, fmt) * ends[None, :, None]  # row i scaled by ends[i]
+    x = one_hot_activation(k, n, torch.bfloat16, fmt) * ends[None, :, None]  # row i scaled by ends[i]
     got = run(a, x.to("cuda"), poisoned((k // n, m, n), torch.float32), config, backend="triton-ptx").cpu()
-    w = a.to("cpu").dequantize(torch.float64).reshape(m, k // n, n).permute(1, 0, 2)
+    w = dequantize(a.to("cpu"), torch.float64).reshape(m, k // n, n).permute(1, 0, 2)
     assert torch.equal(got.double(), w * ends.double()[None, None, :])
     over = x.clone()
     over[0, 0, 0] = 2.0**64
@@ -659,8 +646,8 @@ def test_bench_mxfp4_bf16_cases_run_the_weight_only_kernel():
 
     for n in (1, 8):
         a, b, out = bench.random_gemv_operands(bench.Shape(256, 512, 2, n), "mxfp4", "bf16", seed=0, device="cpu")
-        case = GemvOperands.of(a, b, out).case
-        assert ops.choose_kernel(case, SM90).name == "weight_only"
+        case = gemv_operands(a, b, out).case
+        assert choose_kernel(case, SM90).name == "weight_only"
         plan = ops.plan_for(a, b, out=out, backend="triton")
         assert _describe_plan(plan).startswith("weight_only tiles=1,warps=")
 

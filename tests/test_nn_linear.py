@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4gemv import FP4Tensor
+from fp4gemv import FP4Tensor, dequantize, quantize
 from fp4gemv.nn import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
-from fp4gemv.reference import quantized_gemv_reference, round_from_float64
+from fp4gemv.formats import round_from_float64
+from fp4gemv.reference import quantized_gemv_reference
 
 MANTISSA_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24}
 
@@ -70,7 +71,7 @@ def test_decode_w4a4_is_the_exact_reference(fmt, static):
         gs = per_tensor_scale(x.abs().amax())
     else:
         gs = None
-    activation = FP4Tensor.quantize(x, fmt, "linear", gs)
+    activation = quantize(x, fmt, "linear", gs)
     torch.testing.assert_close(module(x), _decode_expected(module, x, activation), rtol=0, atol=0)
     # W4A4 differs from W4A16: the activation really is quantized.
     w4a16 = FP4Linear.from_linear(lin, fmt).to(torch.bfloat16)
@@ -89,12 +90,12 @@ def test_prefill_is_dequantize_then_f_linear_and_near_the_reference(fmt, dtype, 
     x2d = x.reshape(-1, 128)
     weight = module.quantized_weight()
     activation = module.quantize_input(x2d) if activations == "w4a4" else x2d
-    x_values = activation.dequantize(dtype) if activations == "w4a4" else x2d
-    torch.testing.assert_close(y.reshape(-1, 80), F.linear(x_values, weight.dequantize(dtype), module.bias),
+    x_values = dequantize(activation, dtype) if activations == "w4a4" else x2d
+    torch.testing.assert_close(y.reshape(-1, 80), F.linear(x_values, dequantize(weight, dtype), module.bias),
                                rtol=0, atol=0)
     # Against the float64 oracle (with bias): the weight is exact in x's dtype (power-of-two per-tensor
     # scale), so the error is fp32 accumulation (K * 2^-24 of sum |w x|) plus the output rounding(s).
-    w64, x64 = weight.dequantize(torch.float64), activation.dequantize(torch.float64) if activations == "w4a4" else x2d.double()
+    w64, x64 = dequantize(weight, torch.float64), dequantize(activation, torch.float64) if activations == "w4a4" else x2d.double()
     exact = x64 @ w64.t() + module.bias.double()
     magnitude = x64.abs() @ w64.abs().t() + module.bias.double().abs()
     # Output rounding(s) relative to the magnitudes summed, so that a rounding before the bias is added is covered.
@@ -144,7 +145,7 @@ def test_from_linear_quantizes_with_a_power_of_two_per_tensor_scale():
     amax = lin.weight.detach().float().abs().amax()
     assert float(scale) >= float(amax) / 2688 > float(scale) / 2
     assert torch.frexp(scale).mantissa == 0.5
-    expected = FP4Tensor.quantize(lin.weight.detach(), "nvfp4", "swizzled", scale)
+    expected = quantize(lin.weight.detach(), "nvfp4", "swizzled", scale)
     assert torch.equal(module.weight, expected.data)
     assert torch.equal(module.weight_scale.view(torch.uint8), expected.scales)
     amax_module = FP4Linear.from_linear(lin, per_tensor="amax")
@@ -199,7 +200,7 @@ def test_torch_save_load_weights_only():
 
 @pytest.mark.parametrize("fmt,layout,gs", [("nvfp4", "swizzled", 0.375), ("mxfp4", "linear", None)])
 def test_fp4tensor_torch_save_load_weights_only(fmt, layout, gs):
-    t = FP4Tensor.quantize(torch.randn(3, 64), fmt, layout, gs)
+    t = quantize(torch.randn(3, 64), fmt, layout, gs)
     buffer = io.BytesIO()
     torch.save({"t": t}, buffer)
     buffer.seek(0)
@@ -239,8 +240,8 @@ def test_cuda_against_the_oracle(fmt, activations, tokens):
     x = torch.randn(tokens, 512, device="cuda").bfloat16()
     y = module(x).double().cpu()
     activation = module.quantize_input(x) if activations == "w4a4" else x
-    w64 = module.quantized_weight().dequantize(torch.float64).cpu()
-    x64 = (activation.dequantize(torch.float64) if activations == "w4a4" else x.double()).cpu()
+    w64 = dequantize(module.quantized_weight(), torch.float64).cpu()
+    x64 = (dequantize(activation, torch.float64) if activations == "w4a4" else x.double()).cpu()
     exact = x64 @ w64.t() + module.bias.double().cpu()
     magnitude = x64.abs() @ w64.abs().t() + module.bias.double().abs().cpu()
     bound = (512 * 2.0**-23 + 2.0**-7) * magnitude + 1e-30  # two bf16 roundings (gemv, then + bias) at most

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from fp4gemv import dequantize
 from fp4gemv.nn import FP4Linear, calibrate_input_scales, per_tensor_scale, quantize_model
 
 
@@ -43,7 +44,7 @@ def test_calibrate_input_scales():
     scales = calibrate_input_scales(model, lambda: model(x))
     # During calibration activations pass unquantized (20 tokens: the prefill path of the FP4 weights).
     with torch.no_grad():
-        h = model[1](nn.functional.linear(x, model[0].quantized_weight().dequantize(), model[0].bias))
+        h = model[1](nn.functional.linear(x, dequantize(model[0].quantized_weight()), model[0].bias))
     assert scales == {"0": float(per_tensor_scale(x.abs().amax())), "2": float(per_tensor_scale(h.abs().amax()))}
     assert all(m.input_scale_kind() == "multiplier" and m.activations == "w4a4" for m in (model[0], model[2]))
     with torch.no_grad():

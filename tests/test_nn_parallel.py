@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 import parallel_worker
-from fp4gemv import layouts
+from fp4gemv import dequantize, layouts
 from fp4gemv.nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear, layer_tensors
 from fp4gemv.nn.checkpoints import SafetensorsDirectory
 
@@ -32,7 +32,7 @@ def _layer(fmt, scale_layout="linear", n=N, k=K, seed=0, bias=True):
 
 
 def _values(layer):
-    return layer.quantized_weight().dequantize(torch.float64)
+    return dequantize(layer.quantized_weight(), torch.float64)
 
 
 # --- shards of a whole layer ---------------------------------------------------------------------------------

@@ -7,17 +7,17 @@ import os
 import pytest
 import torch
 
-from fp4gemv import FP4Tensor, gemv, ops, select_kernel, task
-from fp4gemv.kernels import GEMV_KERNELS
+from fp4gemv import FP4Tensor, dequantize, gemv, ops, quantize, select_kernel, task
+from fp4gemv.kernels import GEMV_KERNELS, choose_kernel
 from fp4gemv.kernels.general import GeneralConfig
-from fp4gemv.kernels.spec import GemvOperands
+from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import gemv_reference, quantized_gemv_reference
 from fp4gemv.target import SM90, Target
 
 
 def _fp4(*shape, fmt="nvfp4", layout="linear", seed=0, global_scale=None):
     g = torch.Generator().manual_seed(seed)
-    return FP4Tensor.quantize(torch.randn(shape, generator=g), fmt, layout, global_scale)
+    return quantize(torch.randn(shape, generator=g), fmt, layout, global_scale)
 
 
 def _x(*shape, dtype=torch.float16, seed=1):
@@ -48,8 +48,8 @@ def test_result_shape_and_reference_values(a_shape, b, expected):
     assert out.shape == expected and out.dtype == torch.float32
     assert torch.equal(out, quantized_gemv_reference(a, b, torch.float32))
     # The oracle, spelled out: float64 values of both operands, one rounding.
-    a64 = a.dequantize(torch.float64)
-    b64 = b.dequantize(torch.float64) if isinstance(b, FP4Tensor) else b.double()
+    a64 = dequantize(a, torch.float64)
+    b64 = dequantize(b, torch.float64) if isinstance(b, FP4Tensor) else b.double()
     direct = a64 @ (b64.transpose(-1, -2) if b64.dim() > 1 else b64)
     torch.testing.assert_close(out.double(), direct, rtol=2.0**-24, atol=1e-12)
 
@@ -70,7 +70,7 @@ def test_out_is_written_and_returned_default_is_new():
     assert not torch.isnan(out).any()
     fresh = gemv(a, x)
     assert fresh.dtype == torch.float16 and fresh.shape == (2, 128, 4)
-    assert torch.equal(fresh, gemv_reference(a.dequantize(torch.float64), x, torch.float16))
+    assert torch.equal(fresh, gemv_reference(dequantize(a, torch.float64), x, torch.float16))
 
 
 def test_auto_on_cpu_is_the_reference():
@@ -166,7 +166,7 @@ def test_the_reference_is_the_last_spec_and_runs_off_cuda():
 
 
 def _case(a, b):
-    return GemvOperands.of(a, b, torch.empty(ops.result_shape(a, b))).case
+    return gemv_operands(a, b, torch.empty(ops.result_shape(a, b))).case
 
 
 def test_choice_follows_the_target():
@@ -174,21 +174,21 @@ def test_choice_follows_the_target():
     naming the capability, while MXFP4 (e8m0 scales, integer decode) runs the weight-only kernel there with fp16
     activations (its bf16 path needs sm_90's mul.bf16x2) and the general kernel with bf16."""
     nv, x = _fp4(128, 64), _x(3, 64)
-    assert ops.choose_kernel(_case(nv, x), SM90).name == "weight_only"
-    assert ops.choose_kernel(_case(nv, _x(9, 64)), SM90).name == "hmma"
+    assert choose_kernel(_case(nv, x), SM90).name == "weight_only"
+    assert choose_kernel(_case(nv, _x(9, 64)), SM90).name == "hmma"
     sm80 = Target("cuda", (8, 0), 108, "ptx")
     assert not sm80.e4m3x2_cvt and not sm80.bf16x2_mul and not sm80.native_fp4_mma and SM90.pdl
     with pytest.raises(ValueError, match="no kernel runs nvfp4 128x64 .*sm_80.*sm_89 or newer"):
-        ops.choose_kernel(_case(nv, x), sm80)
+        choose_kernel(_case(nv, x), sm80)
     mx = _fp4(128, 64, fmt="mxfp4")
-    assert ops.choose_kernel(_case(mx, x), sm80).name == "weight_only"
-    assert ops.choose_kernel(_case(mx, _x(3, 64, dtype=torch.bfloat16)), sm80).name == "general"
-    assert ops.choose_kernel(_case(mx, x), Target("cpu")).name == "reference"
+    assert choose_kernel(_case(mx, x), sm80).name == "weight_only"
+    assert choose_kernel(_case(mx, _x(3, 64, dtype=torch.bfloat16)), sm80).name == "general"
+    assert choose_kernel(_case(mx, x), Target("cpu")).name == "reference"
     # sm_89 (Ada): e4m3x2 but no mul.rn.bf16x2, which both tensor-core kernels' bf16 paths use.
     sm89 = Target("cuda", (8, 9), 128, "ptx")
-    assert ops.choose_kernel(_case(nv, _x(9, 64)), sm89).name == "hmma"
-    assert ops.choose_kernel(_case(nv, _x(9, 64, dtype=torch.bfloat16)), sm89).name == "general"
-    assert ops.choose_kernel(_case(nv, _x(3, 64, dtype=torch.bfloat16)), sm89).name == "general"
+    assert choose_kernel(_case(nv, _x(9, 64)), sm89).name == "hmma"
+    assert choose_kernel(_case(nv, _x(9, 64, dtype=torch.bfloat16)), sm89).name == "general"
+    assert choose_kernel(_case(nv, _x(3, 64, dtype=torch.bfloat16)), sm89).name == "general"
 
 
 # --- cached calls -----------------------------------------------------------------------------------------
@@ -197,13 +197,38 @@ def test_choice_follows_the_target():
 def test_calls_with_the_same_metadata_share_one_plan():
     a, x = _fp4(2, 128, 64), _x(2, 3, 64)
     out = torch.empty(2, 128, 3, dtype=torch.float16)
+
     def prepared(a, x, out=None):
-        return ops.prepared(a, x, out, torch.float16, "auto", None, None)[0]
+        return ops.prepare_gemv(a, x, out=out)
 
     first = prepared(a, x, out)
     assert prepared(_fp4(2, 128, 64, seed=5), _x(2, 3, 64, seed=6), torch.empty_like(out)) is first
     assert prepared(a, x) is not first  # a new result tensor: another plan
     assert prepared(a, x[:, :2], out[:, :, :2]) is not first
+
+
+def test_a_prepared_call_runs_new_operands_like_gemv():
+    a, x = _fp4(2, 128, 64), _x(2, 3, 64)
+    call = ops.prepare_gemv(a, x, out=torch.empty(2, 128, 3, dtype=torch.float16))
+    a2, x2 = _fp4(2, 128, 64, seed=7), _x(2, 3, 64, seed=8)
+    out = torch.full((2, 128, 3), float("nan"), dtype=torch.float16)
+    assert call(a2, x2, out) is out and torch.equal(out, gemv(a2, x2))
+    assert not call.launches_by_address  # the reference on CPU tensors compiles no kernel
+    with pytest.raises(RuntimeError, match="addresses: this call cannot launch on addresses alone"):
+        call.launch_at(ops.GemvAddresses(a2.data.data_ptr(), a2.scales.data_ptr(), x2.data_ptr(), out.data_ptr()))
+    assert ops.prepare_gemv(a, x, out=out, metadata_key=("mine", 1)) is call
+    assert ops.prepared_gemv(("mine", 1)) is call and ops.prepared_gemv(("mine", 2)) is None
+
+
+def test_direct_launch_only_on_the_triton_it_was_written_for():
+    """The cached launch calls Triton 3.6's compiled-kernel launcher; any other version launches through the JIT."""
+    assert ops.direct_launch_supported("3.6.0") and ops.direct_launch_supported("3.6.1+git1234")
+    for version in ("3.5.1", "3.7.0", "4.6.0", "3.60.0"):
+        assert not ops.direct_launch_supported(version), version
+    import triton
+
+    # Prepared calls take the choice for the Triton installed here.
+    assert ops.PreparedGemv.__init__.__defaults__ == (ops.direct_launch_supported(triton.__version__),)
 
 
 def test_a_bad_call_after_a_cached_one_still_raises_before_writing():
@@ -346,8 +371,7 @@ def test_cached_launches_on_gpu_match_the_first_call():
         a = random_fp4((2, 640, 4096), "nvfp4", "swizzled", seed=10 + i, device="cuda")
         x = random_activation((2, 5, 4096), torch.float16, seed=20 + i, device="cuda")
         out = torch.full((2, 640, 5), float("nan"), dtype=torch.float16, device="cuda")
-        prepared, _ = ops.prepared(a, x, out, torch.float16, "auto", None, None)
-        assert prepared.compiled is not None or i == 0
+        assert ops.prepare_gemv(a, x, out=out).launches_by_address or i == 0
         gemv(a, x, out=out)
         ops.clear_cache()
         assert torch.equal(out, gemv(a, x, out=torch.empty_like(out)))

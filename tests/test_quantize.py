@@ -19,7 +19,7 @@ import fp4gemv
 from fp4gemv import FP4Tensor, formats
 from fp4gemv.kernels.quantize import QuantizeConfig
 from fp4gemv.quantize import dequantize, nvfp4_global_scale, quantize
-from fp4gemv.reference import round_from_float64
+from fp4gemv.formats import round_from_float64
 from quantize_fuzz import E2M1_MAGNITUDES, fuzz_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -153,7 +153,7 @@ def test_non_finite_values_raise_or_give_nan_blocks(fmt):
     bs = q.fmt.block_size
     nan_blocks = (q.scales == nan_byte)
     assert nan_blocks.nonzero().tolist() == [[1, 5 // bs], [2, 40 // bs]]
-    values = q.dequantize(torch.float64)
+    values = dequantize(q, torch.float64)
     assert torch.isnan(values).reshape(3, -1, bs).all(-1).equal(nan_blocks)
     assert (values[0] == 6).all()
 
@@ -238,12 +238,11 @@ def test_triton_backend_needs_cuda_or_the_interpreter(monkeypatch):
         dequantize(quantize(torch.ones(2, 16)), backend="triton")
 
 
-def test_public_api_and_fp4tensor_delegate():
+def test_public_api_wraps_the_eager_functions_and_fp4tensor_calls_no_op():
     x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
-    assert fp4gemv.quantize is quantize
-    assert_same_quantized(FP4Tensor.quantize(x, "mxfp4", "swizzled"), quantize(x, "mxfp4", "swizzled"))
-    q = quantize(x)
-    assert_same_floats(q.dequantize(torch.bfloat16), dequantize(q, torch.bfloat16))
+    assert fp4gemv.dequantize is dequantize
+    assert_same_quantized(fp4gemv.quantize(x, "mxfp4", "swizzled"), quantize(x, "mxfp4", "swizzled"))
+    assert not hasattr(FP4Tensor, "quantize") and not hasattr(FP4Tensor, "dequantize")
 
 
 def test_division_through_a_float64_reciprocal_rounds_like_division():
@@ -316,7 +315,7 @@ def test_kernels_with_other_tiles(config, shape):
     assert_same_quantized(got, want)
     for out_dtype in OUT_DTYPES:
         assert_same_floats(dequantize(got, out_dtype, backend="triton", config=config).cpu(),
-                           want.dequantize(out_dtype))
+                           dequantize(want, out_dtype))
 
 
 def test_kernel_reads_strided_inputs():
@@ -362,11 +361,11 @@ def test_dequantize_rounds_the_exact_value_once():
     t = FP4Tensor(torch.tensor([[0x03] * 8], dtype=torch.uint8), torch.tensor([[0x39]], dtype=torch.uint8),
                   "nvfp4", global_scale=g)  # code 3 (1.5) times scale 0x39 (1.125) times g
     exact = 1.5 * 1.125 * g
-    assert t.dequantize(torch.float64)[0, 0].item() == exact
+    assert dequantize(t, torch.float64)[0, 0].item() == exact
     via_float32 = torch.tensor(exact, dtype=torch.float32).to(torch.bfloat16)
     once = round_from_float64(torch.tensor(exact, dtype=torch.float64), torch.bfloat16)
     assert via_float32.item() != once.item(), "the search above must find a double-rounding case"
-    assert t.dequantize(torch.bfloat16)[0, 0].item() == once.item()
+    assert dequantize(t, torch.bfloat16)[0, 0].item() == once.item()
     assert dequantize(t.to(DEVICE), torch.bfloat16, backend="triton")[0, 0].item() == once.item()
 
 
@@ -404,7 +403,7 @@ def test_dequantize_kernel_matches_cpu_path_bit_for_bit(case, out_dtype):
         scale_bytes = torch.randint(byte_range[0], byte_range[1] + 1, (*shape[:-1], shape[-1] // bs),
                                     dtype=torch.uint8, generator=torch.Generator().manual_seed(shape[-1]))
     t = _random_fp4(fmt, layout, shape, gs, seed=sum(shape), scale_bytes=scale_bytes)
-    want = round_from_float64(t.dequantize(torch.float64), out_dtype)
+    want = round_from_float64(dequantize(t, torch.float64), out_dtype)
     assert_same_floats(formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, out_dtype), want)
     got = dequantize(t.to(DEVICE), out_dtype, backend="triton").cpu()
     assert_same_floats(got, want)
@@ -415,10 +414,10 @@ def test_dequantize_kernel_reads_views():
     from fp4gemv import task
 
     head = _random_fp4("nvfp4", "swizzled", (3, 200, 128), 0.5, seed=8).first_rows(130)
-    want = round_from_float64(head.dequantize(torch.float64), torch.bfloat16)
+    want = round_from_float64(dequantize(head, torch.float64), torch.bfloat16)
     assert_same_floats(dequantize(head.to(DEVICE), torch.bfloat16, backend="triton").cpu(), want)
     a, _, _, _, sfa_p, _, _ = task.generate_full_range_input(256, 512, 2, seed=3, device="cpu")
-    want = round_from_float64(FP4Tensor.from_task(a, sfa_p).dequantize(torch.float64), torch.float16)
+    want = round_from_float64(dequantize(FP4Tensor.from_task(a, sfa_p), torch.float64), torch.float16)
     view = FP4Tensor.from_task(a.to(DEVICE), sfa_p.to(DEVICE))
     assert_same_floats(dequantize(view, torch.float16, backend="triton").cpu(), want)
 
@@ -438,7 +437,7 @@ def test_quantize_dequantize_round_trip_is_exact_on_representable_values():
     codes[:, ::16] = 7
     codes[codes == 8] = 0  # -0 quantizes to +0
     scales = (torch.randint(0x08, 0x76, (64, 8), dtype=torch.uint8, generator=g))
-    x = FP4Tensor(formats.pack_e2m1(codes), scales).dequantize(torch.float32)
+    x = dequantize(FP4Tensor(formats.pack_e2m1(codes), scales), torch.float32)
     for backend in ("reference", "triton"):
         q = quantize(x.to(DEVICE), backend=backend)
         assert torch.equal(q.scales.cpu(), scales) and torch.equal(q.data.cpu(), formats.pack_e2m1(codes))
@@ -515,7 +514,7 @@ def check_large_fuzz(fmt, dtype, device):
         got = quantize(x.to(device), fmt, layout, gs, backend="triton", check_values=check)
         assert_same_quantized(got, want)
         for out_dtype in OUT_DTYPES:
-            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), want.dequantize(out_dtype))
+            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), dequantize(want, out_dtype))
 
 
 def check_real_sized_weight(device, shape=(4096, 7168)):
@@ -526,7 +525,7 @@ def check_real_sized_weight(device, shape=(4096, 7168)):
         got = quantize(w.to(device), fmt, "swizzled", gs, backend="triton")
         assert_same_quantized(got, want)
         for out_dtype in OUT_DTYPES:
-            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), want.dequantize(out_dtype))
+            assert_same_floats(dequantize(got, out_dtype, backend="triton").cpu(), dequantize(want, out_dtype))
 
 
 @pytest.mark.gpu

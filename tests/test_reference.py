@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fp4gemv import formats
-from fp4gemv.reference import gemv_reference, round_from_float64
+from fp4gemv.formats import round_from_float64
+from fp4gemv.reference import gemv_reference
 
 E2M1_MAGNITUDES = [Fraction(n, 2) for n in (0, 1, 2, 3, 4, 6, 8, 12)]  # 0, 0.5, 1, 1.5, 2, 3, 4, 6
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp4gemv import FP4Tensor, formats, layouts, task
+from fp4gemv import FP4Tensor, dequantize, formats, layouts, quantize, task
 
 E2M1_GRID = torch.tensor(formats.E2M1_VALUES, dtype=torch.float64)
 
@@ -103,11 +103,11 @@ def test_constructor_names_the_bad_argument(kwargs, exc, words):
 def test_dequantize_is_formats_dequantize_in_either_layout(fmt):
     linear = _tensor(fmt, "linear", global_scale=0.375)
     want = formats.dequantize(linear.data, linear.scales, linear.fmt, 0.375)
-    assert torch.equal(linear.dequantize(torch.float64), want)
-    assert torch.equal(linear.with_scale_layout("swizzled").dequantize(torch.float64), want)
+    assert torch.equal(dequantize(linear, torch.float64), want)
+    assert torch.equal(dequantize(linear.with_scale_layout("swizzled"), torch.float64), want)
     plain = FP4Tensor(linear.data, linear.scales, fmt)
-    assert plain.dequantize().dtype == torch.float32
-    assert torch.equal(plain.dequantize().double(), plain.dequantize(torch.float64))  # exact in fp32 without global
+    assert dequantize(plain).dtype == torch.float32
+    assert torch.equal(dequantize(plain).double(), dequantize(plain, torch.float64))  # exact in fp32 without global
 
 
 def test_with_scale_layout_round_trips_and_matches_layouts():
@@ -127,7 +127,7 @@ def test_first_rows_is_a_view_of_the_first_rows(layout, n):
     head = t.first_rows(n)
     assert head.shape == (2, n, 128) and head.data.data_ptr() == t.data.data_ptr()
     assert head.scales.data_ptr() == t.scales.data_ptr()
-    assert torch.equal(head.dequantize(), t.dequantize()[:, :n])
+    assert torch.equal(dequantize(head), dequantize(t)[:, :n])
 
 
 def test_first_rows_rejects_out_of_range():
@@ -150,7 +150,7 @@ def test_to_cuda_and_back_keeps_bytes():
     t = _tensor("mxfp4", "swizzled", global_scale=0.5)
     back = t.to("cuda").to("cpu")
     assert torch.equal(back.data, t.data) and torch.equal(back.scales, t.scales)
-    assert torch.equal(back.dequantize(), t.dequantize())
+    assert torch.equal(dequantize(back), dequantize(t))
 
 
 # --- the task's operands --------------------------------------------------------------------------------
@@ -162,10 +162,10 @@ def test_from_task_views_the_task_operands():
     assert ta.shape == (2, 256, 512) and ta.scale_layout == "swizzled" and ta.fmt is formats.NVFP4
     assert ta.data.data_ptr() == a.data_ptr() and ta.scales.data_ptr() == sfa_p.data_ptr()
     want = formats.dequantize(a.permute(2, 0, 1), sfa.permute(2, 0, 1))
-    assert torch.equal(ta.dequantize(torch.float64), want)
+    assert torch.equal(dequantize(ta, torch.float64), want)
     tb = FP4Tensor.from_task(b, sfb_p).first_rows(1)
     want_b = formats.dequantize(b[:1].permute(2, 0, 1), sfb[:1].permute(2, 0, 1))
-    assert torch.equal(tb.dequantize(torch.float64), want_b)
+    assert torch.equal(dequantize(tb, torch.float64), want_b)
 
 
 def test_from_task_rejects_what_is_not_the_tasks_memory():
@@ -198,18 +198,18 @@ def _representable(fmt, shape, seed, global_scale=None):
     else:
         scales = torch.randint(127 - 30, 127 + 30, scale_shape, generator=g, dtype=torch.uint8)
     t = FP4Tensor(formats.pack_e2m1(codes), scales, fmt, global_scale=global_scale)
-    return t, t.dequantize(torch.float64)
+    return t, dequantize(t, torch.float64)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("global_scale", [None, 0.7])
 def test_quantize_representable_values_is_exact(fmt, global_scale):
     t, x = _representable(fmt, (2, 130, 128), seed=1, global_scale=global_scale)
-    q = FP4Tensor.quantize(x, fmt, global_scale=global_scale)
-    assert torch.equal(q.dequantize(torch.float64), x)
+    q = quantize(x, fmt, global_scale=global_scale)
+    assert torch.equal(dequantize(q, torch.float64), x)
     assert torch.equal(q.scales, t.scales)
     if global_scale is None:  # fp32 holds these values exactly
-        assert torch.equal(FP4Tensor.quantize(x.float(), fmt).dequantize(torch.float64), x)
+        assert torch.equal(dequantize(quantize(x.float(), fmt), torch.float64), x)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -218,13 +218,13 @@ def test_quantize_rounds_each_element_to_the_nearest_code_of_its_scale(fmt, dtyp
     g = torch.Generator().manual_seed(2)
     x = (torch.randn(3, 64, 256, generator=g) * torch.exp2(torch.randint(-6, 6, (3, 64, 1), generator=g))).to(dtype)
     gs = x.float().abs().max() / (6 * 448) if fmt == "nvfp4" else None
-    q = FP4Tensor.quantize(x, fmt, "swizzled", global_scale=gs)
+    q = quantize(x, fmt, "swizzled", global_scale=gs)
     assert q.scale_layout == "swizzled"
     bs = q.fmt.block_size
     scale = formats.decode_scales(q.linear_scales(), q.fmt).double().repeat_interleave(bs, -1)
     scale = scale * (1.0 if gs is None else q.global_scale.double())
     v = x.double() / scale  # the value in units of its block's scale
-    got = q.dequantize(torch.float64) / scale
+    got = dequantize(q, torch.float64) / scale
     # Nearest e2m1 value (within the float32 rounding of v that encode_e2m1 applies).
     nearest = (v.unsqueeze(-1) - E2M1_GRID).abs().amin(-1)
     assert ((v - got).abs() <= nearest + 2.0**-20 * v.abs()).all()
@@ -243,11 +243,11 @@ def test_quantize_zero_blocks_and_mx_scale_range():
     x[0, 32:] = 2.0**-200 * 6  # below e8m0's 2^-127: clamps, elements round to zero
     x[1, 32:] = 2.0**120
     for fmt in ("nvfp4", "mxfp4"):
-        q = FP4Tensor.quantize(x, fmt)
-        assert torch.equal(q.dequantize(torch.float64)[2:], x[2:])
-    mx = FP4Tensor.quantize(x, "mxfp4")
-    assert mx.scales[0, 1].item() == 0 and mx.dequantize(torch.float64)[0].abs().max() == 0
-    assert torch.equal(mx.dequantize(torch.float64)[1], x[1])
+        q = quantize(x, fmt)
+        assert torch.equal(dequantize(q, torch.float64)[2:], x[2:])
+    mx = quantize(x, "mxfp4")
+    assert mx.scales[0, 1].item() == 0 and dequantize(mx, torch.float64)[0].abs().max() == 0
+    assert torch.equal(dequantize(mx, torch.float64)[1], x[1])
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_quantize_zero_blocks_and_mx_scale_range():
 )
 def test_quantize_names_the_bad_argument(x, kwargs, exc, message):
     with pytest.raises(exc, match=message):
-        FP4Tensor.quantize(x, **kwargs)
+        quantize(x, **kwargs)
 
 
 def test_attributes_cannot_be_rebound():

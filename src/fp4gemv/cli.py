@@ -8,8 +8,8 @@
                             [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
     fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
     fp4gemv bench --model llama3-8b|llama3-70b [--n 1,8]   one decode token's linear layers   (GPU only)
-    torchrun --nproc-per-node N -m fp4gemv bench --tp N [--format ..] [--act bf16|fp16] [--n 1,8] [--out DIR]
-                            tensor-parallel layers on N GPUs against one   (N GPUs)
+
+(Tensor-parallel layers on N GPUs are timed by the benchmark script ``benchmarks/tp_layers.py`` under torchrun.)
 
 Each top-level command is one ``_add_<command>_parser`` function listed in ``_COMMANDS``; it adds its
 sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and returns as the exit code.
@@ -18,6 +18,7 @@ sub-parser and sets ``func``, which ``main`` calls with the parsed arguments and
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -27,7 +28,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 import fp4gemv
-from fp4gemv import task
+from fp4gemv import bench, task
+from fp4gemv.bench.host import format_host_table, host_costs
+from fp4gemv.bench.model import decode_benchmark, format_decode_table
 from fp4gemv.target import BACKENDS, interpreting
 
 __all__ = ["build_parser", "main"]
@@ -101,8 +104,6 @@ def _time_calls(
     kernel(inputs[0])
     _synchronize(device)
     if device.type == "cuda":
-        from fp4gemv import bench
-
         return [us / 1e6 for us in bench.device_time_us(kernel, inputs, replays=repeats)]
     times = []
     for i in range(repeats):
@@ -217,49 +218,25 @@ def _parse_ns(text: str) -> list[int] | None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    n_text = args.n if args.n is not None else ("1,8" if args.tp is not None or args.model else "1")
+    n_text = args.n if args.n is not None else ("1,8" if args.model else "1")
     ns = _parse_ns(n_text)
     if ns is None:
         print(f"error: --n: expected comma-separated integers from 1 to 16, got {n_text!r}", file=sys.stderr)
         return 2
-    if args.tp is not None:
-        from fp4gemv.bench.tp import ACT_DTYPES, check_launch, run_tp
-
-        act = args.act or "bf16"
-        if act not in ACT_DTYPES:
-            print(f"error: --act {act}: --tp times weight-only layers, expected one of {', '.join(ACT_DTYPES)} (a W4A4 "
-                  f"FP4Linear checks its activation on the host, which a CUDA graph cannot hold)", file=sys.stderr)
-            return 2
-        try:
-            check_launch(args.tp)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        run_tp(args.tp, args.out, fmt=args.format, act=act, ns=ns)
-        return 0
     if not torch.cuda.is_available():
         print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
         return 2
     if args.host:
-        from fp4gemv.bench.host import format_host_table, host_costs
-
         print(format_host_table(host_costs()))
         return 0
     if args.model:
-        import json
-        import os
-
-        from fp4gemv.bench.model import decode_benchmark, format_decode_table
-
         rows = decode_benchmark(args.model, ns)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"decode-{args.model}.json"), "w") as f:
             json.dump(rows, f, indent=1)
         print(format_decode_table(rows))
         return 0
-    from fp4gemv import bench
-
-    bench.run(bench.SHAPE_SETS[args.shapes], args.out, fmt=args.format, act=args.act or "fp4", ns=ns,
+    bench.run(bench.SHAPE_SETS[args.shapes], args.out, fmt=args.format, act=args.act, ns=ns,
               bf16_baseline=args.bf16)
     return 0
 
@@ -271,21 +248,16 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                         "28672x8192; model: 1024x4096, 5760x2880, 2880x2880; all: task + decode; every: all three")
     p.add_argument("--out", default="bench-out", help="folder for bench.json")
     p.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4", help="weight (and FP4 activation) format")
-    p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default=None,
-                   help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16); default fp4, "
-                        "with --tp bf16")
+    p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default="fp4",
+                   help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
     p.add_argument("--n", default=None, help="activation rows (decode batch), comma-separated, each 1..16 "
-                                             "(default: 1; with --tp or --model: 1,8)")
+                                             "(default: 1; with --model: 1,8)")
     p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
     p.add_argument("--model", choices=("llama3-8b", "llama3-70b"), default=None,
                    help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
                         "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json")
-    p.add_argument("--tp", type=_positive_int, default=None, metavar="N",
-                   help="instead: tensor-parallel 28672x8192 column- and 8192x28672 row-parallel layers on N GPUs "
-                        "against one (fp4gemv.bench.tp); launch with torchrun --nproc-per-node N -m fp4gemv bench "
-                        "--tp N; uses --format, --act, --n, --out")
     p.set_defaults(func=_run_bench)
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import round_from_float64
 
 __all__ = [
     "E2M1_VALUES",
@@ -19,6 +18,7 @@ __all__ = [
     "NVFP4",
     "MXFP4",
     "FORMATS",
+    "resolve_format",
     "as_uint8",
     "decode_e2m1",
     "encode_e2m1",
@@ -34,6 +34,7 @@ __all__ = [
     "nvfp4_block_scales",
     "mx_shared_exponents",
     "quantize",
+    "round_from_float64",
 ]
 
 # e2m1 codes 0..7 (bit 3 is the sign): 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit.
@@ -57,6 +58,17 @@ class FP4Format:
 NVFP4 = FP4Format("nvfp4", 16, torch.float8_e4m3fn)
 MXFP4 = FP4Format("mxfp4", 32, torch.float8_e8m0fnu)
 FORMATS: dict[str, FP4Format] = {f.name: f for f in (NVFP4, MXFP4)}
+
+def resolve_format(fmt: str | FP4Format) -> FP4Format:
+    """The format named ``fmt`` (``"nvfp4"`` or ``"mxfp4"``), or ``fmt`` itself; errors name ``fmt``."""
+    if isinstance(fmt, FP4Format):
+        return fmt
+    if not isinstance(fmt, str):
+        raise TypeError(f"fmt: expected 'nvfp4', 'mxfp4' or an FP4Format, got {type(fmt).__name__}")
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
+    return FORMATS[fmt]
+
 
 _BYTE_VIEWABLE = (torch.uint8, torch.int8, torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 
@@ -155,7 +167,7 @@ def dequantize(
 
     The exact value ``e2m1 * scale (* global_scale)`` is formed in float64 (at most 2 + 4 + 24 significant
     bits, and float64's range holds every e8m0 scale), then rounded once to ``dtype``, nearest even
-    (``reference.round_from_float64``): float64 is the exact value itself.  A NaN scale byte (e4m3 0x7F /
+    (:func:`round_from_float64`): float64 is the exact value itself.  A NaN scale byte (e4m3 0x7F /
     0xFF, e8m0 0xFF) gives NaN for its whole block.
     """
     values = decode_e2m1(unpack_e2m1(data)).to(torch.float64)
@@ -169,6 +181,24 @@ def dequantize(
     if global_scale is not None:
         out = out * torch.as_tensor(global_scale, dtype=torch.float64, device=out.device)
     return round_from_float64(out, dtype)
+
+
+def round_from_float64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float64 ``x`` to ``dtype`` once (nearest, ties to even).
+
+    torch converts float64 to float16 and bfloat16 through float32, rounding twice: 1 + 2^-11 + 2^-40 first
+    becomes the fp16 tie 1 + 2^-11, then 1.0, where one rounding gives 1 + 2^-10.  Rounding to float32
+    *to odd* instead (truncate, then set the last bit if anything was cut off) keeps what the second
+    rounding needs: float32 has more than two bits beyond either 16-bit format's significand.
+    """
+    if dtype not in (torch.float16, torch.bfloat16):
+        return x.to(dtype)
+    f32 = x.to(torch.float32)
+    inexact = (f32.to(torch.float64) != x) & torch.isfinite(x)
+    rounded_away = f32.to(torch.float64).abs() > x.abs()
+    truncated = torch.where(rounded_away, torch.nextafter(f32, torch.zeros_like(f32)), f32)
+    to_odd = (truncated.view(torch.int32) | 1).view(torch.float32)
+    return torch.where(inexact, to_odd, f32).to(dtype)
 
 
 # Scale bytes of a block that holds a NaN or an infinity: each scale format's NaN.

@@ -1,23 +1,46 @@
-"""fp4gemv's ops registered with PyTorch (``torch.library``), so ``torch.compile`` sees them as single ops.
+"""The public ``gemv`` and ``quantize``, and fp4gemv's ops registered with PyTorch (``torch.library``), so
+``torch.compile`` sees each call as a single op.
 
-``torch.ops.fp4gemv.gemv`` (a new result) and ``torch.ops.fp4gemv.gemv_out`` (writes ``out``, declared as its
-only mutation) take an FP4Tensor's parts as tensors and its format and layout as strings;
-``torch.ops.fp4gemv.quantize`` returns the packed data and scale bytes of :func:`fp4gemv.quantize`.  Their real
-implementations are the eager functions (any device: kernels on CUDA, the reference or the interpreter on
-CPU); their fake implementations compute shapes and dtypes only.  Under ``torch.compile`` the public
-functions check their arguments' metadata and call these ops (:func:`traced_gemv`, :func:`traced_quantize`);
-everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens inside the op,
-at run time.
+Eagerly, :func:`gemv` and :func:`quantize` run the op layer's (``ops.gemv``, ``quantize.quantize``).  Under
+``torch.compile`` they check their arguments' metadata (the op layer's own checks) and call the custom ops:
+``torch.ops.fp4gemv.gemv`` (a new result), ``torch.ops.fp4gemv.gemv_out`` (writes ``out``, declared as its only
+mutation) and ``torch.ops.fp4gemv.quantize`` (the packed data and scale bytes), which take an FP4Tensor's parts
+as tensors and its format and layout as strings.  Their real implementations are the eager functions (any
+device: kernels on CUDA, the reference or the interpreter on CPU); their fake implementations compute shapes
+and dtypes only.  Everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens
+inside the op, at run time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import formats, layouts, ops
+from .kernels import kernel_by_name
+from .quantize import check_quantize_arguments, global_scale_tensor
+from .quantize import quantize as eager_quantize
 from .tensor import FP4Tensor
 
-__all__ = ["traced_gemv", "traced_quantize"]
+__all__ = ["gemv", "quantize"]
+
+
+def gemv(a, b, *, out=None, out_dtype=torch.float16, backend="auto", kernel=None, config=None) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
+    return ops.gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
+
+
+def quantize(x, fmt="nvfp4", scale_layout="linear", global_scale=None, *, backend="auto", check_values=True,
+             config=None) -> FP4Tensor:
+    if torch.compiler.is_compiling():
+        return _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, config)
+    return eager_quantize(x, fmt, scale_layout, global_scale, backend=backend, check_values=check_values,
+                                config=config)
+
+
+# One docstring per function: the eager one's, which documents every argument.
+gemv.__doc__ = ops.gemv.__doc__
+quantize.__doc__ = eager_quantize.__doc__
 
 
 def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout):
@@ -30,8 +53,6 @@ def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt
 def _config(kernel: str | None, config: list[int] | None):
     if config is None:
         return None
-    from .kernels import kernel_by_name
-
     return kernel_by_name(kernel).config_type(*config)
 
 
@@ -74,8 +95,8 @@ def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layo
     return None
 
 
-def traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
-    """:func:`fp4gemv.gemv` under ``torch.compile``: the metadata checks, then the custom op."""
+def _traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
+    """:func:`gemv` under ``torch.compile``: the metadata checks, then the custom op."""
     ops.check_arguments(a, b, out, out_dtype)
     if config is not None and kernel is None:
         raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
@@ -92,16 +113,12 @@ def traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tenso
 @torch.library.custom_op("fp4gemv::quantize", mutates_args=())
 def _quantize_op(x: torch.Tensor, fmt: str, scale_layout: str, global_scale: torch.Tensor | None, backend: str,
                  check_values: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .quantize import quantize
-
-    t = quantize(x, fmt, scale_layout, global_scale, backend=backend, check_values=check_values)
+    t = eager_quantize(x, fmt, scale_layout, global_scale, backend=backend, check_values=check_values)
     return t.data, t.scales
 
 
 @_quantize_op.register_fake
 def _(x, fmt, scale_layout, global_scale, backend, check_values):
-    from . import formats, layouts
-
     *batch, rows, k = x.shape
     cols = k // formats.FORMATS[fmt].block_size
     if scale_layout == "linear":
@@ -112,9 +129,11 @@ def _(x, fmt, scale_layout, global_scale, backend, check_values):
     return x.new_empty((*batch, rows, k // 2), dtype=torch.uint8), x.new_empty(scales, dtype=torch.uint8)
 
 
-def traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, config) -> FP4Tensor:
-    """:func:`fp4gemv.quantize` under ``torch.compile`` (arguments already checked): the custom op."""
+def _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, config) -> FP4Tensor:
+    """:func:`quantize` under ``torch.compile``: the metadata checks, then the custom op."""
+    fmt = check_quantize_arguments(x, fmt, scale_layout, backend, config)
     if config is not None:
         raise ValueError("config: a QuantizeConfig is not supported under torch.compile (pass None)")
-    data, scales = torch.ops.fp4gemv.quantize(x, fmt.name, scale_layout, global_scale, backend, check_values)
-    return FP4Tensor(data, scales, fmt, scale_layout, global_scale)
+    g = global_scale_tensor(global_scale, fmt, x, False)
+    data, scales = torch.ops.fp4gemv.quantize(x, fmt.name, scale_layout, g, backend, check_values)
+    return FP4Tensor(data, scales, fmt, scale_layout, g)

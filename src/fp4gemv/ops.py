@@ -1,14 +1,18 @@
-"""The public GEMV op: validate once at the boundary, pick a kernel spec, launch; decisions cached per metadata.
+"""The GEMV op, eager: validate once at the boundary, pick a kernel spec, launch; decisions kept per metadata.
 
-:func:`gemv` walks ``kernels.GEMV_KERNELS`` (the reference last) and runs the first spec that supports the
-case on the target (``fp4gemv.target``) and does not leave it to a later one; :func:`select_kernel` says which
-one that is.  Validation raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (shape, device, backend,
-no kernel for the case) naming the argument, the expected and the actual, before anything is written.
+:func:`gemv` builds the kernels' operands (:func:`gemv_operands`: batched views and the :class:`GemvCase` they
+make), asks ``kernels.choose_kernel`` which spec runs the case on the target (``fp4gemv.target``) and launches
+it; :func:`select_kernel` says which one that is.  Validation raises ``TypeError`` (wrong type or dtype) or
+``ValueError`` (shape, device, backend, no kernel for the case) naming the argument, the expected and the
+actual, before anything is written.  The public ``fp4gemv.gemv`` (``library.py``) runs :func:`gemv` eagerly
+and the custom op ``torch.ops.fp4gemv.gemv`` under ``torch.compile``.
 
-Everything decided from metadata (shapes, strides, dtypes, devices, pointer alignment, format, layout, the
-kernel and its configuration) is a :class:`GemvPlan`, kept per distinct metadata.  A call whose metadata has a
-plan checks nothing more (the key holds everything the checks depend on) and launches the compiled Triton
-kernel through its own launcher with the operands' pointers, skipping the JIT's argument binding.
+The prepared call.  Everything decided from metadata (shapes, strides, dtypes, devices, pointer alignment,
+format, layout, the kernel and its configuration) is a :class:`GemvPlan`; :func:`prepare_gemv` returns the
+:class:`PreparedGemv` of the arguments' metadata (made and validated once, then kept), which is called with
+new operands of that metadata.  :func:`gemv` is that call.  Once a call has compiled its Triton kernel on
+CUDA, later calls launch it through the compiled kernel's own launcher with the operands' addresses, skipping
+the JIT's argument binding (Triton 3.6's launcher; other Triton versions launch through the JIT every time).
 """
 
 from __future__ import annotations
@@ -17,13 +21,19 @@ import functools
 from typing import NamedTuple
 
 import torch
+import triton
+from triton import knobs
+from triton.runtime.driver import driver
 
-from .kernels import GEMV_KERNELS, kernel_by_name
-from .kernels.spec import GemvCase, GemvOperands, KernelSpec, Src, TritonKernelSpec, fill_sources
+from .kernels import choose_kernel
+from .kernels.spec import (FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src, TritonKernelSpec, alignment,
+                           fill_sources, linear_scale_addressing, swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["gemv", "select_kernel", "plan_for", "check_arguments", "prepared", "PreparedGemv", "SLOTS", "choose_kernel", "GemvPlan", "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
+__all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
+           "plan_for", "gemv_operands", "check_arguments", "result_shape", "clear_cache", "direct_launch_supported",
+           "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
 # Activation rows per launch: the kernels keep every row's accumulator in registers.
 MAX_N = 16
@@ -79,7 +89,7 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype
 
 def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, ...]:
     """The checks of :func:`gemv` that read metadata only (operands against each other, devices, out_dtype,
-    out); the result's shape.  Eager calls and ``torch.compile`` (``library.traced_gemv``) share them."""
+    out); the result's shape.  Eager calls and ``torch.compile`` (``fp4gemv.gemv``, ``library.py``) share them."""
     shape = result_shape(a, b)
     if b.device != a.device:
         raise ValueError(f"b: expected device {a.device} like a, got {b.device}")
@@ -88,6 +98,55 @@ def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> t
     if out is not None:
         _check_out(out, shape, out_dtype, a.device)
     return shape
+
+
+def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
+    """Metadata of FP4Tensor ``t`` whose batched views are ``data`` ``[L, rows, K/2]`` and ``scales``."""
+    if t.scale_layout == "linear":  # [L, rows, cols]
+        addressing = linear_scale_addressing(scales.stride(0), scales.stride(1))
+    else:  # [L, rows_p * cols_p]
+        addressing = swizzled_scale_addressing(scales.stride(0), t.k // t.fmt.block_size)
+    return FP4Meta(
+        rows=data.shape[1], batch_stride=data.stride(0), row_stride=data.stride(1),
+        align=alignment(data, data.stride()[:2]), scale_layout=t.scale_layout, scales=addressing,
+        scale_align=alignment(scales, tuple(addressing[:4])), has_global_scale=t.global_scale is not None,
+    )
+
+
+def _batched(t: torch.Tensor, batch: int, dims: int) -> torch.Tensor:
+    """``t`` with a leading batch dimension of size ``batch`` (stride 0 when broadcast), ``dims`` dims in all."""
+    while t.dim() < dims:
+        t = t.unsqueeze(0)
+    return t.expand(batch, *t.shape[1:])
+
+
+def gemv_operands(a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor) -> GemvOperands:
+    """Batched views of FP4Tensor ``a``, activation ``b`` (FP4Tensor or float tensor, already checked
+    against ``a``) and the result tensor ``out``, and the case they make."""
+    batch = next((t.shape[0] for t in (a, b) if len(t.shape) == 3), 1)
+    a_data = _batched(a.data, batch, 3)
+    a_scales = _batched(a.scales, batch, 3 if a.scale_layout == "linear" else 2)
+    c = out
+    if len(b.shape) == 1:
+        c = c.unsqueeze(-1)
+    if c.dim() == 2:
+        c = c.unsqueeze(0)
+    if isinstance(b, FP4Tensor):
+        b_data = _batched(b.data, batch, 3)
+        b_scales = _batched(b.scales, batch, 3 if b.scale_layout == "linear" else 2)
+        b_meta = _fp4_meta(b, b_data, b_scales)
+        b_gs = b.global_scale
+    else:
+        b_data, b_scales, b_gs = _batched(b, batch, 3), None, None
+        contiguous_k = b_data.stride(-1) == 1
+        size = b_data.element_size()
+        b_meta = FloatMeta(b_data.dtype, tuple(b_data.stride()),
+                           alignment(b_data, tuple(s * size for s in b_data.stride()[:2])) if contiguous_k else 0)
+    case = GemvCase(
+        fmt=a.fmt, m=a.rows, k=a.k, n=b_data.shape[1], batch=batch, a=_fp4_meta(a, a_data, a_scales),
+        b=b_meta, out_dtype=out.dtype, out_strides=tuple(c.stride()), vector=len(b.shape) == 1,
+    )
+    return GemvOperands(case, a_data, a_scales, a.global_scale, b_data, b_scales, b_gs, c)
 
 
 def _needs_copy(b: torch.Tensor) -> bool:
@@ -134,7 +193,7 @@ def plan_for(
         b = b.contiguous()
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device="meta")
-    case = GemvOperands.of(a, b, out).case
+    case = gemv_operands(a, b, out).case
     spec = choose_kernel(case, target, kernel)
     if config is None:
         config = spec.default_config(case, target)
@@ -144,27 +203,6 @@ def plan_for(
             raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
         spec.check_config(config, case)
     return GemvPlan(spec, config, target, case, copy_activation, shape, device)
-
-
-def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
-    """The first spec of GEMV_KERNELS that supports the case and does not leave it to a later one
-    (``why_not_default``), or the one named ``kernel``, if it supports the case."""
-    if kernel is not None:
-        spec = kernel_by_name(kernel)
-        reason = spec.why_not(case, target)
-        if reason is not None:
-            raise ValueError(f"kernel: {kernel!r} cannot run {case.describe()} on {target.describe()}: {reason}")
-        return spec
-    reasons = []
-    for spec in GEMV_KERNELS:
-        reason = spec.why_not(case, target)
-        if reason is None:
-            reason = spec.why_not_default(case, target)
-            if reason is None:
-                return spec
-        reasons.append(f"{spec.name}: {reason}")
-    raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
-                     + "); backend='reference' computes it in float64")
 
 
 def select_kernel(
@@ -181,17 +219,48 @@ def select_kernel(
     return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
-# --- cached calls ----------------------------------------------------------------------------------------------
-
-# The operands whose addresses a launch takes, in the order of a pointer tuple (``kernels.spec.GemvOperands``'s
-# names); absent ones (no global scale, a float activation's scales) are 0.
-SLOTS = ("a_data", "a_scales", "a_global_scale", "b_data", "b_scales", "b_global_scale", "out")
+# --- prepared calls --------------------------------------------------------------------------------------------
 
 
-def _key_and_pointers(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, tuple | None]:
+def direct_launch_supported(triton_version: str) -> bool:
+    """Whether a Triton of this version has the compiled-kernel launcher :class:`PreparedGemv` calls directly
+    (3.6's ``CompiledKernel.run`` signature); any other version launches through the public JIT call."""
+    return triton_version.split(".")[:2] == ["3", "6"]
+
+
+_DIRECT_LAUNCH = direct_launch_supported(triton.__version__)
+
+
+class GemvAddresses(NamedTuple):
+    """The addresses of one GEMV's operands (``data_ptr()`` of each tensor, 0 where absent): what
+    :meth:`PreparedGemv.launch_at` launches on.  Views share their tensor's address."""
+
+    a_data: int
+    a_scales: int
+    b_data: int
+    out: int
+    b_scales: int = 0
+    a_global_scale: int = 0
+    b_global_scale: int = 0
+
+
+# GemvAddresses fields by the GemvOperands name a launch's pointer argument (kernels.spec.Src) reads.
+_ADDRESS_INDEX = {name: GemvAddresses._fields.index(name) for name in GemvAddresses._fields}
+
+
+def _addresses(a, b, out) -> tuple:
+    """The operands' addresses in :class:`GemvAddresses`' order, as a plain tuple."""
+    fp4_b = type(b) is FP4Tensor
+    gs_a, gs_b = a.global_scale, b.global_scale if fp4_b else None
+    return (a.data.data_ptr(), a.scales.data_ptr(), (b.data if fp4_b else b).data_ptr(), out.data_ptr(),
+            b.scales.data_ptr() if fp4_b else 0, 0 if gs_a is None else gs_a.data_ptr(),
+            0 if gs_b is None else gs_b.data_ptr())
+
+
+def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, tuple | None]:
     """Everything validation and dispatch depend on (shapes, strides, dtypes, devices, formats, layouts, the
-    alignment of every address, the arguments, the current device), and the operands' addresses in SLOTS
-    order; (None, None) for arguments that validation must look at (and reject).
+    alignment of every address, the arguments, the current device), and the operands' addresses; (None, None)
+    for arguments that validation must look at (and reject).
 
     An FP4Tensor's scale shape follows from its data shape, format and layout (checked when it was made; its
     attributes cannot be rebound), so only the scales' strides are keyed.  On CUDA, b's and out's device index
@@ -222,75 +291,72 @@ def _key_and_pointers(a, b, out, out_dtype, backend, kernel, config) -> tuple[tu
     align = (pa & 15, ps & 15, pg & 15, pb & 15, pbs & 15, pbg & 15, po & 15)
     key = (a.fmt, a.scale_layout, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
            out_dtype, backend, kernel, config, where)
-    return key, (pa, ps, pg, pb, pbs, pbg, po)
-
-
-_triton_runtime = None
-
-
-def _runtime():
-    """(Triton's current-stream lookup, the stream it would launch on; its runtime knobs), resolved once."""
-    global _triton_runtime
-    if _triton_runtime is None:
-        from triton import knobs
-        from triton.runtime.driver import driver
-
-        _triton_runtime = (driver.active.get_current_stream, knobs.runtime)
-    return _triton_runtime
+    return key, (pa, ps, pb, po, pbs, pg, pbg)  # GemvAddresses' order; a plain tuple is faster to make
 
 
 class PreparedGemv:
-    """A plan with its launch: the compiled Triton kernel once the first call has compiled it, then every
-    later call fills the pointer slots of the argument list and calls the kernel's launcher directly."""
+    """:func:`gemv` planned for one metadata: call it with new operands of that metadata (``prepare_gemv``
+    for those operands returns this object; nothing is checked again).
 
-    __slots__ = ("plan", "template", "compiled", "argv", "slots", "grid", "_launcher")
+    The first call launches through Triton's JIT, which compiles the kernel.  On CUDA (with Triton 3.6) every
+    later call fills the pointer arguments of the kept argument list with the operands' addresses and calls
+    the compiled kernel's launcher directly: :attr:`launches_by_address` is then True, and
+    :meth:`launch_at` launches on addresses alone."""
 
-    def __init__(self, plan: GemvPlan):
+    __slots__ = ("plan", "_template", "_compiled", "_argv", "_slots", "_grid", "_launcher", "_direct_launch",
+                 "_current_stream", "_runtime_knobs")
+
+    def __init__(self, plan: GemvPlan, direct_launch: bool = _DIRECT_LAUNCH):
         self.plan = plan
-        self.template = None
+        self._template = None
         if isinstance(plan.spec, TritonKernelSpec):
-            self.template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
-        self.compiled = None
+            self._template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
+        self._compiled = None
+        self._direct_launch = direct_launch
 
-    def run(self, a, b, out, pointers: tuple | None = None):
-        """``gemv(a, b, out=out)`` for operands of this plan's metadata; ``pointers``: their addresses in SLOTS
-        order, when the caller has them."""
+    @property
+    def launches_by_address(self) -> bool:
+        """Whether :meth:`launch_at` can run this call: its kernel compiled and its launcher called directly, and
+        no copy of the activation to make first."""
+        return self._compiled is not None and not self.plan.copy_activation
+
+    def __call__(self, a: FP4Tensor, b: FP4Tensor | torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``gemv(a, b, out=out)`` with this plan, for operands of its metadata; returns the result."""
+        return self._run(a, b, out, None if out is None else _addresses(a, b, out))
+
+    def _run(self, a, b, out, addresses: tuple | None) -> torch.Tensor:
         plan = self.plan
-        if self.compiled is not None and pointers is not None and out is not None and not plan.copy_activation:
-            self.launch(pointers)
+        if self._compiled is not None and addresses is not None and out is not None and not plan.copy_activation:
+            self._launch(addresses)
             return out
         if out is None:
             out = torch.empty(plan.out_shape, dtype=plan.case.out_dtype, device=plan.device)
         if plan.copy_activation:
             b = b.contiguous()
-        if self.compiled is not None:
-            fp4_b = type(b) is FP4Tensor
-            gs_a, gs_b = a.global_scale, b.global_scale if fp4_b else None
-            self.launch((a.data.data_ptr(), a.scales.data_ptr(), 0 if gs_a is None else gs_a.data_ptr(),
-                         (b.data if fp4_b else b).data_ptr(), b.scales.data_ptr() if fp4_b else 0,
-                         0 if gs_b is None else gs_b.data_ptr(), out.data_ptr()))
+        if self._compiled is not None:
+            self._launch(_addresses(a, b, out))
             return out
-        ops = GemvOperands.of(a, b, out)
-        if self.template is None:
+        ops = gemv_operands(a, b, out)
+        if self._template is None:
             plan.spec.launch(ops, plan.config, plan.target)
             return out
-        t = self.template
+        t = self._template
         compiled = t.kernel[t.grid](**fill_sources(t.args, ops), **t.options)
-        if plan.target.device_type == "cuda" and hasattr(compiled, "packed_metadata"):
+        if self._direct_launch and plan.target.device_type == "cuda" and hasattr(compiled, "packed_metadata"):
             self._prepare_compiled(compiled)
         return out
 
     def _prepare_compiled(self, compiled) -> None:
-        kernel, args = self.template.kernel, self.template.args
+        kernel, args = self._template.kernel, self._template.args
         argv, slots = [], []
         for i, param in enumerate(kernel.params):
             value = args[param.name] if param.name in args else param.default
             if isinstance(value, Src):
-                slots.append((i, SLOTS.index(value.name)))
+                slots.append((i, _ADDRESS_INDEX[value.name]))
             argv.append(value)
-        self.argv, self.slots = argv, tuple(slots)
-        grid = self.template.grid
-        self.grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._argv, self._slots = argv, tuple(slots)
+        grid = self._template.grid
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         launcher = compiled.run  # loads the module now, not on the first timed call
         # The launcher's own C entry point when the kernel needs no scratch memory (Triton 3.6's CudaLauncher
         # only allocates scratch in Python before calling it), else the launcher itself.
@@ -299,20 +365,26 @@ class PreparedGemv:
             self._launcher = functools.partial(_launch_c, launcher)
         else:
             self._launcher = launcher
-        self.compiled = compiled
+        self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
+        self._compiled = compiled
 
-    def launch(self, pointers: tuple) -> None:
-        """Launch the compiled kernel on operands at ``pointers`` (addresses in SLOTS order).  Only after a first
-        call has compiled the kernel (``compiled`` is set), and only for operands of this plan's metadata."""
-        current_stream, knobs = _triton_runtime or _runtime()
-        argv = self.argv.copy()
-        for i, j in self.slots:
-            argv[i] = pointers[j]
-        k = self.compiled
-        stream = current_stream(self.plan.device.index)
-        enter, leave = knobs.launch_enter_hook, knobs.launch_exit_hook
-        meta = k.launch_metadata(self.grid, stream, *argv) if enter is not None else None
-        self._launcher(*self.grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+    def launch_at(self, addresses: GemvAddresses) -> None:
+        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`."""
+        if not self.launches_by_address:
+            raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
+                               "call it with the operands)")
+        self._launch(addresses)
+
+    def _launch(self, addresses: tuple) -> None:
+        argv = self._argv.copy()
+        for i, j in self._slots:
+            argv[i] = addresses[j]
+        k = self._compiled
+        stream = self._current_stream(self.plan.device.index)
+        runtime = self._runtime_knobs
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
+        self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
 
 
 def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
@@ -320,13 +392,13 @@ def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
                     None, None, *args)
 
 
-_CACHE: dict[tuple, PreparedGemv] = {}
+# The one cache of prepared calls: by the key of their arguments' metadata, and by keys callers give
+# (``prepare_gemv(metadata_key=...)``).
+_CACHE: dict[object, PreparedGemv] = {}
 
 
-def prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
-    """The (cached) :class:`PreparedGemv` that :func:`gemv` runs for these arguments (same meaning, all given),
-    validating them when their metadata is new, and the operands' addresses (None when not cached)."""
-    key, pointers = _key_and_pointers(a, b, out, out_dtype, backend, kernel, config)
+def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
+    key, addresses = _key_and_addresses(a, b, out, out_dtype, backend, kernel, config)
     cached = None
     if key is not None:
         try:
@@ -338,7 +410,35 @@ def prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGem
                                        config=config))
         if key is not None:
             _CACHE[key] = cached
-    return cached, pointers
+    return cached, addresses
+
+
+def prepare_gemv(
+    a: FP4Tensor,
+    b: FP4Tensor | torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float16,
+    backend: Backend = "auto",
+    kernel: str | None = None,
+    config=None,
+    metadata_key=None,
+) -> PreparedGemv:
+    """The :class:`PreparedGemv` of these arguments (same meaning as :func:`gemv`'s), validated and planned when
+    their metadata is new, else the one kept for it; raises as gemv does.
+
+    metadata_key: a hashable key of the caller's own from which every piece of metadata of ``a``, ``b`` and
+    ``out`` follows (``task.custom_kernel``'s: the task tensors' shapes, strides, dtypes, devices and
+    alignments, which fix their views'); the call is also kept under it, for :func:`prepared_gemv`."""
+    call, _ = _prepared(a, b, out, out_dtype, backend, kernel, config)
+    if metadata_key is not None:
+        _CACHE[("caller", metadata_key)] = call
+    return call
+
+
+def prepared_gemv(metadata_key) -> PreparedGemv | None:
+    """The call ``prepare_gemv(..., metadata_key=metadata_key)`` kept, or None."""
+    return _CACHE.get(("caller", metadata_key))
 
 
 def gemv(
@@ -375,7 +475,8 @@ def gemv(
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
     accumulate exact 16-element block sums (W4A4) or fp32 block sums (W4A16) in fp32; the tensor-core kernels
     (weight_only, hmma) multiply exactly and accumulate every product in fp32 (on the tensor cores).  The result
-    is rounded once to ``out_dtype``.  Under ``torch.compile`` the call is the custom op ``torch.ops.fp4gemv.gemv``.
+    is rounded once to ``out_dtype``.  Under ``torch.compile`` ``fp4gemv.gemv`` is the custom op
+    ``torch.ops.fp4gemv.gemv`` (``library.py``); this function is its eager path.
 
     Range: with bf16 activations the weight-only kernel (the default for N <= 8, and for MXFP4 weights at any N)
     multiplies the activation by 2^64 when it runs MXFP4 weights or the split mode (N <= 2), which is exact only
@@ -383,15 +484,11 @@ def gemv(
     2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
     ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
     """
-    if torch.compiler.is_compiling():
-        from . import library
-
-        return library.traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
-    cached, pointers = prepared(a, b, out, out_dtype, backend, kernel, config)
-    return cached.run(a, b, out, pointers)
+    call, addresses = _prepared(a, b, out, out_dtype, backend, kernel, config)
+    return call._run(a, b, out, addresses)
 
 
 def clear_cache() -> None:
-    """Forget every cached plan (they hold compiled kernels, not tensors)."""
+    """Forget every prepared call (they hold compiled kernels, not tensors)."""
     _CACHE.clear()
 

@@ -1,4 +1,6 @@
-"""``fp4gemv.quantize``: floats to an NVFP4 / MXFP4 ``FP4Tensor``, and ``dequantize``: back to floats.
+"""The quantize op, eager: floats to an NVFP4 / MXFP4 ``FP4Tensor`` (:func:`quantize`), and back to floats
+(:func:`dequantize`).  ``fp4gemv.quantize`` (``library.py``) runs :func:`quantize` eagerly and the custom op
+``torch.ops.fp4gemv.quantize`` under ``torch.compile``.
 
 Both run a Triton kernel on CUDA tensors (``kernels/quantize.py``) and the exact CPU path of ``formats``
 elsewhere; the two give the same bytes (quantize) and the same bits (dequantize) on the same input, so the
@@ -17,9 +19,10 @@ from . import formats, layouts
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
 from .target import resolve_target
 from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
-from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, _resolve_format
+from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout
 
-__all__ = ["quantize", "dequantize", "nvfp4_global_scale", "QuantizeBackend", "QUANTIZE_BACKENDS"]
+__all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
+           "QuantizeBackend", "QUANTIZE_BACKENDS"]
 
 QuantizeBackend = Literal["auto", "triton", "reference"]
 QUANTIZE_BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
@@ -50,8 +53,10 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
 
 
-def _global_scale(global_scale, fmt: formats.FP4Format, x: torch.Tensor, check_values: bool) -> torch.Tensor | None:
-    """The global scale as a 0-d float32 tensor on x's device, or None; validated before anything is written."""
+def global_scale_tensor(global_scale, fmt: formats.FP4Format, x: torch.Tensor,
+                        check_values: bool) -> torch.Tensor | None:
+    """:func:`quantize`'s ``global_scale`` as a 0-d float32 tensor on x's device, or None; validated before
+    anything is written (a tensor's value only with ``check_values``: reading it synchronises)."""
     if global_scale is None:
         return None
     if isinstance(global_scale, str):
@@ -142,6 +147,29 @@ def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: to
     return data, scales
 
 
+def check_quantize_arguments(x, fmt, scale_layout: str, backend: str, config) -> formats.FP4Format:
+    """The checks of :func:`quantize` that read metadata only (eager calls and ``torch.compile`` share them);
+    the resolved format."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"x: expected dtype float16 or bfloat16 or float32 or float64, got {x.dtype}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"x: expected sizes >= 1, got shape {tuple(x.shape)}")
+    fmt = formats.resolve_format(fmt)
+    if x.shape[-1] % fmt.block_size:
+        raise ValueError(
+            f"x: expected K a multiple of the {fmt.name} block size {fmt.block_size}, got K = {x.shape[-1]}"
+        )
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+    _resolve_backend(backend, x.device)
+    _check_config(config)
+    return fmt
+
+
 def quantize(
     x: torch.Tensor,
     fmt: str | formats.FP4Format = "nvfp4",
@@ -183,29 +211,9 @@ def quantize(
     Returns a new FP4Tensor on x's device (data uint8 ``[L?, R, K/2]``, element 2i in the low nibble).
     Raises TypeError / ValueError naming the argument, the expected and the actual.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"x: expected dtype float16 or bfloat16 or float32 or float64, got {x.dtype}")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"x: expected sizes >= 1, got shape {tuple(x.shape)}")
-    fmt = _resolve_format(fmt)
-    if x.shape[-1] % fmt.block_size:
-        raise ValueError(
-            f"x: expected K a multiple of the {fmt.name} block size {fmt.block_size}, got K = {x.shape[-1]}"
-        )
-    if scale_layout not in SCALE_LAYOUTS:
-        raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+    fmt = check_quantize_arguments(x, fmt, scale_layout, backend, config)
     resolved = _resolve_backend(backend, x.device)
-    _check_config(config)
-    if torch.compiler.is_compiling():
-        from . import library
-
-        return library.traced_quantize(x, fmt, scale_layout, _global_scale(global_scale, fmt, x, False), backend,
-                                       check_values, config)
-    g = _global_scale(global_scale, fmt, x, check_values)
+    g = global_scale_tensor(global_scale, fmt, x, check_values)
     if resolved == "reference":
         data, scales = formats.quantize(x, fmt, g)
         if scale_layout == "swizzled":
@@ -231,7 +239,7 @@ def dequantize(
 
     float64 is the exact value itself (the CPU path on any device).  For float32, float16 and bfloat16,
     ``backend="auto"`` runs the Triton kernel on CUDA (for prefill: dequantize, then ``F.linear``) and
-    ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``reference.round_from_float64``).
+    ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``formats.round_from_float64``).
     ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
     picks one).  Returns a new contiguous tensor.
     """

@@ -1,4 +1,4 @@
-"""The exact oracle every kernel is tested against.
+"""The exact oracle every kernel is tested against, on raw tensors.
 
 Operands are dequantized to float64 (exact: see ``formats.dequantize``) and multiplied in float64.  Each
 product of two dequantized NVFP4 values has at most 12 significant bits, so the only rounding before the
@@ -8,14 +8,12 @@ rounding to fp16/bf16/fp32 that the result then takes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .tensor import FP4Tensor
+from . import layouts
+from .formats import FP4Format, dequantize, round_from_float64
 
-__all__ = ["gemv_reference", "quantized_gemv_reference", "round_from_float64"]
+__all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference"]
 
 
 def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -30,39 +28,30 @@ def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = to
     return round_from_float64(torch.matmul(a.to(torch.float64), b.to(torch.float64).transpose(-1, -2)), out_dtype)
 
 
-def quantized_gemv_reference(
-    a: FP4Tensor, b: FP4Tensor | torch.Tensor, out_dtype: torch.dtype = torch.float16
-) -> torch.Tensor:
+def fp4_values(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Format, scale_layout: str,
+               global_scale: torch.Tensor | None) -> torch.Tensor:
+    """The exact float64 values ``[..., R, K]`` of packed e2m1 ``data`` ``[..., R, K/2]`` with block ``scales``
+    in ``scale_layout`` (``"linear"`` ``[..., R, K/bs]`` or ``"swizzled"`` ``[..., R_p * C_p]``), times
+    ``global_scale`` when given: an FP4Tensor's fields."""
+    if scale_layout == "swizzled":
+        scales = layouts.unswizzle_scales(scales, data.shape[-2], 2 * data.shape[-1] // fmt.block_size)
+    return dequantize(data, scales, fmt, global_scale, torch.float64)
+
+
+def quantized_gemv_reference(a, b, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The exact result of ``fp4gemv.gemv(a, b)``: both operands in float64, then :func:`gemv_reference`.
 
-    a: FP4Tensor ``[L?, M, K]``, dequantized exactly (global scale included).  b: FP4Tensor ``[L?, N, K]``
-    likewise, or a float tensor ``[L?, N, K]`` or ``[K]`` taken as given.  Batch dimensions broadcast as in
-    ``torch.matmul``.  Returns ``[L?, M, N]`` (``[L?, M]`` for a ``[K]`` vector) in ``out_dtype``, rounded
-    once; ``out_dtype=torch.float64`` gives the exact value itself.
+    a: an FP4Tensor ``[L?, M, K]`` (read through its fields ``data``, ``scales``, ``fmt``, ``scale_layout``,
+    ``global_scale``), dequantized exactly.  b: an FP4Tensor ``[L?, N, K]`` likewise, or a float tensor
+    ``[L?, N, K]`` or ``[K]`` taken as given.  Batch dimensions broadcast as in ``torch.matmul``.  Returns
+    ``[L?, M, N]`` (``[L?, M]`` for a ``[K]`` vector) in ``out_dtype``, rounded once;
+    ``out_dtype=torch.float64`` gives the exact value itself.
     """
-    a_values = a.dequantize(torch.float64)
+    a_values = fp4_values(a.data, a.scales, a.fmt, a.scale_layout, a.global_scale)
     if isinstance(b, torch.Tensor):
         b_values = b.to(torch.float64)
     else:
-        b_values = b.dequantize(torch.float64)
+        b_values = fp4_values(b.data, b.scales, b.fmt, b.scale_layout, b.global_scale)
     if b_values.dim() == 1:
         return gemv_reference(a_values, b_values[None, :], out_dtype)[..., 0]
     return gemv_reference(a_values, b_values, out_dtype)
-
-
-def round_from_float64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round float64 ``x`` to ``dtype`` once (nearest, ties to even).
-
-    torch converts float64 to float16 and bfloat16 through float32, rounding twice: 1 + 2^-11 + 2^-40 first
-    becomes the fp16 tie 1 + 2^-11, then 1.0, where one rounding gives 1 + 2^-10.  Rounding to float32
-    *to odd* instead (truncate, then set the last bit if anything was cut off) keeps what the second
-    rounding needs: float32 has more than two bits beyond either 16-bit format's significand.
-    """
-    if dtype not in (torch.float16, torch.bfloat16):
-        return x.to(dtype)
-    f32 = x.to(torch.float32)
-    inexact = (f32.to(torch.float64) != x) & torch.isfinite(x)
-    rounded_away = f32.to(torch.float64).abs() > x.abs()
-    truncated = torch.where(rounded_away, torch.nextafter(f32, torch.zeros_like(f32)), f32)
-    to_odd = (truncated.view(torch.int32) | 1).view(torch.float32)
-    return torch.where(inexact, to_odd, f32).to(dtype)

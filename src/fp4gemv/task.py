@@ -26,7 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from fp4gemv import formats, layouts, reference
+from . import formats, layouts, ops, reference
+from .tensor import FP4Tensor
 
 __all__ = [
     "TaskInput",
@@ -45,6 +46,7 @@ __all__ = [
     "compare_to_reference",
     "check_implementation",
     "custom_kernel",
+    "task_views",
 ]
 
 TaskInput = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -293,10 +295,8 @@ _TASK_ITEMS = "(a, b, sfa, sfb, sfa_permuted, sfb_permuted, c)"
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _task_views(data: TaskInput):
+def task_views(data: TaskInput):
     """FP4Tensor views of a and b's row 0 and the ``[L, M, 1]`` view of c, checked with the task's names."""
-    from fp4gemv import FP4Tensor
-
     if not isinstance(data, (tuple, list)) or len(data) != 7:
         what = f"a {type(data).__name__} of {len(data)} items" if isinstance(data, (tuple, list)) else type(data).__name__
         raise TypeError(f"data: expected the 7-tuple {_TASK_ITEMS}, got {what}")
@@ -319,21 +319,19 @@ def _task_views(data: TaskInput):
     return weights, activation.first_rows(1), c.permute(2, 0, 1)
 
 
-def _task_key(data) -> tuple | None:
-    """The metadata of the task's tensors that a cached launch depends on, None if it cannot be read."""
+def _task_key(data, backend: str) -> tuple | None:
+    """The metadata of the task's tensors (and the backend) that fixes every piece of their views' metadata
+    (``ops.prepare_gemv``'s ``metadata_key``), None if it cannot be read."""
     if type(data) is not tuple or len(data) != 7:
         return None
     try:
         a, b, _, _, sfa, sfb, c = data
-        return (a.dtype, a.shape, a.stride(), a.data_ptr() % 16, a.device, b.dtype, b.shape, b.stride(),
+        return ("task", a.dtype, a.shape, a.stride(), a.data_ptr() % 16, a.device, b.dtype, b.shape, b.stride(),
                 b.data_ptr() % 16, sfa.dtype, sfa.shape, sfa.stride(), sfa.data_ptr() % 16, sfb.dtype, sfb.shape,
                 sfb.stride(), sfb.data_ptr() % 16, c.dtype, c.shape, c.stride(), c.data_ptr() % 16, c.device,
-                torch.cuda.current_device() if a.device.type == "cuda" else None)
+                torch.cuda.current_device() if a.device.type == "cuda" else None, backend)
     except AttributeError:
         return None
-
-
-_LAUNCHES: dict[tuple, object] = {}
 
 
 def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
@@ -341,23 +339,18 @@ def custom_kernel(data: TaskInput, *, backend: str = "auto") -> torch.Tensor:
 
     backend: as ``fp4gemv.gemv``'s ("auto": the kernels on CUDA, the float64 reference on the CPU; "triton"
     runs the kernels' pure-Triton paths, also on the CPU under ``TRITON_INTERPRET=1``).  Errors name the task's
-    own arguments.  Once a call with the same tensor metadata (shapes, strides, dtypes, devices, pointer
-    alignment) has compiled its kernel, the kernel is launched with the operands' addresses directly (the views
+    own arguments.  The prepared call (``ops.prepare_gemv``) is kept under the task tensors' metadata; once it
+    launches by address, a call with that metadata launches it on the tensors' addresses directly (the views
     share them), skipping the views and the checks that metadata already passed.
     """
-    from fp4gemv import ops
-
-    key = _task_key(data) if backend == "auto" else None
-    prepared = _LAUNCHES.get(key) if key is not None else None
-    if prepared is not None:
+    key = _task_key(data, backend)
+    call = ops.prepared_gemv(key) if key is not None else None
+    if call is not None and call.launches_by_address:
         a, b, _, _, sfa_permuted, sfb_permuted, c = data
-        # The FP4Tensor views share these addresses (ops.SLOTS order; the task has no global scales).
-        prepared.launch((a.data_ptr(), sfa_permuted.data_ptr(), 0, b.data_ptr(), sfb_permuted.data_ptr(), 0,
-                         c.data_ptr()))
+        call.launch_at(ops.GemvAddresses(a_data=a.data_ptr(), a_scales=sfa_permuted.data_ptr(), b_data=b.data_ptr(),
+                                         out=c.data_ptr(), b_scales=sfb_permuted.data_ptr()))
         return c
-    weights, activation, out = _task_views(data)
-    prepared, pointers = ops.prepared(weights, activation, out, out.dtype, backend, None, None)
-    prepared.run(weights, activation, out, pointers)
-    if key is not None and prepared.compiled is not None:
-        _LAUNCHES[key] = prepared
+    weights, activation, out = task_views(data)
+    call = ops.prepare_gemv(weights, activation, out=out, out_dtype=out.dtype, backend=backend, metadata_key=key)
+    call(weights, activation, out)
     return data[6]

@@ -9,7 +9,8 @@ tensor built from another library's buffers, or from the GPU MODE task's operand
   ``[L?, R_p * C_p]``, the 128x4 cuBLAS/CUTLASS swizzle with rows padded to 128 and scale columns to 4.
 * ``global_scale``: an optional fp32 scalar that multiplies every value (NVFP4's per-tensor scale).
 
-Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.
+Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.  The container calls
+no op: ``fp4gemv.quantize`` makes one from floats, ``fp4gemv.dequantize`` turns one back into floats.
 """
 
 from __future__ import annotations
@@ -29,16 +30,6 @@ _DATA_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def _resolve_format(fmt: str | formats.FP4Format) -> formats.FP4Format:
-    if isinstance(fmt, formats.FP4Format):
-        return fmt
-    if not isinstance(fmt, str):
-        raise TypeError(f"fmt: expected 'nvfp4', 'mxfp4' or an FP4Format, got {type(fmt).__name__}")
-    if fmt not in formats.FORMATS:
-        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
-    return formats.FORMATS[fmt]
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -90,7 +81,7 @@ class FP4Tensor:
         scale_layout: ScaleLayout = "linear",
         global_scale: float | torch.Tensor | None = None,
     ) -> None:
-        fmt = _resolve_format(fmt)
+        fmt = formats.resolve_format(fmt)
         _check_tensor("data", data, _DATA_DTYPES)
         if data.dim() not in (2, 3) or min(data.shape) < 1:
             raise ValueError(f"data: expected shape [R, K/2] or [L, R, K/2] with sizes >= 1, got {tuple(data.shape)}")
@@ -178,13 +169,6 @@ class FP4Tensor:
             return self.scales
         return layouts.unswizzle_scales(self.scales, self.rows, self.k // self.fmt.block_size)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Values ``[L?, R, K]`` in ``dtype``, each exact value rounded once (``fp4gemv.quantize.dequantize``:
-        a Triton kernel on CUDA, ``formats.dequantize`` elsewhere, the same bits; float64 is exact)."""
-        from .quantize import dequantize
-
-        return dequantize(self, dtype)
-
     def with_scale_layout(self, scale_layout: ScaleLayout) -> FP4Tensor:
         """The same values with scales in ``scale_layout`` (this tensor when already so; else a scale copy)."""
         if scale_layout not in SCALE_LAYOUTS:
@@ -244,7 +228,7 @@ class FP4Tensor:
             raise ValueError(f"{name}: expected 3 dims [R, K/2, L], got shape {tuple(operand.shape)}")
         if operand.stride(1) != 1:
             raise ValueError(f"{name}: expected stride 1 along K/2, got strides {tuple(operand.stride())}")
-        fmt = _resolve_format(fmt)
+        fmt = formats.resolve_format(fmt)
         _check_tensor(sf_name, sf_permuted, (torch.uint8, fmt.scale_dtype))
         rows, k_half, batch = operand.shape
         if (2 * k_half) % fmt.block_size:
@@ -254,19 +238,6 @@ class FP4Tensor:
             sf_name, formats.as_uint8(sf_permuted), rows, 2 * k_half, fmt.block_size, batch
         )
         return cls(formats.as_uint8(operand).permute(2, 0, 1), swizzled, fmt, "swizzled")
-
-    @classmethod
-    def quantize(
-        cls,
-        x: torch.Tensor,
-        fmt: str | formats.FP4Format = "nvfp4",
-        scale_layout: ScaleLayout = "linear",
-        global_scale: float | torch.Tensor | None = None,
-    ) -> FP4Tensor:
-        """``fp4gemv.quantize(x, fmt, scale_layout, global_scale)``: its docstring has the details."""
-        from .quantize import quantize
-
-        return quantize(x, fmt, scale_layout, global_scale)
 
 
 # torch.load(weights_only=True) calls only allowlisted classes; FP4Tensor.__reduce__ hands it plain tensors.

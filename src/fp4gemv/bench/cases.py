@@ -5,7 +5,7 @@ weights' format, or fp16 / bf16).  The task's own case (NVFP4 x NVFP4, N = 1) is
 ``task.custom_kernel`` on the task's 7-tuples, exactly what the submission runs; every other case through
 ``fp4gemv.gemv(a, b, out=...)``.  Each row carries the kernel :func:`fp4gemv.ops.plan_for` chose and its
 configuration, the device time (``timing.device_time_us``), the best read of the case's bytes
-(``stream.best_read``) and the kernel's fraction of it, the host time of one eager call, and optionally the
+(``stream.best_read``, the faster Triton read) and the kernel's fraction of it, the host time of one eager call, and optionally the
 same product with bf16 weights through ``torch.matmul`` (cuBLAS).
 """
 
@@ -14,17 +14,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from .. import formats, layouts, ops, task
+from ..library import gemv
 from ..tensor import FP4Tensor
 from .stream import best_read
 from .timing import device_time_us, host_time_us, input_count, summarize
 
-__all__ = ["Shape", "SHAPE_SETS", "ACTIVATIONS", "case_bytes", "random_gemv_operands", "random_task_input",
-           "bench_case", "format_table", "run"]
+__all__ = ["Shape", "SHAPE_SETS", "ACTIVATIONS", "Measurements", "GPU_MEASUREMENTS", "case_bytes",
+           "random_gemv_operands", "random_task_input", "bench_case", "format_table", "run"]
 
 
 @dataclass(frozen=True)
@@ -104,39 +105,53 @@ def random_task_input(m: int, k: int, l: int, seed: int, device="cuda") -> task.
     )
 
 
+class Measurements(NamedTuple):
+    """What :func:`bench_case` measures with, and where its operands live (the GPU's timers by default)."""
+
+    device_time_us: Callable = device_time_us
+    host_time_us: Callable = host_time_us
+    best_read: Callable[[int], tuple[str, float]] = best_read
+    input_count: Callable[[int], int] = input_count
+    device: str = "cuda"
+
+
+GPU_MEASUREMENTS = Measurements()
+
+
 def _describe_plan(plan: ops.GemvPlan) -> str:
     config = "" if plan.config is None else " " + ",".join(f"{k}={v}" for k, v in plan.config._asdict().items())
     return plan.spec.name + config
 
 
-def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline: bool = False) -> dict:
+def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline: bool = False,
+               measure: Measurements = GPU_MEASUREMENTS) -> dict:
     """Every measurement of one case (module docstring); a row of the table."""
     nbytes = case_bytes(shape, fmt, act)
-    count = input_count(nbytes)
+    count = measure.input_count(nbytes)
     row = {"m": shape.m, "k": shape.k, "l": shape.l, "n": shape.n, "fmt": fmt, "act": act, "bytes": nbytes,
            "inputs": count}
     if (fmt, act, shape.n) == ("nvfp4", "fp4", 1):
-        inputs = [random_task_input(shape.m, shape.k, shape.l, seed=i) for i in range(count)]
-        weights, activation, out = task._task_views(inputs[0])
+        inputs = [random_task_input(shape.m, shape.k, shape.l, seed=i, device=measure.device) for i in range(count)]
+        weights, activation, out = task.task_views(inputs[0])
         row["path"] = "task.custom_kernel"
         plan = ops.plan_for(weights, activation, out=out, out_dtype=out.dtype)
         launch = task.custom_kernel
-        row["host_us"] = host_time_us(lambda: task.custom_kernel(inputs[0]))
+        row["host_us"] = measure.host_time_us(lambda: task.custom_kernel(inputs[0]))
     else:
-        inputs = [random_gemv_operands(shape, fmt, act, seed=i) for i in range(count)]
+        inputs = [random_gemv_operands(shape, fmt, act, seed=i, device=measure.device) for i in range(count)]
         a, b, out = inputs[0]
         row["path"] = "fp4gemv.gemv"
         plan = ops.plan_for(a, b, out=out)
 
         def launch(x):
-            ops.gemv(x[0], x[1], out=x[2])
+            gemv(x[0], x[1], out=x[2])
 
-        row["host_us"] = host_time_us(lambda: ops.gemv(a, b, out=out))
+        row["host_us"] = measure.host_time_us(lambda: gemv(a, b, out=out))
     row["kernel"] = _describe_plan(plan)
-    row["time"] = summarize(device_time_us(launch, inputs))
+    row["time"] = summarize(measure.device_time_us(launch, inputs))
     inputs.clear()
     torch.cuda.empty_cache()
-    row["best_read"], row["best_read_us"] = best_read(nbytes)
+    row["best_read"], row["best_read_us"] = measure.best_read(nbytes)
     if bf16_baseline:
         row["bf16_us"] = _bf16_matmul_us(shape)
     return row

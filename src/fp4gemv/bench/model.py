@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..nn import FP4Linear
 from .timing import device_time_us
 
 __all__ = ["MODELS", "ModelShape", "decode_benchmark", "format_decode_table"]
@@ -53,8 +54,6 @@ MODELS = {
 
 
 def _fp4_layers(model: ModelShape, device) -> list:
-    from ..nn import FP4Linear
-
     g = torch.Generator(device=device).manual_seed(0)
     layers = []
     for _ in range(model.timed_layers):

@@ -1,18 +1,47 @@
-"""The GEMV kernels, in the order the dispatcher (``fp4gemv.ops``) tries them: the first whose ``why_not``
-and ``why_not_default`` accept the case and the target runs.  A new kernel is one module with its spec and one
-line here."""
+"""The GEMV kernels and their precedence: the one table the dispatcher (``fp4gemv.ops``) reads.
 
+:data:`GEMV_KERNELS` lists the specs in the order they are tried; :data:`DEFERRALS` lists where a kernel that
+runs a case leaves it to a later one by default (measured faster there).  :func:`choose_kernel` takes the first
+spec that runs the case on the target and is not deferred.  No kernel module imports another: a new kernel is
+its module plus one line in ``GEMV_KERNELS`` (and a deferral line, where measurements call for one).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from ..target import Target
 from .general import General
 from .hmma_gemv import Hmma
 from .reference import Reference
-from .spec import KernelSpec
+from .spec import GemvCase, KernelSpec
+from .stream import MIN_N as STREAM_MIN_N
 from .stream import Stream
 from .w4a4 import W4A4
-from .weight_only import WeightOnly
+from .weight_only import MAX_FLOAT_N_OVER_HMMA, WeightOnly
 
-__all__ = ["GEMV_KERNELS", "kernel_by_name"]
+__all__ = ["GEMV_KERNELS", "DEFERRALS", "Deferral", "kernel_by_name", "choose_kernel"]
 
 GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
+
+
+class Deferral(NamedTuple):
+    """Kernel ``kernel`` leaves the cases where ``when(case)`` holds to kernel ``to``, when ``to`` runs them."""
+
+    kernel: str
+    to: str
+    when: Callable[[GemvCase], bool]
+    why: str
+
+
+DEFERRALS: tuple[Deferral, ...] = (
+    # docs/performance.md, the streaming skeleton: at N <= 8 the register-fed weight_only kernel is faster.
+    Deferral("stream", "weight_only", lambda case: case.n < STREAM_MIN_N,
+             f"N < {STREAM_MIN_N} runs faster on weight_only (measured)"),
+    # docs/performance.md, the weight-only kernel's dispatch: at N = 16 hmma was as fast or faster on most shapes.
+    Deferral("weight_only", "hmma", lambda case: case.fmt.name == "nvfp4" and case.n > MAX_FLOAT_N_OVER_HMMA,
+             f"NVFP4 with N > {MAX_FLOAT_N_OVER_HMMA} runs on hmma (measured as fast or faster)"),
+)
 
 
 def kernel_by_name(name: str) -> KernelSpec:
@@ -22,3 +51,32 @@ def kernel_by_name(name: str) -> KernelSpec:
             return spec
     names = ", ".join(repr(s.name) for s in GEMV_KERNELS)
     raise ValueError(f"kernel: expected one of {names}, got {name!r}")
+
+
+def _deferred(spec: KernelSpec, case: GemvCase, target: Target) -> str | None:
+    """Why ``spec`` leaves ``case`` to a later kernel by default (a :data:`DEFERRALS` rule), or None."""
+    for rule in DEFERRALS:
+        if rule.kernel == spec.name and rule.when(case) and kernel_by_name(rule.to).why_not(case, target) is None:
+            return rule.why
+    return None
+
+
+def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
+    """The first spec of :data:`GEMV_KERNELS` that runs the case on the target and is not deferred, or the one
+    named ``kernel`` (deferrals aside), if it runs the case; ValueError with every spec's reason otherwise."""
+    if kernel is not None:
+        spec = kernel_by_name(kernel)
+        reason = spec.why_not(case, target)
+        if reason is not None:
+            raise ValueError(f"kernel: {kernel!r} cannot run {case.describe()} on {target.describe()}: {reason}")
+        return spec
+    reasons = []
+    for spec in GEMV_KERNELS:
+        reason = spec.why_not(case, target)
+        if reason is None:
+            reason = _deferred(spec, case, target)
+            if reason is None:
+                return spec
+        reasons.append(f"{spec.name}: {reason}")
+    raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
+                     + "); backend='reference' computes it in float64")

@@ -11,9 +11,9 @@ One program computes ``ROWS`` output rows of one batch for all N activation rows
 ``BLOCKS`` 16-element blocks (one int64 each; an MXFP4 32-element block is two of them sharing one scale).
 Each weight block is loaded once per program and used for every activation row.  Scales of either operand
 are addressed through five strides that cover the linear layout and the 128x4 swizzle in one formula
-(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s; for W4A4 NVFP4 with N = 1 it computes
-what w4a4.py computes, bit for bit at ``ksplit = 1`` (tested; w4a4.py's ksplit, unroll, PDL and per-row
-activation loads are not ported here):
+(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s (whose ksplit, unroll, PDL and per-row
+activation loads are not ported here); the two sum in different orders, so their results agree within the
+block-sum bound, not bit for bit (tests/test_kernels_general.py checks both against the exact result):
 
 * W4A4: each block's exact integer dot product (``_decode``: doubled integers, PTX or pure Triton, equal bit
   for bit) times ``sfa * sfb`` (exact in fp32: 4-bit significands, or powers of two), accumulated in fp32.
@@ -34,8 +34,8 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from .block_sum_tiles import w4a4_config
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
-from .w4a4 import w4a4_config
 
 __all__ = ["GeneralConfig", "General", "gemv_kernel"]
 

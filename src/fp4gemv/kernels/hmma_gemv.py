@@ -43,7 +43,8 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
-from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
+from .spec import (ErrorModel, FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
+                   global_scale_sources)
 
 __all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
 
@@ -429,6 +430,13 @@ class Hmma(TritonKernelSpec):
 
     def default_config(self, case: GemvCase, target: Target) -> HmmaConfig:
         return hmma_config(case.m, case.k, case.batch)
+
+    def error_model(self, case: GemvCase, config: HmmaConfig) -> ErrorModel:
+        """Every product in one fp32 accumulation; the fold is 2^-14 (fp16) or 2^-7 (bf16) per FP4 operand and
+        the activation's (module docstring)."""
+        if case.fp4_activation:
+            return ErrorModel(tensor_cores=True, fold=28)
+        return ErrorModel(tensor_cores=True, fold=14 if case.b.dtype == torch.float16 else 7)
 
     def check_config(self, config: HmmaConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("warps",))

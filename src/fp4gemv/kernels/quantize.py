@@ -234,7 +234,7 @@ def _round_to_odd_f32(exact):
     """float64 ``exact`` rounded to float32 *to odd*: truncated, the last bit set when anything was cut.
 
     float32 keeps more than two bits beyond bf16's and fp16's significands, so rounding this once more to
-    either (nearest even) equals rounding ``exact`` to it directly (``reference.round_from_float64``).
+    either (nearest even) equals rounding ``exact`` to it directly (``formats.round_from_float64``).
     """
     nearest = exact.to(tl.float32)
     back = nearest.to(tl.float64)

@@ -3,17 +3,17 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
-from ..reference import quantized_gemv_reference
+from ..reference import fp4_values, gemv_reference
 from ..target import Target
-from ..tensor import FP4Tensor
 from .spec import GemvCase, GemvOperands, KernelSpec
 
 __all__ = ["Reference"]
 
 
 class Reference(KernelSpec):
-    """``reference.quantized_gemv_reference`` on the operands, copied into the output: exact products and sums
-    in float64, one rounding to the output dtype.  Any device, layout and alignment; no configuration."""
+    """``reference.gemv_reference`` of the operands' exact values (``reference.fp4_values``), copied into the
+    output: exact products and sums in float64, one rounding to the output dtype.  Any device, layout and
+    alignment; no configuration."""
 
     name = "reference"
     config_type = None
@@ -23,9 +23,9 @@ class Reference(KernelSpec):
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         case = ops.case
-        a = FP4Tensor(ops.a_data, ops.a_scales, case.fmt, case.a.scale_layout, ops.a_global_scale)
+        a = fp4_values(ops.a_data, ops.a_scales, case.fmt, case.a.scale_layout, ops.a_global_scale)
         if case.fp4_activation:
-            b = FP4Tensor(ops.b_data, ops.b_scales, case.fmt, case.b.scale_layout, ops.b_global_scale)
+            b = fp4_values(ops.b_data, ops.b_scales, case.fmt, case.b.scale_layout, ops.b_global_scale)
         else:
             b = ops.b_data
-        ops.out.copy_(quantized_gemv_reference(a, b, case.out_dtype))
+        ops.out.copy_(gemv_reference(a, b, case.out_dtype))

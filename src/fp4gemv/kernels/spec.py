@@ -3,10 +3,12 @@
 * :class:`GemvCase` is everything a kernel's choice and configuration may depend on: formats, sizes,
   dtypes, strides and alignments of the operands in the batched ``[L, rows, ...]`` form the kernels read.
   It holds metadata only (no tensor values), so the op layer can cache decisions per case.
+* :class:`GemvOperands` are the tensors of one GEMV in that batched form with their case; the op layer builds
+  them (kernels never see an ``FP4Tensor``).
 * :class:`KernelSpec` is one kernel as the dispatcher sees it: a name, ``supports(case, target)``,
-  ``default_config(case, target)``, its config class, and ``launch``; ``why_not_default`` lets a kernel that
-  runs a case leave it to a later one by default.  ``kernels/__init__.py`` lists them in
-  the order the dispatcher tries them.
+  ``default_config(case, target)``, its config class, its :class:`ErrorModel` and ``launch``.
+  ``kernels/__init__.py`` lists them in the order the dispatcher tries them, with the cases one leaves to
+  another (its ``DEFERRALS``).
 * A Triton kernel describes its launch as a :class:`TritonLaunch`: the JIT function, the grid, every argument
   by name with the operands' pointers as :class:`Src` placeholders, and the launch options.  The op layer
   fills the placeholders (tensor views on the first call and in the interpreter; raw pointers on cached calls,
@@ -26,7 +28,7 @@ from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
            "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
-           "global_scale_sources", "check_powers_of_two"]
+           "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources"]
 
 
 def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
@@ -129,26 +131,6 @@ class GemvCase:
         return f"{self.fmt.name} {self.m}x{self.k}{batch} times {act}, N={self.n}"
 
 
-def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
-    """Metadata of FP4Tensor ``t`` whose batched views are ``data`` ``[L, rows, K/2]`` and ``scales``."""
-    if t.scale_layout == "linear":  # [L, rows, cols]
-        addressing = linear_scale_addressing(scales.stride(0), scales.stride(1))
-    else:  # [L, rows_p * cols_p]
-        addressing = swizzled_scale_addressing(scales.stride(0), t.k // t.fmt.block_size)
-    return FP4Meta(
-        rows=data.shape[1], batch_stride=data.stride(0), row_stride=data.stride(1),
-        align=alignment(data, data.stride()[:2]), scale_layout=t.scale_layout, scales=addressing,
-        scale_align=alignment(scales, tuple(addressing[:4])), has_global_scale=t.global_scale is not None,
-    )
-
-
-def _batched(t: torch.Tensor, batch: int, dims: int) -> torch.Tensor:
-    """``t`` with a leading batch dimension of size ``batch`` (stride 0 when broadcast), ``dims`` dims in all."""
-    while t.dim() < dims:
-        t = t.unsqueeze(0)
-    return t.expand(batch, *t.shape[1:])
-
-
 class GemvOperands(NamedTuple):
     """The tensors of one GEMV in the batched form kernels read, with the case describing them.
 
@@ -165,37 +147,6 @@ class GemvOperands(NamedTuple):
     b_scales: torch.Tensor | None
     b_global_scale: torch.Tensor | None
     out: torch.Tensor
-
-    @classmethod
-    def of(cls, a, b, out: torch.Tensor) -> GemvOperands:
-        """Batched views of FP4Tensor ``a``, activation ``b`` (FP4Tensor or float tensor, already checked
-        against ``a``) and the result tensor ``out``, and the case they make."""
-        from ..tensor import FP4Tensor
-
-        batch = next((t.shape[0] for t in (a, b) if len(t.shape) == 3), 1)
-        a_data = _batched(a.data, batch, 3)
-        a_scales = _batched(a.scales, batch, 3 if a.scale_layout == "linear" else 2)
-        c = out
-        if len(b.shape) == 1:
-            c = c.unsqueeze(-1)
-        if c.dim() == 2:
-            c = c.unsqueeze(0)
-        if isinstance(b, FP4Tensor):
-            b_data = _batched(b.data, batch, 3)
-            b_scales = _batched(b.scales, batch, 3 if b.scale_layout == "linear" else 2)
-            b_meta = _fp4_meta(b, b_data, b_scales)
-            b_gs = b.global_scale
-        else:
-            b_data, b_scales, b_gs = _batched(b, batch, 3), None, None
-            contiguous_k = b_data.stride(-1) == 1
-            size = b_data.element_size()
-            b_meta = FloatMeta(b_data.dtype, tuple(b_data.stride()),
-                               alignment(b_data, tuple(s * size for s in b_data.stride()[:2])) if contiguous_k else 0)
-        case = GemvCase(
-            fmt=a.fmt, m=a.rows, k=a.k, n=b_data.shape[1], batch=batch, a=_fp4_meta(a, a_data, a_scales),
-            b=b_meta, out_dtype=out.dtype, out_strides=tuple(c.stride()), vector=len(b.shape) == 1,
-        )
-        return cls(case, a_data, a_scales, a.global_scale, b_data, b_scales, b_gs, c)
 
 
 class Src(NamedTuple):
@@ -232,6 +183,19 @@ def check_powers_of_two(config: NamedTuple, fields: tuple[str, ...]) -> None:
             raise ValueError(f"config: expected {name} a power of two >= 1, got {config}")
 
 
+class ErrorModel(NamedTuple):
+    """How a kernel's fp32 arithmetic may move its result from the exact one, as its module docstring derives it
+    (``tests/operands.py`` turns it into the bound the tests check).
+
+    tensor_cores: False for exact 16-element block sums accumulated in fp32 (depth K/16 + 22 roundings to
+    nearest); True for all K products in one fp32 accumulation on the tensor cores (depth K + 24, which may
+    truncate).  fold: the exponent f of the 2^-f the tensor-core accumulator carries until the epilogue (its
+    underflow term scales by 2^f)."""
+
+    tensor_cores: bool = False
+    fold: int = 0
+
+
 class KernelSpec:
     """One GEMV implementation as the dispatcher sees it.  Subclasses set ``name`` and ``config_type`` and
     implement :meth:`why_not`, :meth:`default_config` and :meth:`launch`."""
@@ -246,11 +210,6 @@ class KernelSpec:
     def supports(self, case: GemvCase, target: Target) -> bool:
         return self.why_not(case, target) is None
 
-    def why_not_default(self, case: GemvCase, target: Target) -> str | None:
-        """None when the dispatcher may choose this kernel for a case it runs; else why it leaves the case to a
-        later kernel (one measured faster there).  ``kernel=`` names it regardless."""
-        return None
-
     def default_config(self, case: GemvCase, target: Target):
         """The measured default launch configuration (None for an implementation without one)."""
         return None
@@ -258,6 +217,11 @@ class KernelSpec:
     def check_config(self, config, case: GemvCase | None = None) -> None:
         """ValueError unless ``config`` (an instance of ``config_type``) is one this kernel can launch (for
         ``case``, when given)."""
+
+    def error_model(self, case: GemvCase, config) -> ErrorModel:
+        """How far this kernel's result may lie from the exact one (:class:`ErrorModel`); block sums unless
+        overridden."""
+        return ErrorModel()
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         raise NotImplementedError

@@ -34,15 +34,15 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, store_rounded
 from ._decode import doubled_e2m1
-from .spec import GemvCase, GemvOperands, KernelSpec, check_powers_of_two
+from .spec import ErrorModel, GemvCase, GemvOperands, KernelSpec, check_powers_of_two
 
 __all__ = ["StreamConfig", "Stream", "stream_config", "stream_gemv_kernel", "stream_reduce_kernel",
            "SHIPPED_CONFIGS", "decode_asm", "MIN_N"]
 
 # The activation tile: 16 rows (tl.dot's smallest N); rows past N are zero and never stored.
 BLOCK_N = 16
-# Measured faster than the register-fed kernels only above this many rows (docs/performance.md, "the streaming
-# skeleton"): at N <= 8 weight_only is faster.
+# From this many rows on it is faster than the register-fed kernels (docs/performance.md, "the streaming
+# skeleton"); kernels.DEFERRALS leaves fewer to weight_only.
 MIN_N = 9
 
 
@@ -117,9 +117,9 @@ _CONSTRAINTS = "=r,=r,=r,=r,r,r"
 
 
 class Stream(KernelSpec):
-    """NVFP4 weights times fp16/bf16 activations, N = 1..16, on sm_90 (TMA), K a multiple of 256, weight rows
-    16-byte aligned, activation rows contiguous along K at 16-byte aligned addresses.  Chosen by default from
-    ``MIN_N`` rows on."""
+    """NVFP4 weights times fp16/bf16 activations, N = 1..16, on sm_90 (TMA), K a multiple of 256, weight rows and
+    scale rows 16-byte aligned, activation rows contiguous along K at 16-byte aligned addresses.  Below ``MIN_N``
+    rows it defers to weight_only (``kernels.DEFERRALS``)."""
 
     name = "stream"
     config_type = StreamConfig
@@ -139,16 +139,16 @@ class Stream(KernelSpec):
             return f"needs K a multiple of 256 (16-byte scale rows per copy), got K = {case.k}"
         if case.a.align < 16:
             return f"a: needs data rows at multiples of 16 bytes (TMA), got {case.a.align}-byte alignment"
-        if case.a.scale_align < 16 and case.a.scale_layout == "linear":
-            return "a: needs linear scale rows at multiples of 16 bytes (TMA)"
+        if case.a.scale_align < 16:
+            return f"a: needs scale rows at multiples of 16 bytes (TMA), got {case.a.scale_align}-byte alignment"
         if case.b.align < 16:
             return "b: needs rows contiguous along K at 16-byte aligned addresses"
         return None
 
-    def why_not_default(self, case: GemvCase, target: Target) -> str | None:
-        if case.n < MIN_N:
-            return f"N < {MIN_N} runs faster on the register-fed kernels (measured)"
-        return None
+    def error_model(self, case: GemvCase, config: StreamConfig) -> ErrorModel:
+        """Every product exact, all K of a split in one fp32 tensor-core accumulation, partials summed in fp32; no
+        fold (module docstring)."""
+        return ErrorModel(tensor_cores=True, fold=0)
 
     def default_config(self, case: GemvCase, target: Target) -> StreamConfig:
         return stream_config(case, target.sm_count or 132)

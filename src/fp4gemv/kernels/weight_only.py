@@ -34,8 +34,8 @@ is exact only for 2^-77 <= |x| < 2^64: a value of 2^64 or more becomes infinity 
 a nonzero value below 2^-77 may lose its product's low bits in fp32.  fp16 and FP4 activations, and NVFP4 x bf16
 in ``fold``, have no such restriction.  On the pure-Triton path (``backend="triton"``) there is no bias.
 
-``default_config`` and the dispatch range (``WeightOnly.why_not_default``) follow the H200 measurements of
-docs/performance.md, v9.
+``default_config`` and the dispatch range (``MAX_FLOAT_N_OVER_HMMA``, a rule of ``kernels/__init__.py``'s
+``DEFERRALS``) follow the H200 measurements of docs/performance.md (the weight-only kernel's sections).
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ from ..target import SM90, Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
-from .hmma_gemv import Hmma
-from .spec import FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, global_scale_sources
+from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch,
+                   global_scale_sources)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
@@ -59,8 +59,9 @@ __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step
 MAX_WARPS = 16
 # split gives each n-tile 2 activation rows (4 K owners x 2 columns): N <= 4 with two n-tiles.
 MAX_SPLIT_N = 4
-# NVFP4 cases with more activation rows than this are left to the hmma kernel by default (docs/performance.md,
-# v9: at N = 16 hmma was as fast or faster on most shapes with FP4 activations).
+# NVFP4 cases with more activation rows than this are left to the hmma kernel by default (kernels/__init__.py's
+# DEFERRALS; docs/performance.md, the weight-only kernel's dispatch: at N = 16 hmma was as fast or faster on most
+# shapes with FP4 activations).
 MAX_FLOAT_N_OVER_HMMA = 8
 # ptxas options of ``WeightOnlyConfig.loads_first``.
 PTXAS_LOADS_FIRST = "-O1"
@@ -75,7 +76,7 @@ class WeightOnlyConfig(NamedTuple):
     dependent launch (where the target has it), ``loads_first``: compile with ``ptxas -O1``, which keeps every
     load of a step at its top (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split,
     2 tiles, 5 of the step's 12 loads, 2 of its 4 weight loads, were issued before its first mma;
-    docs/performance.md, v9)."""
+    docs/performance.md, the weight-only kernel's section)."""
 
     tiles: int = 1
     warps: int = 4
@@ -96,10 +97,11 @@ def _split_aligned(case: GemvCase) -> bool:
 
 
 def weight_only_config(case: GemvCase, sm_count: int) -> WeightOnlyConfig:
-    """The configuration for ``case`` on a GPU of ``sm_count`` SMs, from the H200 sweeps (docs/performance.md, v9).
+    """The configuration for ``case`` on a GPU of ``sm_count`` SMs, from the H200 sweeps (docs/performance.md,
+    the weight-only kernel's section).
 
     fp16/bf16 activations (bf16 measured at N = 1 and 8 over tiles x warps; fp16 shares the loads and grid, and
-    was only timed with an earlier rule): split for N <= 2; 4 tiles of 16 rows per warp with about 16 resident
+    was not swept on this rule itself): split for N <= 2; 4 tiles of 16 rows per warp with about 16 resident
     warps per SM where N <= 2 and the rows (M x L) reach 24K (4096 x 7168 x 8 and 28672 x 8192: the 4 tiles'
     shared activation fragments pay), else 1 tile and about 32 warp-chunks per SM (programs x warps x chunks
     over the SMs: 27-31 in every measured best but the grid-limited 1024 x 4096), spent as two chunks on half the
@@ -186,11 +188,10 @@ class WeightOnly(TritonKernelSpec):
             return "b: needs rows contiguous along K at 16-byte aligned addresses"
         return None
 
-    def why_not_default(self, case: GemvCase, target: Target) -> str | None:
-        """NVFP4 with N > 8 stays on hmma where hmma runs it (docs/performance.md, v9)."""
-        if case.fmt.name == "nvfp4" and case.n > MAX_FLOAT_N_OVER_HMMA and Hmma().why_not(case, target) is None:
-            return f"NVFP4 with N > {MAX_FLOAT_N_OVER_HMMA} runs on hmma (measured as fast or faster)"
-        return None
+    def error_model(self, case: GemvCase, config: WeightOnlyConfig) -> ErrorModel:
+        """Every product in one fp32 accumulation, with the step mode's fold (``_mma_step.fold_exponent``)."""
+        spec = step_spec(case, config)
+        return ErrorModel(tensor_cores=True, fold=fold_exponent(spec.fmt, spec.act, spec.mode))
 
     def default_config(self, case: GemvCase, target: Target) -> WeightOnlyConfig:
         # The interpreter has no SMs: the H200's count, where the configurations were measured.

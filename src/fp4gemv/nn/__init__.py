@@ -8,7 +8,7 @@ MXFP4) and :func:`save_compressed_tensors`, :func:`save_modelopt`, :func:`save_m
 process group (``fp4gemv.nn.parallel``).
 """
 
-from .checkpoints import SafetensorsDirectory, detect_convention, layer_from_tensors, layer_tensors
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_tensors, read_layer
 from .linear import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
 from .parallel import ColumnParallelFP4Linear, RowParallelFP4Linear
 from .model import (
@@ -38,6 +38,6 @@ __all__ = [
     "save_mxfp4",
     "SafetensorsDirectory",
     "detect_convention",
-    "layer_from_tensors",
+    "read_layer",
     "layer_tensors",
 ]

@@ -25,7 +25,7 @@ the bytes as they are.  Keys are ``<prefix>.<name>``:
   and for W4A4 ``input_scale`` fp32 scalar, a multiplier too (``amax / (6 * 448)``, same file,
   ``get_activation_scaling_factor``; vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``
   quantizes x times ``1 / input_scale`` and multiplies the output by ``input_scale * weight_scale_2``).
-  Here x is divided by ``input_scale`` in float64 before rounding (``FP4Tensor.quantize``).
+  Here x is divided by ``input_scale`` in float64 before rounding (``fp4gemv.quantize``).
 * gpt-oss MXFP4, one matrix (openai/gpt-oss, ``gpt_oss/torch/weights.py``, ``_get_mxfp4_tensor``): ``weight_blocks`` uint8
   ``[N, K/32, 16]`` (32 elements per 16 bytes, low nibble first: ``sub[:, 0::2] = lut[blk & 0x0F]``) and
   ``weight_scales`` uint8 ``[N, K/32]``, e8m0 with bias 127 (``ldexp(value, scales - 127)``).
@@ -42,24 +42,27 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from safetensors import safe_open
 
 from .. import formats
-from ..tensor import FP4Tensor
-from .linear import ACTIVATIONS, FP4Linear
 
 __all__ = [
     "CONVENTIONS",
+    "LAYER_KEYS",
+    "CheckpointLayer",
     "SafetensorsDirectory",
+    "checkpoint_key",
     "detect_convention",
     "layer_keys",
-    "layer_from_tensors",
+    "read_layer",
     "layer_tensors",
 ]
 
 CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "gpt-oss")
-_LAYER_NAMES = {
+LAYER_KEYS = {
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale",
                            "weight_zero_point", "weight_shape", "bias"),
     "modelopt": ("weight", "weight_scale", "weight_scale_2", "weight_global_scale", "input_scale",
@@ -69,7 +72,8 @@ _LAYER_NAMES = {
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _key(prefix: str, name: str) -> str:
+def checkpoint_key(prefix: str, name: str) -> str:
+    """The key of tensor ``name`` of the layer at ``prefix`` (``"<prefix>.<name>"``, ``name`` for no prefix)."""
     prefix = prefix.rstrip(".")
     return f"{prefix}.{name}" if prefix else name
 
@@ -81,11 +85,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def detect_convention(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> str | None:
     """``"compressed-tensors"``, ``"modelopt"`` (also FP4Linear's own state dict), ``"gpt-oss"`` or None
     (no FP4 layer at ``prefix``: a float ``weight`` alone is not one), by the key names alone."""
-    if _key(prefix, "weight_packed") in tensors:
+    if checkpoint_key(prefix, "weight_packed") in tensors:
         return "compressed-tensors"
-    if _key(prefix, "weight_blocks") in tensors:
+    if checkpoint_key(prefix, "weight_blocks") in tensors:
         return "gpt-oss"
-    if _key(prefix, "weight") in tensors and _key(prefix, "weight_scale") in tensors:
+    if checkpoint_key(prefix, "weight") in tensors and checkpoint_key(prefix, "weight_scale") in tensors:
         return "modelopt"
     return None
 
@@ -95,11 +99,11 @@ def layer_keys(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> list[st
     convention = detect_convention(tensors, prefix)
     if convention is None:
         return []
-    return [_key(prefix, name) for name in _LAYER_NAMES[convention] if _key(prefix, name) in tensors]
+    return [checkpoint_key(prefix, name) for name in LAYER_KEYS[convention] if checkpoint_key(prefix, name) in tensors]
 
 
 def _get(tensors: Mapping[str, torch.Tensor], prefix: str, name: str, required: bool = True) -> torch.Tensor | None:
-    key = _key(prefix, name)
+    key = checkpoint_key(prefix, name)
     if key not in tensors:
         if required:
             raise KeyError(f"{key}: missing (the layer's other keys name its convention, which needs it)")
@@ -120,7 +124,7 @@ def _per_tensor(tensors, prefix: str, name: str) -> torch.Tensor | None:
     t = _get(tensors, prefix, name, required=False)
     if t is None:
         return None
-    key = _key(prefix, name)
+    key = checkpoint_key(prefix, name)
     _check_dtype(key, t, _SCALE_DTYPES)
     if t.numel() != 1:
         raise ValueError(f"{key}: expected one value (a per-tensor scale), got shape {tuple(t.shape)}")
@@ -131,133 +135,136 @@ def _per_tensor(tensors, prefix: str, name: str) -> torch.Tensor | None:
     return t
 
 
-def layer_from_tensors(
-    tensors: Mapping[str, torch.Tensor],
-    prefix: str = "",
-    *,
-    activations: str | None = None,
-    scale_layout: str | None = None,
-    device: torch.device | str | None = None,
-) -> FP4Linear:
-    """An ``FP4Linear`` from one layer's tensors in any of the conventions of this module (see its docstring).
+class CheckpointLayer(NamedTuple):
+    """One FP4 layer as a checkpoint stores it, validated: the packed bytes and block scales (views, linear
+    ``[N, K/bs]`` or swizzled), the format, the per-tensor scales by kind (None where absent) and the bias."""
 
-    The packed bytes and scales are used as they are (views; ``device`` moves them, nothing is repacked).
-    activations: None: ``"w4a4"`` when the layer has a static input scale, else ``"weight-only"``;
-    ``"weight-only"`` drops a stored input scale; ``"w4a4"`` without one picks the scale per call.
-    Raises KeyError (a missing key), TypeError / ValueError naming the key, the expected and the actual.
-    """
-    if activations is not None and activations not in ACTIVATIONS:
-        raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
-    if scale_layout not in (None, "linear", "swizzled"):
-        raise ValueError(f"scale_layout: expected None, 'linear' or 'swizzled', got {scale_layout!r}")
-    convention = detect_convention(tensors, prefix)
-    if convention is None:
-        near = sorted(k for k in tensors if k.startswith(_key(prefix, "")))[:8] if prefix else sorted(tensors)[:8]
-        raise KeyError(
-            f"{prefix or '<state dict>'}: no FP4 layer: expected {_key(prefix, 'weight_packed')!r} "
-            f"(compressed-tensors), {_key(prefix, 'weight')!r} with {_key(prefix, 'weight_scale')!r} (ModelOpt / "
-            f"FP4Linear) or {_key(prefix, 'weight_blocks')!r} (gpt-oss MXFP4); found {near}"
-        )
+    data: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    scale_layout: str
+    weight_multiplier: torch.Tensor | None
+    weight_divisor: torch.Tensor | None
+    input_multiplier: torch.Tensor | None
+    input_divisor: torch.Tensor | None
+    bias: torch.Tensor | None
 
-    weight_divisor = input_divisor = None
-    weight_multiplier = input_multiplier = None
-    if convention == "compressed-tensors":
-        data_key = _key(prefix, "weight_packed")
-        data = _get(tensors, prefix, "weight_packed")
-        scales = _get(tensors, prefix, "weight_scale")
-        fmt = "nvfp4"
-        _check_dtype(_key(prefix, "weight_scale"), scales, (torch.float8_e4m3fn, torch.uint8))
-        weight_divisor = _per_tensor(tensors, prefix, "weight_global_scale")
-        if weight_divisor is None:
-            raise KeyError(f"{_key(prefix, 'weight_global_scale')}: missing (compressed-tensors NVFP4 has one)")
-        input_divisor = _per_tensor(tensors, prefix, "input_global_scale")
-        zero_point = _get(tensors, prefix, "weight_zero_point", required=False)
-        if zero_point is not None and bool((zero_point != 0).any()):
-            raise ValueError(f"{_key(prefix, 'weight_zero_point')}: expected zeros (symmetric FP4), got nonzero values")
-    elif convention == "modelopt":
-        data_key = _key(prefix, "weight")
-        data = _get(tensors, prefix, "weight")
-        scales = _get(tensors, prefix, "weight_scale")
-        scale_key = _key(prefix, "weight_scale")
-        _check_dtype(scale_key, scales, (torch.float8_e4m3fn, torch.float8_e8m0fnu))
-        fmt = "nvfp4" if scales.dtype == torch.float8_e4m3fn else "mxfp4"
-        weight_multiplier = _per_tensor(tensors, prefix, "weight_scale_2")
-        weight_divisor = _per_tensor(tensors, prefix, "weight_global_scale")
-        input_multiplier = _per_tensor(tensors, prefix, "input_scale")
-        input_divisor = _per_tensor(tensors, prefix, "input_global_scale")
-        for a, b in (("weight_scale_2", "weight_global_scale"), ("input_scale", "input_global_scale")):
-            if _key(prefix, a) in tensors and _key(prefix, b) in tensors:
-                raise ValueError(f"{_key(prefix, b)}: expected either {a} (a multiplier) or {b} (a divisor), got both")
-    else:
-        blocks_key = _key(prefix, "weight_blocks")
-        blocks = _get(tensors, prefix, "weight_blocks")
-        scales = _get(tensors, prefix, "weight_scales")
-        _check_dtype(blocks_key, blocks, (torch.uint8,))
-        _check_dtype(_key(prefix, "weight_scales"), scales, (torch.uint8,))
-        if blocks.dim() != 3 or blocks.shape[-1] != 16:
-            raise ValueError(f"{blocks_key}: expected shape [N, K/32, 16] (16 bytes per 32-element block), "
-                             f"got {tuple(blocks.shape)}")
-        if tuple(scales.shape) != tuple(blocks.shape[:2]):
-            raise ValueError(f"{_key(prefix, 'weight_scales')}: expected shape {tuple(blocks.shape[:2])} "
-                             f"(one e8m0 byte per block of {blocks_key}), got {tuple(scales.shape)}")
-        data_key = blocks_key
-        data = blocks.reshape(blocks.shape[0], -1)
-        scales = scales.view(torch.float8_e8m0fnu)
-        fmt = "mxfp4"
 
+class _Stored(NamedTuple):
+    """What one convention's reader found: the data (``[N, K/2]`` uint8) under ``data_key``, the scales under
+    ``scale_key``, the format, and the per-tensor scales (multiplier / divisor, weight / input)."""
+
+    data_key: str
+    data: torch.Tensor
+    scale_key: str
+    scales: torch.Tensor
+    fmt: str
+    weight_multiplier: torch.Tensor | None = None
+    weight_divisor: torch.Tensor | None = None
+    input_multiplier: torch.Tensor | None = None
+    input_divisor: torch.Tensor | None = None
+
+
+def _read_compressed_tensors(tensors, prefix: str) -> _Stored:
+    scale_key = checkpoint_key(prefix, "weight_scale")
+    scales = _get(tensors, prefix, "weight_scale")
+    _check_dtype(scale_key, scales, (torch.float8_e4m3fn, torch.uint8))
+    weight_divisor = _per_tensor(tensors, prefix, "weight_global_scale")
+    if weight_divisor is None:
+        raise KeyError(f"{checkpoint_key(prefix, 'weight_global_scale')}: missing (compressed-tensors NVFP4 has one)")
+    zero_point = _get(tensors, prefix, "weight_zero_point", required=False)
+    if zero_point is not None and bool((zero_point != 0).any()):
+        raise ValueError(f"{checkpoint_key(prefix, 'weight_zero_point')}: expected zeros (symmetric FP4), got nonzero "
+                         f"values")
+    return _Stored(checkpoint_key(prefix, "weight_packed"), _get(tensors, prefix, "weight_packed"), scale_key, scales,
+                   "nvfp4", weight_divisor=weight_divisor,
+                   input_divisor=_per_tensor(tensors, prefix, "input_global_scale"))
+
+
+def _read_modelopt(tensors, prefix: str) -> _Stored:
+    scale_key = checkpoint_key(prefix, "weight_scale")
+    scales = _get(tensors, prefix, "weight_scale")
+    _check_dtype(scale_key, scales, (torch.float8_e4m3fn, torch.float8_e8m0fnu))
+    for multiplier, divisor in (("weight_scale_2", "weight_global_scale"), ("input_scale", "input_global_scale")):
+        if checkpoint_key(prefix, multiplier) in tensors and checkpoint_key(prefix, divisor) in tensors:
+            raise ValueError(f"{checkpoint_key(prefix, divisor)}: expected either {multiplier} (a multiplier) or "
+                             f"{divisor} (a divisor), got both")
+    return _Stored(checkpoint_key(prefix, "weight"), _get(tensors, prefix, "weight"), scale_key, scales,
+                   "nvfp4" if scales.dtype == torch.float8_e4m3fn else "mxfp4",
+                   weight_multiplier=_per_tensor(tensors, prefix, "weight_scale_2"),
+                   weight_divisor=_per_tensor(tensors, prefix, "weight_global_scale"),
+                   input_multiplier=_per_tensor(tensors, prefix, "input_scale"),
+                   input_divisor=_per_tensor(tensors, prefix, "input_global_scale"))
+
+
+def _read_gpt_oss(tensors, prefix: str) -> _Stored:
+    blocks_key, scale_key = checkpoint_key(prefix, "weight_blocks"), checkpoint_key(prefix, "weight_scales")
+    blocks = _get(tensors, prefix, "weight_blocks")
+    scales = _get(tensors, prefix, "weight_scales")
+    _check_dtype(blocks_key, blocks, (torch.uint8,))
+    _check_dtype(scale_key, scales, (torch.uint8,))
+    if blocks.dim() != 3 or blocks.shape[-1] != 16:
+        raise ValueError(f"{blocks_key}: expected shape [N, K/32, 16] (16 bytes per 32-element block), "
+                         f"got {tuple(blocks.shape)}")
+    if tuple(scales.shape) != tuple(blocks.shape[:2]):
+        raise ValueError(f"{scale_key}: expected shape {tuple(blocks.shape[:2])} (one e8m0 byte per block of "
+                         f"{blocks_key}), got {tuple(scales.shape)}")
+    return _Stored(blocks_key, blocks.reshape(blocks.shape[0], -1), scale_key, scales.view(torch.float8_e8m0fnu),
+                   "mxfp4")
+
+
+_READERS = {"compressed-tensors": _read_compressed_tensors, "modelopt": _read_modelopt, "gpt-oss": _read_gpt_oss}
+
+
+def _checked_layer(stored: _Stored, tensors, prefix: str) -> CheckpointLayer:
+    """The convention-independent checks (data, scale shape, weight_shape, bias) of what a reader found."""
+    data_key, data, scales = stored.data_key, stored.data, stored.scales
     _check_dtype(data_key, data, (torch.uint8,))
     if data.dim() != 2 or min(data.shape) < 1:
         raise ValueError(f"{data_key}: expected shape [N, K/2] (uint8, two e2m1 codes per byte), got {tuple(data.shape)}")
     out_features, in_features = data.shape[0], 2 * data.shape[1]
-    fmt_desc = formats.FORMATS[fmt]
-    cols = in_features // fmt_desc.block_size
-    if in_features % fmt_desc.block_size:
-        raise ValueError(f"{data_key}: expected K = {in_features} a multiple of the {fmt} block size "
-                         f"{fmt_desc.block_size}")
-    scale_key = _key(prefix, "weight_scales" if convention == "gpt-oss" else "weight_scale")
+    fmt = formats.FORMATS[stored.fmt]
+    cols = in_features // fmt.block_size
+    if in_features % fmt.block_size:
+        raise ValueError(f"{data_key}: expected K = {in_features} a multiple of the {stored.fmt} block size "
+                         f"{fmt.block_size}")
     if scales.dtype == torch.uint8:
-        scales = scales.view(fmt_desc.scale_dtype)
-    stored_layout = "linear" if scales.dim() == 2 else "swizzled"
-    if stored_layout == "linear" and tuple(scales.shape) != (out_features, cols):
-        raise ValueError(f"{scale_key}: expected shape ({out_features}, {cols}) = [N, K/{fmt_desc.block_size}] "
+        scales = scales.view(fmt.scale_dtype)
+    scale_layout = "linear" if scales.dim() == 2 else "swizzled"
+    if scale_layout == "linear" and tuple(scales.shape) != (out_features, cols):
+        raise ValueError(f"{stored.scale_key}: expected shape ({out_features}, {cols}) = [N, K/{fmt.block_size}] "
                          f"for {data_key} of shape {tuple(data.shape)}, got {tuple(scales.shape)}")
     weight_shape = _get(tensors, prefix, "weight_shape", required=False)
     if weight_shape is not None and [int(v) for v in weight_shape.reshape(-1)] != [out_features, in_features]:
-        raise ValueError(f"{_key(prefix, 'weight_shape')}: expected [{out_features}, {in_features}] from {data_key}, "
-                         f"got {[int(v) for v in weight_shape.reshape(-1)]}")
+        raise ValueError(f"{checkpoint_key(prefix, 'weight_shape')}: expected [{out_features}, {in_features}] from "
+                         f"{data_key}, got {[int(v) for v in weight_shape.reshape(-1)]}")
     bias = _get(tensors, prefix, "bias", required=False)
     if bias is not None:
-        _check_dtype(_key(prefix, "bias"), bias, (torch.float32, torch.bfloat16, torch.float16))
+        _check_dtype(checkpoint_key(prefix, "bias"), bias, (torch.float32, torch.bfloat16, torch.float16))
         if tuple(bias.shape) != (out_features,):
-            raise ValueError(f"{_key(prefix, 'bias')}: expected shape ({out_features},), got {tuple(bias.shape)}")
+            raise ValueError(f"{checkpoint_key(prefix, 'bias')}: expected shape ({out_features},), got "
+                             f"{tuple(bias.shape)}")
+    return CheckpointLayer(data, scales, stored.fmt, scale_layout, stored.weight_multiplier, stored.weight_divisor,
+                           stored.input_multiplier, stored.input_divisor, bias)
 
-    has_input_scale = input_multiplier is not None or input_divisor is not None
-    if activations is None:
-        activations = "w4a4" if has_input_scale else "weight-only"
-    if activations == "weight-only":
-        input_multiplier = input_divisor = None
-    device = torch.device(device) if device is not None else data.device
 
-    # Validated by FP4Tensor (shapes of swizzled scales, devices) before the module takes the tensors.
-    tensor = FP4Tensor(data.to(device), scales.to(device), fmt, stored_layout)
-    if scale_layout is not None:
-        tensor = tensor.with_scale_layout(scale_layout)
-    module = FP4Linear(
-        in_features, out_features, bias is not None, fmt=fmt, scale_layout=tensor.scale_layout,
-        activations=activations,
-        weight_scale="multiplier" if weight_multiplier is not None else "divisor" if weight_divisor is not None else None,
-        input_scale="multiplier" if input_multiplier is not None else "divisor" if input_divisor is not None else None,
-        device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype,
-    )
-    module._buffers["weight"] = tensor.data
-    module._buffers["weight_scale"] = tensor.scales.view(fmt_desc.scale_dtype)
-    for name, value in (("weight_scale_2", weight_multiplier), ("weight_global_scale", weight_divisor),
-                        ("input_scale", input_multiplier), ("input_global_scale", input_divisor)):
-        if value is not None:
-            module._buffers[name] = value.to(device)
-    if bias is not None:
-        module.bias = torch.nn.Parameter(bias.to(device), requires_grad=False)
-    return module
+def read_layer(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> CheckpointLayer:
+    """The FP4 layer at ``prefix`` in any of the conventions of this module (see its docstring), validated.
+
+    The packed bytes and scales are the stored tensors (views, nothing repacked).  Raises KeyError (a missing
+    key), TypeError / ValueError naming the key, the expected and the actual.
+    """
+    convention = detect_convention(tensors, prefix)
+    if convention is None:
+        near = (sorted(k for k in tensors if k.startswith(checkpoint_key(prefix, "")))[:8] if prefix
+                else sorted(tensors)[:8])
+        raise KeyError(
+            f"{prefix or '<state dict>'}: no FP4 layer: expected {checkpoint_key(prefix, 'weight_packed')!r} "
+            f"(compressed-tensors), {checkpoint_key(prefix, 'weight')!r} with "
+            f"{checkpoint_key(prefix, 'weight_scale')!r} (ModelOpt / FP4Linear) or "
+            f"{checkpoint_key(prefix, 'weight_blocks')!r} (gpt-oss MXFP4); found {near}"
+        )
+    return _checked_layer(_READERS[convention](tensors, prefix), tensors, prefix)
 
 
 def _exact_reciprocal(value: torch.Tensor, what: str) -> torch.Tensor:
@@ -271,14 +278,14 @@ def _exact_reciprocal(value: torch.Tensor, what: str) -> torch.Tensor:
     return inverse
 
 
-def layer_tensors(module: FP4Linear, convention: str, prefix: str = "") -> dict[str, torch.Tensor]:
+def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """The layer's tensors under ``convention``'s key names (see this module's docstring), linear scales.
 
     ``"compressed-tensors"`` and ``"modelopt"`` hold NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale.
     A static input scale is written for W4A4; W4A4 with a per-call scale has none to write (ValueError: run
     ``fp4gemv.nn.calibrate_input_scales`` first).  Values are kept exactly (ValueError otherwise).
     """
-    if not isinstance(module, FP4Linear):
+    if not callable(getattr(module, "quantized_weight", None)):
         raise TypeError(f"module: expected an FP4Linear, got {type(module).__name__}")
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
@@ -323,7 +330,7 @@ def layer_tensors(module: FP4Linear, convention: str, prefix: str = "") -> dict[
                 out["input_global_scale"] = _exact_reciprocal(module.input_scale, f"{name}.input_scale").reshape(1)
     if module.bias is not None:
         out["bias"] = module.bias.detach()
-    return {_key(prefix, k): v.detach().to(torch.float32) if v.dtype == torch.float64 else v.detach()
+    return {checkpoint_key(prefix, k): v.detach().to(torch.float32) if v.dtype == torch.float64 else v.detach()
             for k, v in out.items()}
 
 
@@ -336,8 +343,6 @@ class SafetensorsDirectory(Mapping):
     """
 
     def __init__(self, directory: str | Path) -> None:
-        from safetensors import safe_open
-
         directory = Path(directory)
         files = sorted(directory.glob("*.safetensors"))
         if not files:

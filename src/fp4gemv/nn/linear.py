@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
-from ..ops import gemv
+from ..library import gemv, quantize
+from ..quantize import dequantize
 from ..tensor import FP4Tensor
+from .checkpoints import CheckpointLayer, read_layer
 
 __all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "per_tensor_scale"]
 
@@ -100,7 +102,7 @@ class FP4Linear(nn.Module):
     forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
     dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
     product of x's leading dimensions) run through ``fp4gemv.gemv``, rounded once to x's dtype, then
-    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, W.dequantize(x.dtype), bias)``
+    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, dequantize(W, x.dtype), bias)``
     where ``x_q`` is x (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
     """
 
@@ -184,6 +186,18 @@ class FP4Linear(nn.Module):
         """The static fp32 activation multiplier (``input_scale`` or ``fl32(1/input_global_scale)``), or None."""
         return _multiplier(self, _INPUT_SCALE_NAMES)
 
+    def per_tensor_scales(self) -> dict[str, torch.Tensor]:
+        """The per-tensor scale buffers present, by their state-dict names (``weight_scale_2``, ``input_scale``...)."""
+        return {name: self._buffers[name] for name in (*_WEIGHT_SCALE_NAMES.values(), *_INPUT_SCALE_NAMES.values())
+                if self._buffers.get(name) is not None}
+
+    def set_input_scale(self, multiplier: torch.Tensor) -> None:
+        """Make ``multiplier`` (an fp32 0-d tensor) the static W4A4 activation multiplier ``input_scale``, in place
+        of any stored input scale."""
+        for name in _INPUT_SCALE_NAMES.values():
+            self._buffers.pop(name, None)
+        self.register_buffer("input_scale", multiplier)
+
     def quantized_weight(self) -> FP4Tensor:
         """The weight as an ``FP4Tensor`` ``[out_features, in_features]`` (views of the buffers, no copy).
 
@@ -210,7 +224,7 @@ class FP4Linear(nn.Module):
         multiplier = self.input_multiplier()
         if multiplier is None and self.fmt == "nvfp4":
             multiplier = per_tensor_scale(x2d.detach().abs().amax())
-        return FP4Tensor.quantize(x2d, self.fmt, "linear", multiplier)
+        return quantize(x2d, self.fmt, "linear", multiplier)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -225,7 +239,7 @@ class FP4Linear(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_input(x)
+        self.check_input(x)
         if self.bias is not None and self.bias.dtype != x.dtype:
             raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
                             f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
@@ -233,9 +247,10 @@ class FP4Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_zeros((*lead, self.out_features))
-        return self._product(x2d, x.dtype, self.bias).reshape(*lead, self.out_features)
+        return self.product(x2d, x.dtype, self.bias).reshape(*lead, self.out_features)
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def check_input(self, x: torch.Tensor) -> None:
+        """TypeError / ValueError naming ``x`` unless it is a valid input of :meth:`forward`."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in X_DTYPES:
@@ -245,7 +260,7 @@ class FP4Linear(nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"x: expected device {self.weight.device} like the weight, got {x.device}")
 
-    def _product(self, x2d: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, *,
+    def product(self, x2d: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None, *,
                  out: torch.Tensor | None = None, activation: FP4Tensor | None = None) -> torch.Tensor:
         """``x2d @ W^T (+ bias)`` as ``[tokens, out_features]`` in ``out_dtype``, x2d already validated.
 
@@ -265,8 +280,8 @@ class FP4Linear(nn.Module):
                 y.add_(bias)
             return y
         if isinstance(activation, FP4Tensor):
-            activation = activation.dequantize(out_dtype)
-        return F.linear(activation.to(out_dtype), weight.dequantize(out_dtype), bias)
+            activation = dequantize(activation, out_dtype)
+        return F.linear(activation.to(out_dtype), dequantize(weight, out_dtype), bias)
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
@@ -313,7 +328,7 @@ class FP4Linear(nn.Module):
         per_tensor: Literal["pow2", "amax"] = "pow2",
         input_scale: float | torch.Tensor | None = None,
     ) -> FP4Linear:
-        """Quantize an ``nn.Linear``'s weight (``FP4Tensor.quantize``); the bias is copied as it is.
+        """Quantize an ``nn.Linear``'s weight (``fp4gemv.quantize``); the bias is copied as it is.
 
         NVFP4 weights get the per-tensor multiplier :func:`per_tensor_scale` of their amax (``per_tensor``:
         ``"pow2"``, exact in every checkpoint convention, or ModelOpt's ``"amax"``); MXFP4 weights none.
@@ -332,7 +347,7 @@ class FP4Linear(nn.Module):
                      weight_scale=None if multiplier is None else "multiplier",
                      input_scale=None if input_scale is None else "multiplier",
                      device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype)
-        q = FP4Tensor.quantize(weight, fmt, scale_layout, multiplier)
+        q = quantize(weight, fmt, scale_layout, multiplier)
         module.weight.copy_(q.data)
         module.weight_scale.view(torch.uint8).copy_(q.scales)
         if multiplier is not None:
@@ -355,17 +370,68 @@ class FP4Linear(nn.Module):
     ) -> FP4Linear:
         """Build a module from one layer's checkpoint tensors; the convention is told by the key names.
 
-        ``fp4gemv.nn.checkpoints.layer_from_tensors`` documents the three conventions (compressed-tensors
-        ``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss MXFP4) and this module's own state dict.
+        ``fp4gemv.nn.checkpoints`` documents the three conventions (compressed-tensors ``nvfp4-pack-quantized``,
+        NVIDIA ModelOpt NVFP4, gpt-oss MXFP4) and this module's own state dict, and reads them
+        (``checkpoints.read_layer``).
         tensors: a mapping from key to tensor (a state dict, or ``fp4gemv.nn.checkpoints.SafetensorsDirectory``).
         prefix: the layer's name (``"model.layers.0.mlp.up_proj"``), "" for a bare module's state dict.
-        activations: None: W4A4 when the layer has a static input scale, else weight-only.
+        activations: None: W4A4 when the layer has a static input scale, else weight-only; ``"weight-only"``
+            drops a stored input scale; ``"w4a4"`` without one picks the scale per call.
         scale_layout: None keeps the stored layout (no copy); "swizzled" / "linear" convert the scales.
         device: where the module lives (tensors are moved as they are, never repacked).
+        Raises KeyError (a missing key), TypeError / ValueError naming the key, the expected and the actual.
         """
-        from .checkpoints import layer_from_tensors
+        if activations is not None and activations not in ACTIVATIONS:
+            raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
+        if scale_layout not in (None, "linear", "swizzled"):
+            raise ValueError(f"scale_layout: expected None, 'linear' or 'swizzled', got {scale_layout!r}")
+        return cls.from_checkpoint_layer(read_layer(tensors, prefix), activations=activations,
+                                         scale_layout=scale_layout, device=device)
 
-        return layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
+    @classmethod
+    def from_checkpoint_layer(
+        cls,
+        layer: CheckpointLayer,
+        *,
+        activations: Activations | None = None,
+        scale_layout: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> FP4Linear:
+        """A module holding a checked checkpoint layer's tensors (``from_state_dict``'s arguments)."""
+        has_input_scale = layer.input_multiplier is not None or layer.input_divisor is not None
+        if activations is None:
+            activations = "w4a4" if has_input_scale else "weight-only"
+        input_multiplier, input_divisor = layer.input_multiplier, layer.input_divisor
+        if activations == "weight-only":
+            input_multiplier = input_divisor = None
+        device = torch.device(device) if device is not None else layer.data.device
+        # Validated by FP4Tensor (shapes of swizzled scales, devices) before the module takes the tensors.
+        tensor = FP4Tensor(layer.data.to(device), layer.scales.to(device), layer.fmt, layer.scale_layout)
+        if scale_layout is not None:
+            tensor = tensor.with_scale_layout(scale_layout)
+        out_features, in_features = tensor.rows, tensor.k
+        bias = layer.bias
+        module = cls(
+            in_features, out_features, bias is not None, fmt=layer.fmt, scale_layout=tensor.scale_layout,
+            activations=activations,
+            weight_scale=_kind(layer.weight_multiplier, layer.weight_divisor),
+            input_scale=_kind(input_multiplier, input_divisor),
+            device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype,
+        )
+        # register_buffer replaces the meta placeholders with the loaded tensors themselves (no copy).
+        module.register_buffer("weight", tensor.data)
+        module.register_buffer("weight_scale", tensor.scales.view(tensor.fmt.scale_dtype))
+        for name, value in (("weight_scale_2", layer.weight_multiplier), ("weight_global_scale", layer.weight_divisor),
+                            ("input_scale", input_multiplier), ("input_global_scale", input_divisor)):
+            if value is not None:
+                module.register_buffer(name, value.to(device))
+        if bias is not None:
+            module.bias = nn.Parameter(bias.to(device), requires_grad=False)
+        return module
+
+
+def _kind(multiplier: torch.Tensor | None, divisor: torch.Tensor | None) -> ScaleKind | None:
+    return "multiplier" if multiplier is not None else "divisor" if divisor is not None else None
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

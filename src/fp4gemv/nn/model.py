@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoints import SafetensorsDirectory, detect_convention, layer_from_tensors, layer_keys, layer_tensors
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
 
 __all__ = [
@@ -138,9 +139,7 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
     for name, module in targets.items():
         if name not in amax:
             raise ValueError(f"{name}: run() did not call this W4A4 module, so it has no activation range")
-        for stale in ("input_scale", "input_global_scale"):
-            module._buffers.pop(stale, None)
-        module.register_buffer("input_scale", per_tensor_scale(amax[name], per_tensor))
+        module.set_input_scale(per_tensor_scale(amax[name], per_tensor))
         scales[name] = float(module.input_scale)
     return scales
 
@@ -284,7 +283,7 @@ def load_quantized(
             if convention != config.convention:
                 raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
                                  f"got {convention} key names")
-            new = layer_from_tensors(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
+            new = FP4Linear.from_state_dict(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
                                      device=module.weight.device)
             if (new.in_features, new.out_features) != (module.in_features, module.out_features):
                 raise ValueError(f"{key}: expected [out, in] = [{module.out_features}, {module.in_features}] like the "
@@ -334,8 +333,6 @@ def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, to
 
 
 def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dict[str, dict]) -> Path:
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     seen, plain = set(), {}

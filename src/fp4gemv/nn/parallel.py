@@ -62,8 +62,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import formats, layouts
+from ..library import quantize
 from ..tensor import FP4Tensor
-from .checkpoints import _LAYER_NAMES, SafetensorsDirectory, _key, detect_convention, layer_from_tensors
+from .checkpoints import LAYER_KEYS, SafetensorsDirectory, checkpoint_key, detect_convention
 from .linear import DECODE_MAX_TOKENS, X_DTYPES, FP4Linear, per_tensor_scale
 
 __all__ = ["ColumnParallelFP4Linear", "RowParallelFP4Linear", "COLLECTIVES", "column_split", "row_split"]
@@ -72,7 +73,6 @@ Collective = Literal["default", "symm_mem"]
 COLLECTIVES: tuple[str, ...] = ("default", "symm_mem")
 # The dtypes of torch's one-shot all-reduce kernel (AT_DISPATCH_FLOAT_AND_BFLOAT16 in CUDASymmetricMemoryOps.cu).
 _SYMM_MEM_DTYPES = (torch.float32, torch.bfloat16)
-_PER_TENSOR_NAMES = ("weight_scale_2", "weight_global_scale", "input_scale", "input_global_scale")
 # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13 on).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -182,10 +182,9 @@ def _shard_of(layer: FP4Linear, split: str, rank: int, world_size: int) -> tuple
         tensors["weight_scale"] = _k_scales(layer, k0 // block, (k0 + k) // block)
         if layer.bias is not None:
             whole_bias = layer.bias.detach().clone()
-    for name in _PER_TENSOR_NAMES:
-        if layer._buffers.get(name) is not None:
-            tensors[name] = layer._buffers[name].clone()
-    return layer_from_tensors(tensors, activations=layer.activations), whole_bias
+    for name, scale in layer.per_tensor_scales().items():
+        tensors[name] = scale.clone()
+    return FP4Linear.from_state_dict(tensors, activations=layer.activations), whole_bias
 
 
 # --- shards read from a checkpoint ---------------------------------------------------------------------------
@@ -213,11 +212,11 @@ def _read_shard(tensors, prefix: str, split: str, rank: int, world_size: int,
     split is checked (for ``scale_layout``, the shard's layout to be) before a byte of data is read."""
     convention = detect_convention(tensors, prefix)
     if convention is None:
-        raise KeyError(f"{prefix or '<checkpoint>'}: no FP4 layer: expected {_key(prefix, 'weight_packed')!r} "
-                       f"(compressed-tensors), {_key(prefix, 'weight')!r} with {_key(prefix, 'weight_scale')!r} "
-                       f"(ModelOpt) or {_key(prefix, 'weight_blocks')!r} (gpt-oss MXFP4)")
+        raise KeyError(f"{prefix or '<checkpoint>'}: no FP4 layer: expected {checkpoint_key(prefix, 'weight_packed')!r} "
+                       f"(compressed-tensors), {checkpoint_key(prefix, 'weight')!r} with {checkpoint_key(prefix, 'weight_scale')!r} "
+                       f"(ModelOpt) or {checkpoint_key(prefix, 'weight_blocks')!r} (gpt-oss MXFP4)")
     data_name, scale_name = _DATA_AND_SCALES[convention]
-    data_key, scale_key = _key(prefix, data_name), _key(prefix, scale_name)
+    data_key, scale_key = checkpoint_key(prefix, data_name), checkpoint_key(prefix, scale_name)
     data_slice, scale_slice = tensors.get_slice(data_key), tensors.get_slice(scale_key)
     data_shape, scale_shape = list(data_slice.get_shape()), list(scale_slice.get_shape())
     if convention == "compressed-tensors":
@@ -258,8 +257,8 @@ def _read_shard(tensors, prefix: str, split: str, rank: int, world_size: int,
             out[data_key] = data_slice[:, k0 // 2: k1 // 2]
         out[scale_key] = scale_slice[:, k0 // block: k1 // block]
         shard_shape = [out_features, k]
-    for name in _LAYER_NAMES[convention]:
-        key = _key(prefix, name)
+    for name in LAYER_KEYS[convention]:
+        key = checkpoint_key(prefix, name)
         if name in (data_name, scale_name) or key not in tensors:
             continue
         if name == "weight_shape":
@@ -334,6 +333,7 @@ class _TensorParallelFP4Linear(nn.Module):
         key = (tokens, dtype)
         buffer = self._symm_buffers.get(key)
         if buffer is None:
+            # Loaded on first use: torch's symmetric memory is CUDA-only and most layers never use it.
             import torch.distributed._symmetric_memory as symm_mem
 
             group = self._process_group()
@@ -383,7 +383,7 @@ class ColumnParallelFP4Linear(_TensorParallelFP4Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gather_output or self.tp_size == 1:
             return self.shard(x)
-        self.shard._check_input(x)
+        self.shard.check_input(x)
         lead, n_local, world = x.shape[:-1], self.shard.out_features, self.tp_size
         x2d = x.reshape(-1, self.in_features)
         tokens = x2d.shape[0]
@@ -396,7 +396,7 @@ class ColumnParallelFP4Linear(_TensorParallelFP4Linear):
             # Every rank owns one [tokens, N/P] slice of a zero buffer: the one-shot sum is the gather.
             buffer = self._symm_buffer(tokens, world * tokens * n_local, x.dtype, x.device)
             mine = buffer.view(world, tokens, n_local)[self.tp_rank]
-            self.shard._product(x2d, x.dtype, bias, out=mine)
+            self.shard.product(x2d, x.dtype, bias, out=mine)
             gathered = self._one_shot_sum(buffer).view(world, tokens, n_local)
         else:
             local = self.shard(x2d)
@@ -436,7 +436,7 @@ class ColumnParallelFP4Linear(_TensorParallelFP4Linear):
         rank, world_size = _rank_and_size(group, rank, world_size)
         _check_collective(collective)
         tensors = _read_checkpoint_shard(checkpoint, prefix, "rows", rank, world_size, scale_layout)
-        shard = layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
+        shard = FP4Linear.from_state_dict(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
         return cls(shard, shard.out_features * world_size, group=group, rank=rank, world_size=world_size,
                    gather_output=gather_output, collective=collective)
 
@@ -473,13 +473,13 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         """(this rank's x slice [T, K/P], its FP4 quantization when the group must agree on a scale, lead dims)."""
         k_local = self.shard.in_features
         if self.input_is_parallel:
-            self.shard._check_input(x)
+            self.shard.check_input(x)
         else:
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.in_features:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"x: expected shape [..., in_features] = [..., {self.in_features}] "
                                  f"(input_is_parallel=False), got {shape}")
-            self.shard._check_input(x[..., :k_local])
+            self.shard.check_input(x[..., :k_local])
         lead = x.shape[:-1]
         x2d = x.reshape(-1, x.shape[-1])
         shard = self.shard
@@ -493,7 +493,7 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         if not self.input_is_parallel:
             k0 = self.tp_rank * k_local
             x2d = x2d[:, k0: k0 + k_local].contiguous()
-        activation = None if multiplier is None else FP4Tensor.quantize(x2d, shard.fmt, "linear", multiplier)
+        activation = None if multiplier is None else quantize(x2d, shard.fmt, "linear", multiplier)
         return x2d, activation, lead
 
     def forward_local(self, x: torch.Tensor) -> torch.Tensor:
@@ -503,7 +503,7 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         dtype = self.reduce_dtype or x.dtype
         if x2d.shape[0] == 0:
             return x2d.new_zeros((*lead, self.out_features), dtype=dtype)
-        return self.shard._product(x2d, dtype, None, activation=activation).reshape(*lead, self.out_features)
+        return self.shard.product(x2d, dtype, None, activation=activation).reshape(*lead, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and isinstance(x, torch.Tensor) and self.bias.dtype != x.dtype:
@@ -517,10 +517,10 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         if self._uses_symm_mem(tokens, dtype, x2d.device):
             buffer = self._symm_buffer(tokens, tokens * self.out_features, dtype, x2d.device)
             partial = buffer.view(tokens, self.out_features)
-            self.shard._product(x2d, dtype, None, out=partial, activation=activation)
+            self.shard.product(x2d, dtype, None, out=partial, activation=activation)
             y = self._one_shot_sum(buffer).view(tokens, self.out_features)
         else:
-            y = self.shard._product(x2d, dtype, None, activation=activation)
+            y = self.shard.product(x2d, dtype, None, activation=activation)
             if self.tp_size > 1:
                 dist.all_reduce(y, op=dist.ReduceOp.SUM, group=self.group)
         y = y.to(x.dtype)
@@ -552,9 +552,9 @@ class RowParallelFP4Linear(_TensorParallelFP4Linear):
         rank, world_size = _rank_and_size(group, rank, world_size)
         _check_collective(collective)
         tensors = _read_checkpoint_shard(checkpoint, prefix, "k", rank, world_size, scale_layout)
-        bias_key = _key(prefix, "bias")
+        bias_key = checkpoint_key(prefix, "bias")
         bias = tensors.pop(bias_key, None)
-        shard = layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
+        shard = FP4Linear.from_state_dict(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
         if bias is not None:
             bias = bias.to(shard.weight.device)
         return cls(shard, shard.in_features * world_size, bias, group=group, rank=rank, world_size=world_size,

@@ -1,7 +1,7 @@
-"""``fp4gemv bench --tp N``: tensor-parallel decode GEMVs on N GPUs against one GPU, one process per GPU.
+"""Device script: tensor-parallel decode GEMVs on N GPUs against one GPU, one process per GPU (torchrun).
 
-    torchrun --nproc-per-node N -m fp4gemv bench --tp N [--format nvfp4|mxfp4] [--act bf16|fp16] [--n 1,8]
-             [--out DIR]
+    PYTHONPATH=src torchrun --nproc-per-node N benchmarks/tp_layers.py --tp N [--format nvfp4|mxfp4]
+             [--act bf16|fp16] [--n 1,8] [--out DIR]        (benchmarks/bench_tp.sh runs both activations)
 
 Layers (``fp4gemv.nn.parallel``, random FP4 weights with swizzled scales): 28672x8192 column-parallel, its
 outputs all-gathered, and 8192x28672 row-parallel, its input already split (``input_is_parallel``), the
@@ -30,18 +30,19 @@ with every rank's numbers.  NVLink multicast stays off: ``NCCL_NVLS_ENABLE=0`` a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from typing import Sequence
+import sys
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .. import formats, layouts
-from ..nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear
-from ..nn.checkpoints import layer_from_tensors
-from ..nn.parallel import COLLECTIVES
-from .timing import device_time_us, input_count, summarize
+from fp4gemv import formats, layouts
+from fp4gemv.bench.timing import device_time_us, input_count, summarize
+from fp4gemv.nn import ColumnParallelFP4Linear, FP4Linear, RowParallelFP4Linear
+from fp4gemv.nn.parallel import COLLECTIVES
 
 __all__ = ["TP_LAYERS", "MULTICAST_OFF", "ACT_DTYPES", "check_launch", "random_layer", "parallel_layer", "output_error",
            "measure_case", "summarize_case", "format_tp_table", "run_tp"]
@@ -61,7 +62,8 @@ def check_launch(tp: int, environ=os.environ) -> tuple[int, int]:
                if name not in environ]
     if missing:
         raise ValueError(f"--tp {tp}: expected one process per GPU started by torchrun "
-                         f"(torchrun --nproc-per-node {tp} -m fp4gemv bench --tp {tp}); {', '.join(missing)} not set")
+                         f"(torchrun --nproc-per-node {tp} benchmarks/tp_layers.py --tp {tp}); {', '.join(missing)} "
+                         f"not set")
     world = int(environ["WORLD_SIZE"])
     if world != tp:
         raise ValueError(f"--tp {tp}: expected WORLD_SIZE = {tp} processes (torchrun --nproc-per-node {tp}), "
@@ -86,7 +88,7 @@ def random_layer(m: int, k: int, fmt: str, seed: int, device, scale_layout: str 
     tensors = {"weight": data, "weight_scale": scales.view(f.scale_dtype)}
     if fmt == "nvfp4":
         tensors["weight_scale_2"] = torch.ones((), device=device)
-    return layer_from_tensors(tensors, activations="weight-only")
+    return FP4Linear.from_state_dict(tensors, activations="weight-only")
 
 
 def parallel_layer(split: str, whole: FP4Linear, collective: str):
@@ -145,22 +147,23 @@ def format_tp_table(rows: Sequence[dict], tp: int) -> str:
 
 
 def measure_case(split: str, m: int, k: int, n: int, fmt: str, act: str, rank: int, world: int, sync, device,
-                 collectives: Sequence[str] = COLLECTIVES) -> dict:
+                 collectives: Sequence[str] = COLLECTIVES, time_us: Callable = device_time_us,
+                 count_inputs: Callable[[int], int] = input_count) -> dict:
     """This rank's medians for one case (module docstring) and its output's relative error (a collective call:
-    every rank runs it)."""
+    every rank runs it); ``time_us`` and ``count_inputs``: the timer and the number of distinct layers timed."""
     x = torch.randn(n, k, generator=torch.Generator(device=device).manual_seed(1), device=device,
                     dtype=ACT_DTYPES[act])
     x_tp = parallel_input(split, x, rank, world)
     whole_bytes = m * k // 2 + m * k // formats.FORMATS[fmt].block_size
     result: dict = {}
 
-    wholes = [random_layer(m, k, fmt, seed=i, device=device) for i in range(input_count(whole_bytes))]
-    result["one_gpu_us"] = summarize(device_time_us(lambda layer: layer(x), wholes, before_replay=sync))["median_us"]
+    wholes = [random_layer(m, k, fmt, seed=i, device=device) for i in range(count_inputs(whole_bytes))]
+    result["one_gpu_us"] = summarize(time_us(lambda layer: layer(x), wholes, before_replay=sync))["median_us"]
     check_whole = wholes[0]
     del wholes[1:]
     torch.cuda.empty_cache()
 
-    count = input_count(whole_bytes // world)
+    count = count_inputs(whole_bytes // world)
     for collective in collectives:
         try:
             first = parallel_layer(split, check_whole, collective)
@@ -173,9 +176,9 @@ def measure_case(split: str, m: int, k: int, n: int, fmt: str, act: str, rank: i
         shards = [first] + [parallel_layer(split, random_layer(m, k, fmt, seed=i, device=device), collective)
                             for i in range(1, count)]
         if collective == "default":
-            result["local_us"] = summarize(device_time_us(lambda layer: layer.forward_local(x_tp), shards,
+            result["local_us"] = summarize(time_us(lambda layer: layer.forward_local(x_tp), shards,
                                                           before_replay=sync))["median_us"]
-        result[f"{collective}_us"] = summarize(device_time_us(lambda layer: layer(x_tp), shards,
+        result[f"{collective}_us"] = summarize(time_us(lambda layer: layer(x_tp), shards,
                                                               before_replay=sync))["median_us"]
         shards.clear()
         torch.cuda.empty_cache()
@@ -216,3 +219,29 @@ def run_tp(tp: int, out_dir: str, fmt: str = "nvfp4", act: str = "bf16", ns: Seq
         return rows
     finally:
         dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="tensor-parallel FP4Linear layers on N GPUs against one (torchrun)")
+    parser.add_argument("--tp", type=int, required=True, help="GPUs, one process each (torchrun --nproc-per-node)")
+    parser.add_argument("--format", choices=("nvfp4", "mxfp4"), default="nvfp4")
+    parser.add_argument("--act", choices=tuple(ACT_DTYPES), default="bf16",
+                        help="activation dtype (W4A4 is not timed: its NaN check synchronises, which a graph "
+                             "cannot hold)")
+    parser.add_argument("--n", default="1,8", help="tokens, comma-separated, each 1..16")
+    parser.add_argument("--out", default="bench-out", help="folder for bench_tp.json")
+    args = parser.parse_args(argv)
+    ns = [int(v) for v in args.n.split(",")]
+    if not all(1 <= v <= 16 for v in ns):
+        parser.error(f"--n: expected comma-separated integers from 1 to 16, got {args.n!r}")
+    try:
+        check_launch(args.tp)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_tp(args.tp, args.out, fmt=args.format, act=args.act, ns=ns)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
