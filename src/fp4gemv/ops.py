@@ -110,6 +110,8 @@ def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
         rows=data.shape[1], batch_stride=data.stride(0), row_stride=data.stride(1),
         align=alignment(data, data.stride()[:2]), scale_layout=t.scale_layout, scales=addressing,
         scale_align=alignment(scales, tuple(addressing[:4])), has_global_scale=t.global_scale is not None,
+        scale_tile_align=alignment(scales, (addressing.batch, addressing.r32 if t.scale_layout == "linear"
+                                            else addressing.row_tile)),
     )
 
 

@@ -71,7 +71,9 @@ class FP4Meta:
     """One FP4 operand as the kernels read it, ``[L, rows, K/2]`` bytes (batch stride 0 when broadcast).
 
     align: largest power of two (<= 16) dividing the data's address and its batch and row strides;
-    scale_align: the same for the scale bytes (their address and the addressing's row strides)."""
+    scale_align: the same for the scale bytes (their address and the addressing's row strides);
+    scale_tile_align: the same for where a bulk copy of scales starts (the address, the batch stride, and the row
+    stride (linear) or the 128-row tile's (swizzled))."""
 
     rows: int
     batch_stride: int
@@ -81,6 +83,7 @@ class FP4Meta:
     scales: ScaleAddressing
     scale_align: int
     has_global_scale: bool
+    scale_tile_align: int = 1
 
 
 @dataclass(frozen=True)

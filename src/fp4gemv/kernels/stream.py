@@ -139,8 +139,9 @@ class Stream(KernelSpec):
             return f"needs K a multiple of 256 (16-byte scale rows per copy), got K = {case.k}"
         if case.a.align < 16:
             return f"a: needs data rows at multiples of 16 bytes (TMA), got {case.a.align}-byte alignment"
-        if case.a.scale_align < 16:
-            return f"a: needs scale rows at multiples of 16 bytes (TMA), got {case.a.scale_align}-byte alignment"
+        if case.a.scale_tile_align < 16:
+            return (f"a: needs the scale copies' rows (tiles) at multiples of 16 bytes (TMA), got "
+                    f"{case.a.scale_tile_align}-byte alignment")
         if case.b.align < 16:
             return "b: needs rows contiguous along K at 16-byte aligned addresses"
         return None
