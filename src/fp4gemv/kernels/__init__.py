@@ -2,6 +2,7 @@
 and ``why_not_default`` accept the case and the target runs.  A new kernel is one module with its spec and one
 line here."""
 
+from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
 from .reference import Reference
@@ -11,7 +12,7 @@ from .weight_only import WeightOnly
 
 __all__ = ["GEMV_KERNELS", "kernel_by_name"]
 
-GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), WeightOnly(), Hmma(), General(), Reference())
+GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), WeightOnly(), Hmma(), General(), Reference())
 
 
 def kernel_by_name(name: str) -> KernelSpec:

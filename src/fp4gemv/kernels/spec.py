@@ -26,7 +26,10 @@ from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
            "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
-           "global_scale_sources", "check_powers_of_two"]
+           "global_scale_sources", "check_powers_of_two", "GEMV_MAX_N", "too_many_rows"]
+
+# Activation rows the GEMV kernels take: they keep every row's accumulator in registers (the GEMM takes more).
+GEMV_MAX_N = 16
 
 
 def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
@@ -230,6 +233,13 @@ def check_powers_of_two(config: NamedTuple, fields: tuple[str, ...]) -> None:
         value = getattr(config, name)
         if not isinstance(value, int) or value < 1 or value & (value - 1):
             raise ValueError(f"config: expected {name} a power of two >= 1, got {config}")
+
+
+def too_many_rows(case: GemvCase) -> str | None:
+    """The reason a GEMV kernel refuses ``case`` for its N, None when N <= ``GEMV_MAX_N``."""
+    if case.n > GEMV_MAX_N:
+        return f"takes N <= {GEMV_MAX_N} activation rows (register accumulators), got N = {case.n}"
+    return None
 
 
 class KernelSpec:

@@ -52,6 +52,7 @@ from ._decode import doubled_e2m1
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
 from .hmma_gemv import Hmma
 from .spec import FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, global_scale_sources
+from .spec import too_many_rows
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
@@ -165,6 +166,8 @@ class WeightOnly(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if too_many_rows(case) is not None:
+            return too_many_rows(case)
         if case.k % 32:
             return f"needs K a multiple of 32, got K = {case.k}"
         nvfp4 = case.fmt.name == "nvfp4"
