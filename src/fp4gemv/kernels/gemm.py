@@ -1,31 +1,36 @@
 """FP4 weights times many activation rows (prefill): a W4A16 GEMM on the tensor cores, NVFP4 or MXFP4 weights
-times fp16/bf16 activations, any N (the GEMV kernels keep every row's accumulator in registers; this one tiles N).
+times fp16/bf16 activations, any N >= ``MIN_N`` (the GEMV kernels keep every row's accumulator in registers; this
+one tiles N).
 
-The program.  One ``BLOCK_M x BLOCK_N`` output tile of one batch (weight rows x activation rows), walking K in
-steps of ``BLOCK_K``.  Both operands stream through tensor descriptors (``tl.make_tensor_descriptor``: TMA on
-sm_90, pipelined ``num_stages`` deep into shared memory by ``tl.range``): the packed weights
-``[BLOCK_M, BLOCK_K / 2]`` bytes and the activation ``[BLOCK_N, BLOCK_K]``; out-of-range rows and K are
-zero-filled by the copy.  The weight tile is decoded in registers to the activation's 16-bit type with its block
-scale folded in and multiplied with ``tl.dot`` (wgmma on sm_90), fp32 accumulation.  The block scales
-``[BLOCK_M, BLOCK_K / block]`` are read with plain loads through the one scale-addressing formula
-(``spec.ScaleAddressing``), so both scale layouts share the kernel.
+The program.  One output tile of ``BLOCK_M`` weight rows x ``BLOCK_N`` activation rows of one batch, computed
+transposed (``acc[n, m] = x[n, :] . w[m, :]``, so the activation is the MMA's first operand and the weight
+rows its N side), walking K in steps of ``BLOCK_K``.  Both operands stream through tensor descriptors
+(``tl.make_tensor_descriptor``: TMA on sm_90, pipelined ``num_stages`` deep into shared memory by ``tl.range``;
+out-of-range rows and K are zero-filled by the copy): the packed weights ``[BLOCK_M, BLOCK_K / 2]`` bytes and the
+activation ``[BLOCK_N, BLOCK_K]``.  The weight tile is read from shared memory in 16-byte rows, decoded in
+registers to the activation's 16-bit type with its block scale multiplied in, and written back once as the
+MMA's second operand; ``tl.dot`` runs wgmma with both operands in shared memory, fp32 accumulation.  The block
+scales ``[BLOCK_M, BLOCK_K / block]`` are read with plain loads through the one scale-addressing formula
+(``spec.ScaleAddressing``), so both scale layouts share the kernel.  In-kernel descriptors need Triton's
+global scratch memory (128 bytes per descriptor and program): ``Gemm.triton_launch`` installs a torch-backed
+allocator for the calling thread when none is set.
 
-The decode.  An e2m1 code c placed into bf16 bits as ``(c & 7) << 6 | (c & 8) << 12`` reads as v * 2^-126
-(code 1 becomes bf16's subnormal 2^-127); into fp16 bits as ``(c & 7) << 9 | (c & 8) << 12``, v * 2^-14.  The
-scale multiply carries the correction: the weight becomes ``v * s * 2^-FOLD`` with the factor
-``s * 2^(bias - FOLD)`` (bias 126 or 14) in the 16-bit type, one multiplication per weight.  The epilogue
-multiplies the fp32 accumulator by ``2^FOLD`` and the global scale, and rounds once to the output dtype.
+The decode (``_decode_asm``, with the pure-Triton twin ``scaled_weights_triton``, equal bit for bit).  Each
+32-bit word of 8 codes becomes four words of two 16-bit values: the magnitudes through prmt byte tables of the
+exact e2m1 values, the signs from a prmt in sign-replicate mode, then one ``mul.rn`` of each pair by its
+block scale: 16 (bf16) / 14 (fp16) instructions per 8 weights.
 
-Exactness (``FOLD``: 7 for NVFP4, 8 for MXFP4).
-* NVFP4: s is e4m3 (3 significand bits, |s| in [2^-9, 448]); the factor ``s * 2^(bias - 7)`` is exact in both
-  types (bf16: at most 448 * 2^119 < 2^128; fp16: at most 448 * 2^7 = 57344) and the weight ``v * s * 2^-7`` has
-  at most 6 significant bits, is a multiple of 2^-17 and at most 21: exact in bf16 and fp16.  No restriction.
-* MXFP4: s = 2^(e - 127) (e8m0 byte e); the weight ``v * 2^(e - 135)`` and its factor ``2^(e - 135 + bias)`` are
-  exact for e8m0 bytes 3..136 with bf16 activations (scales 2^-124 .. 2^9) and 112..136 with fp16 ones (scales
-  2^-15 .. 2^9).  Above 136 the factor overflows to infinity (the outputs of those rows become inf or NaN);
-  below the lower bound the smallest weights fall under the 16-bit type's subnormals and are rounded.
-* The tensor cores multiply 16-bit operands exactly into fp32 and accumulate in fp32; the bound is the
-  tensor-core kernels' (``tests/operands.py``, ``tensor_cores=True`` with ``fold=FOLD``).
+Exactness.  The decoded e2m1 value v is exact; v times the 16-bit scale factor s is exact where it is
+representable, and the tensor cores multiply 16-bit operands exactly into fp32 and accumulate in fp32 (the bound
+of the tensor-core kernels: ``tests/operands.py``, ``tensor_cores=True``, ``fold=0``).
+* NVFP4: s is e4m3 (3 significand bits, |s| in [2^-9, 448]), exact in both types, and v * s has at most 6
+  significant bits in [2^-10, 2688]: exact in bf16 and in fp16.  No restriction.
+* MXFP4, bf16 activations: s = 2^(e - 127) (e8m0 byte e) is exact in bf16 for every byte but 255 (NaN, which
+  stays NaN), and v * s is exact for bytes 0..252; from byte 253 (scales 2^126, 2^127) the largest codes
+  overflow to infinity.
+* MXFP4, fp16 activations: the factor is the scale rounded to fp16, exact for bytes 103..142 (scales 2^-24 ..
+  2^15), and v * s is exact for bytes 104..140 (scales 2^-23 .. 2^13).  Above, weights overflow to infinity
+  (the outputs they touch become inf or NaN); below, the smallest weights round to fp16's subnormals or to zero.
 
 ``gemm_config`` holds the tile shapes per N range.
 """
@@ -37,19 +42,18 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, scale_row_offset, store_rounded
+from ._decode import doubled_e2m1
 from .spec import GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
-__all__ = ["GemmConfig", "Gemm", "gemm_config", "gemm_kernel", "FOLD", "MIN_N", "SHIPPED_CONFIGS"]
+__all__ = ["GemmConfig", "Gemm", "gemm_config", "gemm_kernel", "MIN_N", "SHIPPED_CONFIGS", "scaled_weights_ptx",
+           "scaled_weights_triton"]
 
 # Activation rows below this go to the GEMV kernels (their register accumulators are faster there).
 MIN_N = 17
-# 2^-FOLD per weight after the scale multiply (module docstring, exactness).
-FOLD = {"nvfp4": 7, "mxfp4": 8}
-# Bits of the decode's bias: code << shift reads as v * 2^-bias.
-_DECODE_BIAS = {torch.bfloat16: 126, torch.float16: 14}
 # Shared memory per SM on sm_90 that a program may take (227 KB less a margin for the epilogue's scratch).
 _SHARED_BYTES = 200 * 1024
 
@@ -65,28 +69,32 @@ class GemmConfig(NamedTuple):
     num_stages: int = 4
 
 
-# Every configuration gemm_config can return: the CPU tests run each of them against the exact oracle.
+# Every configuration gemm_config can return: the CPU tests run each of them against the exact oracle.  None
+# spills or uses local memory on sm_90 (tests/test_kernels_gemm.py); the main loop's SASS takes 3.7 to 5.0
+# instructions per weight (benchmarks/gemm_sass.py).
 SHIPPED_CONFIGS: tuple[GemmConfig, ...] = (
-    GemmConfig(64, 32, 256, 4, 4),
     GemmConfig(64, 64, 256, 4, 4),
+    GemmConfig(128, 64, 128, 4, 4),
     GemmConfig(128, 128, 128, 8, 4),
-    GemmConfig(128, 256, 64, 8, 4),
+    GemmConfig(256, 128, 64, 8, 4),
 )
+# Programs below this many leave SMs idle (132 on the H200): the smaller weight tile is taken instead.
+_FULL_GRID = 132
 
 
 def gemm_config(case: GemvCase) -> GemmConfig:
     """The tile shape for ``case`` by its activation rows N (one of ``SHIPPED_CONFIGS``).
 
-    Up to 64 rows the product is bound by the weight bytes: small weight tiles (64 rows) so that even
-    4096 x 4096 makes 64 programs per N tile, deep K steps (256) to keep the TMA busy.  Beyond, the tensor
-    cores bound it: large tiles (128 x 128, 128 x 256 from 256 rows) reuse each decoded weight tile over more
-    activation rows.  Untuned: benchmarks/gemm_sweep.py times the candidates on the H200.
+    Up to 64 rows the product is bound by the weight bytes: one 64-row MMA tile of activation rows (wgmma's M;
+    fewer rows are zero-filled) and 128 weight rows, or 64 with deeper K steps where 128 would leave SMs idle.
+    Beyond, the tensor cores bound it: 128 x 128 tiles, then 256 weight rows x 128 activation rows from 192
+    rows on, reusing each decoded weight tile over more activation rows.  Not yet measured: benchmarks/
+    gemm_sweep.py times these and their neighbours on the H200.
     """
-    n = case.n
-    if n <= 32:
-        return SHIPPED_CONFIGS[0]
+    n, rows = case.n, case.m
     if n <= 64:
-        return SHIPPED_CONFIGS[1]
+        programs = -(-rows // 128) * case.batch
+        return SHIPPED_CONFIGS[0] if programs < _FULL_GRID else SHIPPED_CONFIGS[1]
     if n <= 192:
         return SHIPPED_CONFIGS[2]
     return SHIPPED_CONFIGS[3]
@@ -141,9 +149,10 @@ class Gemm(TritonKernelSpec):
 
     def triton_launch(self, case: GemvCase, config: GemmConfig, target: Target) -> TritonLaunch:
         """a and its scales as bytes, b in its dtype (strides in elements), out in its dtype."""
+        if target.device_type == "cuda":
+            install_scratch_allocator()
         a, b = case.a, case.b
         gsa_ptr, _ = global_scale_sources(case)
-        fold = FOLD[case.fmt.name]
         args = dict(
             a_ptr=Src("a_data", torch.uint8), sfa_ptr=Src("a_scales", torch.uint8), b_ptr=Src("b_data", b.dtype),
             gsa_ptr=gsa_ptr, c_ptr=Src("out", case.out_dtype),
@@ -153,32 +162,123 @@ class Gemm(TritonKernelSpec):
             sfa_stride_r4=a.scales.r4,
             b_stride_l=b.strides[0], b_stride_n=b.strides[1],
             c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
+            table_high=DECODE_TABLE_WORDS[b.dtype][0], table_low=DECODE_TABLE_WORDS[b.dtype][1],
             MX=case.fmt.name == "mxfp4", BF16=b.dtype == torch.bfloat16, SFA_COL_TILE=a.scales.col_tile,
-            SCALE_BIAS=2.0 ** (_DECODE_BIAS[b.dtype] - fold), UNFOLD=2.0 ** fold, HAS_GSA=a.has_global_scale,
+            HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx",
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         )
         grid = (triton.cdiv(case.m, config.block_m), triton.cdiv(case.n, config.block_n), case.batch)
         return TritonLaunch(gemm_kernel, grid, args, dict(num_warps=config.num_warps))
 
 
+def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    # torch's caching allocator returns 256-byte aligned blocks, more than Triton asks for (128 for descriptors).
+    return torch.empty(size, dtype=torch.uint8, device="cuda")
+
+
+def install_scratch_allocator() -> None:
+    """Give Triton an allocator for the descriptors' global scratch memory, unless the calling thread has one.
+
+    Triton keeps its allocator in a context variable (a thread started later has none and its launches raise
+    Triton's "no allocator was set" error: call this there, or ``triton.set_allocator``)."""
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
 # --- the kernel ---------------------------------------------------------------------------------------------
+
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as 16-bit floats, split into byte tables that prmt indexes (bytes
+# 0..3 in the first word, 4..7 in the second): bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0,
+# fp16 0x0000 0x3800 0x3C00 0x3E00 0x4000 0x4200 0x4400 0x4600 (low bytes all zero).
+_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
+_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)
+_FP16_HIGH_BYTES = (0x3E3C3800, 0x46444240)
+
+
+def _decode_asm(bf16: bool) -> str:
+    """PTX for four packed bytes ($4, byte j = elements 2j, 2j+1) to four words of two 16-bit values times their
+    scale factor ($0..$3: byte j's elements in the low and high halves, times $5+j = {f_j, f_j}); the first table
+    words arrive as registers ($9, and for bf16 $13) so that prmt need not copy them: 16 (bf16) or 14 (fp16)
+    instructions for 8 weights.
+
+    prmt looks the 3-bit magnitudes up in the byte tables, four elements per instruction; the signs come from a
+    prmt in sign-replicate mode (selector bit 3) on the bytes whose top bit is a code's sign (w << 4 for the
+    even elements, w for the odd ones), or-ed into the high bytes; a prmt interleaves low and high bytes; one
+    16-bit pair multiply applies the scale (exact: module docstring)."""
+    high = _BF16_HIGH_BYTES if bf16 else _FP16_HIGH_BYTES
+    mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
+    lines = [
+        "{",
+        ".reg .b32 m, mh, h0, h1, l0, l1, a, s0, s1, p;",
+        "and.b32 m, $4, 0x77777777;",
+        "shr.u32 mh, m, 16;",
+        f"prmt.b32 h0, $9, {high[1]:#010x}, m;",
+        f"prmt.b32 h1, $9, {high[1]:#010x}, mh;",
+        "shl.b32 a, $4, 4;",
+        "prmt.b32 s0, a, $4, 0xD9C8;",
+        "prmt.b32 s1, a, $4, 0xFBEA;",
+        "lop3.b32 h0, h0, s0, 0x80808080, 0xF8;",
+        "lop3.b32 h1, h1, s1, 0x80808080, 0xF8;",
+    ]
+    if bf16:
+        lines += [
+            f"prmt.b32 l0, $13, {_BF16_LOW_BYTES[1]:#010x}, m;",
+            f"prmt.b32 l1, $13, {_BF16_LOW_BYTES[1]:#010x}, mh;",
+        ]
+    else:
+        lines += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
+    for j, (low, sel) in enumerate((("l0, h0", "0x5140"), ("l0, h0", "0x7362"), ("l1, h1", "0x5140"),
+                                     ("l1, h1", "0x7362"))):
+        lines += [f"prmt.b32 p, {low}, {sel};", f"{mul} ${j}, p, ${5 + j};"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+DECODE_BF16_ASM = tl.constexpr(_decode_asm(True))
+DECODE_FP16_ASM = tl.constexpr(_decode_asm(False))
+# The first words of the byte tables, passed to the kernel as arguments (registers for prmt).
+DECODE_TABLE_WORDS = {torch.bfloat16: (_BF16_HIGH_BYTES[0], _BF16_LOW_BYTES[0]), torch.float16: (_FP16_HIGH_BYTES[0], 0)}
 
 
 @triton.jit
-def decode_e2m1_triton(packed, BF16: tl.constexpr):
-    """Packed bytes ``[R, C]`` (element 2j in byte j's low nibble) to 16-bit values ``[R, 2 C]`` scaled by
-    2^-126 (bf16) or 2^-14 (fp16): the code's magnitude bits shifted under the exponent, its sign on bit 15."""
-    p = packed.to(tl.int16)
+def scaled_weights_triton(packed, factor, BF16: tl.constexpr, SF_BLOCK: tl.constexpr):
+    """Packed bytes ``[R, C]`` (element 2j in byte j's low nibble) times their scale factors ``factor``
+    ``[R, 2 C / SF_BLOCK]`` (16-bit, one per block): ``[R, 2 C]`` in bf16 (``BF16``) or fp16, exact (module
+    docstring); the pure-Triton twin of ``scaled_weights_ptx``, bit for bit."""
+    codes = tl.join(packed & 15, packed >> 4)
+    codes = tl.reshape(codes, [codes.shape[0], 2 * codes.shape[1]])
+    v = doubled_e2m1(codes.to(tl.int32)).to(tl.float32) * 0.5  # exact in both 16-bit types
     if BF16:
-        lo = ((p & 7) << 6) | ((p & 8) << 12)
-        hi = ((p & 0x70) << 2) | ((p & 0x80) << 8)
-        dtype: tl.constexpr = tl.bfloat16
+        w = v.to(tl.bfloat16)
     else:
-        lo = ((p & 7) << 9) | ((p & 8) << 12)
-        hi = ((p & 0x70) << 5) | ((p & 0x80) << 8)
-        dtype: tl.constexpr = tl.float16
-    w = tl.join(lo, hi)
-    return tl.reshape(w, [w.shape[0], 2 * w.shape[1]]).to(dtype, bitcast=True)
+        w = v.to(tl.float16)
+    w = tl.reshape(w, [w.shape[0], factor.shape[1], SF_BLOCK]) * factor[:, :, None]
+    return tl.reshape(w, [w.shape[0], factor.shape[1] * SF_BLOCK])
+
+
+@triton.jit
+def scaled_weights_ptx(packed, factor, table_high, table_low, BF16: tl.constexpr, SF_BLOCK: tl.constexpr):
+    """``scaled_weights_triton`` in inline PTX (``_decode_asm``): each packed byte becomes one 32-bit word of its
+    two scaled values, split into halves that the compiler keeps in the same register."""
+    R: tl.constexpr = packed.shape[0]
+    C: tl.constexpr = packed.shape[1]
+    f = factor.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    f = f | (f << 16)  # {f, f}: the factor for both values of a byte
+    f = tl.reshape(tl.broadcast_to(f[:, :, None], [R, factor.shape[1], SF_BLOCK // 2]), [R, C])
+    th = tl.full([R, C], 0, tl.int32) + table_high
+    tlo = tl.full([R, C], 0, tl.int32) + table_low
+    if BF16:
+        pairs = tl.inline_asm_elementwise(DECODE_BF16_ASM, "=r,=r,=r,=r,r" + ",r" * 12, [packed, f, th, tlo],
+                                          dtype=tl.int32, is_pure=True, pack=4)
+    else:
+        pairs = tl.inline_asm_elementwise(DECODE_FP16_ASM, "=r,=r,=r,=r,r" + ",r" * 12, [packed, f, th, tlo],
+                                          dtype=tl.int32, is_pure=True, pack=4)
+    halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))
+    bits = tl.reshape(halves, [R, 2 * C])
+    if BF16:
+        return bits.to(tl.bfloat16, bitcast=True)
+    else:
+        return bits.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -189,17 +289,19 @@ def gemm_kernel(
     sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
     b_stride_l, b_stride_n,
     c_stride_l, c_stride_m, c_stride_n,
+    table_high, table_low,
     MX: tl.constexpr,
     BF16: tl.constexpr,
     SFA_COL_TILE: tl.constexpr,
-    SCALE_BIAS: tl.constexpr,
-    UNFOLD: tl.constexpr,
     HAS_GSA: tl.constexpr,
+    USE_PTX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # The tile is computed transposed, acc[n, m] = x[n, :] . w[m, :]: the activation is the MMA's A operand
+    # (straight from the TMA's shared memory), the decoded weights its B operand (written once to shared memory).
     SF_BLOCK: tl.constexpr = 32 if MX else 16
     SCALES: tl.constexpr = BLOCK_K // SF_BLOCK  # scale columns per step
     pid_m = tl.program_id(0)
@@ -217,7 +319,7 @@ def gemm_kernel(
                                                                  sfa_stride_r32, sfa_stride_r4)
     j = tl.arange(0, SCALES)
     cols_in_k = K // SF_BLOCK
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=NUM_STAGES):
         packed = a_desc.load([off_m, step * (BLOCK_K // 2)])
         x = b_desc.load([off_n, step * BLOCK_K])
@@ -228,12 +330,17 @@ def gemm_kernel(
             s = decode_scale(raw, "mxfp4")
         else:
             s = decode_scale(raw, "nvfp4")
-        w = decode_e2m1_triton(packed, BF16)
-        factor = (s * SCALE_BIAS).to(w.dtype)
-        w = tl.reshape(tl.reshape(w, [BLOCK_M, SCALES, SF_BLOCK]) * factor[:, :, None], [BLOCK_M, BLOCK_K])
-        acc = tl.dot(w, tl.trans(x), acc)
-    out = apply_global_scales(acc * UNFOLD, gsa_ptr, gsa_ptr, HAS_GSA, False)
+        if BF16:
+            factor = s.to(tl.bfloat16)
+        else:
+            factor = s.to(tl.float16)
+        if USE_PTX:
+            w = scaled_weights_ptx(packed, factor, table_high, table_low, BF16, SF_BLOCK)
+        else:
+            w = scaled_weights_triton(packed, factor, BF16, SF_BLOCK)
+        acc = tl.dot(x, tl.trans(w), acc)
+    out = apply_global_scales(acc, gsa_ptr, gsa_ptr, HAS_GSA, False)
     n = off_n + tl.arange(0, BLOCK_N)
-    ptrs = (c_ptr + pid_l * c_stride_l + rows.to(tl.int64)[:, None] * c_stride_m
-            + n.to(tl.int64)[None, :] * c_stride_n)
-    store_rounded(ptrs, out, (rows < M)[:, None] & (n < N)[None, :])
+    ptrs = (c_ptr + pid_l * c_stride_l + n.to(tl.int64)[:, None] * c_stride_n
+            + rows.to(tl.int64)[None, :] * c_stride_m)
+    store_rounded(ptrs, out, (n < N)[:, None] & (rows < M)[None, :])
