@@ -26,8 +26,9 @@ of the tensor-core kernels: ``tests/operands.py``, ``tensor_cores=True``, ``fold
 * NVFP4: s is e4m3 (3 significand bits, |s| in [2^-9, 448]), exact in both types, and v * s has at most 6
   significant bits in [2^-10, 2688]: exact in bf16 and in fp16.  No restriction.
 * MXFP4, bf16 activations: s = 2^(e - 127) (e8m0 byte e) is exact in bf16 for every byte but 255 (NaN, which
-  stays NaN), and v * s is exact for bytes 0..252; from byte 253 (scales 2^126, 2^127) the largest codes
-  overflow to infinity.
+  stays NaN), and v * s is exact and normal for bytes 2..252; from byte 253 (scales 2^126, 2^127) the largest
+  codes overflow to infinity, and for bytes 0 and 1 the smallest weights are subnormal (below 2^-126), which
+  the fp32 arithmetic may flush.
 * MXFP4, fp16 activations: the factor is the scale rounded to fp16, exact for bytes 103..142 (scales 2^-24 ..
   2^15), and v * s is exact for bytes 104..140 (scales 2^-23 .. 2^13).  Above, weights overflow to infinity
   (the outputs they touch become inf or NaN); below, the smallest weights round to fp16's subnormals or to zero.
@@ -109,7 +110,7 @@ def shared_bytes(config: GemmConfig, act_bytes: int = 2) -> int:
 class Gemm(TritonKernelSpec):
     """NVFP4 or MXFP4 weights times fp16/bf16 activations with N >= ``MIN_N`` rows on the tensor cores.  TMA
     needs 16-byte aligned rows and bases: K a multiple of 32, weight and activation rows 16-byte aligned and
-    contiguous along K.  MXFP4 scales must stay in 2^-124 .. 2^9 (bf16) or 2^-15 .. 2^9 (fp16) for exact
+    contiguous along K.  MXFP4 scales must stay in 2^-125 .. 2^125 (bf16) or 2^-23 .. 2^13 (fp16) for exact
     results (module docstring)."""
 
     name = "gemm"
