@@ -266,3 +266,19 @@ def test_sm90_compile_of_every_shipped_config(compile_for_sm90):
         assert ops.get("LDS.128", 0) == weights_per_thread // 2 // 16, row
         assert sum(v for k, v in ops.items() if k.startswith("LDS")) - ops["LDS.128"] <= 4, row
         assert row["loop"] <= 5.5 * weights_per_thread, row
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_ptx_path_matches_the_exact_result_and_its_twin_bit_for_bit(config, fmt, dtype):
+    """On the GPU: the PTX decode against the oracle, and equal to the pure-Triton twin to the bit (both decode
+    exactly and run the same tl.dot)."""
+    m, n, k = 2 * config.block_m + 40, 3 * config.block_n + 5, 4 * config.block_k + 32
+    a = random_fp4((m, k), fmt, "swizzled", seed=21, global_scale=0.5)
+    b = random_activation((n, k), dtype, seed=22)
+    ptx = gemv(a, b, out_dtype=torch.float32, backend="triton-ptx", config=config)
+    twin = gemv(a, b, out_dtype=torch.float32, backend="triton", config=config)
+    assert_matches_exact(ptx, a, b, torch.float32, tensor_cores=True, fold=0)
+    assert torch.equal(ptx, twin)
