@@ -174,8 +174,8 @@ def select_kernel(
     backend: Backend = "auto",
     kernel: str | None = None,
 ) -> KernelSpec:
-    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "weight_only", "hmma",
-    "general", "reference").  Raises as gemv does."""
+    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "gemm", "w4a4", "weight_only",
+    "hmma", "general", "reference").  Raises as gemv does."""
     return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
@@ -364,11 +364,11 @@ def gemv(
         ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).
         ``"triton-ptx"``: PTX paths (CUDA only).  ``"reference"``: float64 (``fp4gemv.reference``).
     kernel: None (the first of ``kernels.GEMV_KERNELS`` that supports the case: :func:`select_kernel` says
-        which) or a kernel's name ("gemm", "w4a4", "weight_only", "hmma", "general", "reference"), which must support the
-        case.
+        which) or a kernel's name ("gemm", "w4a4", "weight_only", "hmma", "general", "reference"), which must
+        support the case.
     config: None (the kernel's measured default) or an instance of the chosen kernel's config class
         (``kernels.w4a4.W4A4Config``, ``kernels.weight_only.WeightOnlyConfig``, ``kernels.hmma_gemv.HmmaConfig``,
-        ``kernels.general.GeneralConfig``).
+        ``kernels.general.GeneralConfig``, ``kernels.gemm.GemmConfig``).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
