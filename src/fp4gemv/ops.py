@@ -381,6 +381,8 @@ def gemv(
     for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
     2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
     ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
+    The GEMM kernel (N > 16) is exact for NVFP4; for MXFP4 while the block scales stay within 2^-125 .. 2^125
+    (bf16 activations) or 2^-23 .. 2^13 (fp16), beyond which weights overflow or round (``kernels/gemm.py``).
     """
     if torch.compiler.is_compiling():
         from . import library
