@@ -126,7 +126,8 @@ def test_default_config_per_n():
 
 @pytest.mark.parametrize("config, message", [
     (GemmConfig(96, 64, 128, 4, 4), "power of two"),
-    (GemmConfig(128, 64, 16, 4, 4), "block_k >= 32"),
+    (GemmConfig(128, 64, 16, 4, 4), "block_k in 32..256"),
+    (GemmConfig(128, 64, 512, 4, 1), "block_k in 32..256"),
     (GemmConfig(256, 256, 256, 8, 4), "bytes of pipeline buffers"),
 ])
 def test_check_config_names_the_problem(config, message):

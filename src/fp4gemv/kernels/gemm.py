@@ -140,13 +140,14 @@ class Gemm(TritonKernelSpec):
 
     def check_config(self, config: GemmConfig, case: GemvCase | None = None) -> None:
         """ValueError naming ``config`` unless the kernel compiles it: block sizes and warps powers of two,
-        block_m >= 16, block_n >= 16, block_k >= 32 (16-byte weight rows), stages >= 1, buffers within shared
-        memory."""
+        block_m and block_n in 16..256, block_k in 32..256 (16-byte weight rows; TMA boxes of at most 256 per
+        side), stages >= 1, buffers within shared memory."""
         check_powers_of_two(config, ("block_m", "block_n", "block_k", "num_warps"))
         if not isinstance(config.num_stages, int) or config.num_stages < 1:
             raise ValueError(f"config: expected num_stages an integer >= 1, got {config}")
-        if config.block_m < 16 or config.block_n < 16 or config.block_k < 32:
-            raise ValueError(f"config: expected block_m >= 16, block_n >= 16, block_k >= 32, got {config}")
+        if not (16 <= config.block_m <= 256 and 16 <= config.block_n <= 256 and 32 <= config.block_k <= 256):
+            raise ValueError(f"config: expected block_m and block_n in 16..256 and block_k in 32..256 (a TMA box "
+                             f"has at most 256 elements per side), got {config}")
         if shared_bytes(config) > _SHARED_BYTES:
             raise ValueError(f"config: expected at most {_SHARED_BYTES} bytes of pipeline buffers, got "
                              f"{shared_bytes(config)} for {config}")
