@@ -25,7 +25,8 @@ from fp4gemv.kernels.gemm import GemmConfig, gemm_config
 
 LAYERS = 8
 SMALL_T = [GemmConfig(64, 64, 256, 4, 4), GemmConfig(128, 64, 128, 4, 4), GemmConfig(128, 64, 128, 4, 6),
-           GemmConfig(256, 64, 128, 8, 3), GemmConfig(64, 64, 128, 4, 6)]
+           GemmConfig(256, 64, 128, 8, 3), GemmConfig(64, 64, 128, 4, 6),
+           GemmConfig(32, 64, 256, 4, 4)]  # 32 weight rows: twice the programs on 4096 rows, no split-K yet
 MID_T = [GemmConfig(128, 128, 128, 8, 4), GemmConfig(256, 128, 64, 8, 4), GemmConfig(256, 64, 128, 8, 3),
          GemmConfig(128, 256, 64, 8, 3), GemmConfig(128, 128, 64, 8, 6)]
 LARGE_T = [GemmConfig(256, 128, 64, 8, 4), GemmConfig(128, 256, 64, 8, 4), GemmConfig(128, 128, 128, 8, 4),
