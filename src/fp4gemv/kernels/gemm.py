@@ -242,7 +242,8 @@ def _decode_asm(bf16: bool) -> str:
 DECODE_BF16_ASM = tl.constexpr(_decode_asm(True))
 DECODE_FP16_ASM = tl.constexpr(_decode_asm(False))
 # The first words of the byte tables, passed to the kernel as arguments (registers for prmt).
-DECODE_TABLE_WORDS = {torch.bfloat16: (_BF16_HIGH_BYTES[0], _BF16_LOW_BYTES[0]), torch.float16: (_FP16_HIGH_BYTES[0], 0)}
+DECODE_TABLE_WORDS = {torch.bfloat16: (_BF16_HIGH_BYTES[0], _BF16_LOW_BYTES[0]),
+                      torch.float16: (_FP16_HIGH_BYTES[0], 0)}
 
 
 @triton.jit
