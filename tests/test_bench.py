@@ -161,3 +161,22 @@ def test_tp_bench_launch_checks():
             check_launch(2, env)
     else:
         assert check_launch(2, env) == (1, 1)
+
+
+def test_prefill_table_has_every_time_and_ratio():
+    from fp4gemv.bench.prefill import format_prefill_table
+
+    row = {"shape": [4096, 4096], "tokens": 128, "nvfp4_us": 8.0, "mxfp4_us": 9.0, "bf16_us": 16.0, "fp8_us": 10.0,
+           "nvfp4_rel_err": 1e-3}
+    lines = format_prefill_table([row]).splitlines()
+    assert lines[0].split()[:4] == ["shape", "T", "nvfp4", "us"]
+    fields = lines[1].split()
+    assert fields[:6] == ["4096x4096", "128", "8.0", "9.0", "16.0", "10.0"]
+    assert fields[6:9] == ["0.50", "0.56", "0.62"] and "nvfp4 1.0e-03" in lines[1]
+
+
+def test_prefill_bench_needs_positive_token_counts(capsys):
+    from fp4gemv.cli import main
+
+    assert main(["bench", "--prefill", "--n", "32,0"]) == 2
+    assert "positive integers with --prefill" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""FP4Linear: decode (gemv) and prefill (dequantize + F.linear) paths against the float64 oracle, W4A4,
+"""FP4Linear: decode (gemv) and prefill (gemv for fp16/bf16 weight-only, else dequantize + F.linear) paths against the float64 oracle, W4A4,
 bias, validation, state dicts, torch.save / torch.load(weights_only=True), dtype moves."""
 
 import io
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp4gemv import FP4Tensor, dequantize, quantize
+from fp4gemv import FP4Tensor, dequantize, gemv, quantize
 from fp4gemv.nn import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
 from fp4gemv.formats import round_from_float64
 from fp4gemv.reference import quantized_gemv_reference
@@ -91,8 +91,12 @@ def test_prefill_is_dequantize_then_f_linear_and_near_the_reference(fmt, dtype, 
     weight = module.quantized_weight()
     activation = module.quantize_input(x2d) if activations == "w4a4" else x2d
     x_values = dequantize(activation, dtype) if activations == "w4a4" else x2d
-    torch.testing.assert_close(y.reshape(-1, 80), F.linear(x_values, dequantize(weight, dtype), module.bias),
-                               rtol=0, atol=0)
+    if module.fused_prefill(activation):  # weight-only bf16: gemv (here the exact reference), then + bias
+        assert activations == "weight-only" and dtype == torch.bfloat16
+        expected = gemv(weight, x2d, out_dtype=dtype).t() + module.bias
+    else:
+        expected = F.linear(x_values, dequantize(weight, dtype), module.bias)
+    torch.testing.assert_close(y.reshape(-1, 80), expected, rtol=0, atol=0)
     # Against the float64 oracle (with bias): the weight is exact in x's dtype (power-of-two per-tensor
     # scale), so the error is fp32 accumulation (K * 2^-24 of sum |w x|) plus the output rounding(s).
     w64, x64 = dequantize(weight, torch.float64), dequantize(activation, torch.float64) if activations == "w4a4" else x2d.double()

@@ -107,8 +107,7 @@ def test_b_type_dtype_and_rank():
 
 def test_b_shape_against_a():
     _expect_error(ValueError, ["b:", "K = 64 like a", "K = 32"], b=_x(2, 3, 32))
-    _expect_error(ValueError, ["b:", "N from 1 to 16", "N = 17"], b=_x(2, 17, 64))
-    _expect_error(ValueError, ["b:", "N from 1 to 16", "N = 0"], b=_x(2, 0, 64))
+    _expect_error(ValueError, ["b:", "at least N = 1 row", "N = 0"], b=_x(2, 0, 64))
     _expect_error(ValueError, ["b:", "L = 2 like a", "L = 3"], b=_x(3, 3, 64))
     _expect_error(ValueError, ["b:", "format 'nvfp4' like a", "'mxfp4'"], b=_fp4(2, 3, 64, fmt="mxfp4"))
     _expect_error(ValueError, ["b:", "device cpu like a", "meta"], b=_x(2, 3, 64).to("meta"))

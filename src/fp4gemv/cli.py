@@ -217,7 +217,44 @@ def _parse_ns(text: str) -> list[int] | None:
     return ns if all(1 <= v <= 16 for v in ns) else None
 
 
+def _run_prefill(args: argparse.Namespace) -> int:
+    """``bench --prefill``: the prefill table (bench.prefill), or with ``--model`` the model's linear layers at
+    prefill sizes (default 2048 tokens)."""
+    import json
+
+    from fp4gemv.bench.prefill import PREFILL_TOKENS, format_prefill_table, prefill_benchmark
+
+    default = "2048" if args.model else ",".join(map(str, PREFILL_TOKENS))
+    text = args.n if args.n is not None else default
+    try:
+        tokens = [int(v) for v in text.split(",")]
+    except ValueError:
+        tokens = []
+    if not tokens or min(tokens) < 1:
+        print(f"error: --n: expected comma-separated positive integers with --prefill, got {text!r}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    if args.model:
+        from fp4gemv.bench.model import decode_benchmark, format_decode_table
+
+        rows = decode_benchmark(args.model, tokens)
+        with open(os.path.join(args.out, f"prefill-{args.model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(format_decode_table(rows))
+        return 0
+    rows = prefill_benchmark(tokens=tuple(tokens))
+    with open(os.path.join(args.out, "prefill.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(format_prefill_table(rows))
+    return 0
+
+
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.prefill:
+        return _run_prefill(args)
     n_text = args.n if args.n is not None else ("1,8" if args.model else "1")
     ns = _parse_ns(n_text)
     if ns is None:
@@ -258,6 +295,10 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--model", choices=("llama3-8b", "llama3-70b"), default=None,
                    help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
                         "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json")
+    p.add_argument("--prefill", action="store_true",
+                   help="instead: FP4Linear (NVFP4, MXFP4; bf16 activations) against bf16 F.linear and FP8 "
+                        "torch._scaled_mm at T = 32 .. 8192 tokens (--n: the token counts) on the decode shapes; "
+                        "with --model: the model's linear layers at 2048 tokens; writes prefill*.json")
     p.set_defaults(func=_run_bench)
 
 

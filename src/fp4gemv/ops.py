@@ -33,10 +33,8 @@ from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
            "plan_for", "gemv_operands", "check_arguments", "result_shape", "clear_cache", "direct_launch_supported",
-           "MAX_N", "ACTIVATION_DTYPES", "OUT_DTYPES"]
+           "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
-# Activation rows per launch: the kernels keep every row's accumulator in registers.
-MAX_N = 16
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -67,8 +65,8 @@ def result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
     if b.shape[-1] != a.k:
         raise ValueError(f"b: expected K = {a.k} like a, got K = {b.shape[-1]}")
     n = b.shape[-2] if len(b.shape) >= 2 else 1
-    if not 1 <= n <= MAX_N:
-        raise ValueError(f"b: expected N from 1 to {MAX_N} rows, got N = {n}")
+    if n < 1:
+        raise ValueError(f"b: expected at least N = 1 row, got N = {n}")
     batch_a, batch_b = _batch(a), _batch(b)
     if batch_a is not None and batch_b is not None and batch_a != batch_b:
         raise ValueError(f"b: expected batch size L = {batch_a} like a, got L = {batch_b}")
@@ -216,8 +214,8 @@ def select_kernel(
     backend: Backend = "auto",
     kernel: str | None = None,
 ) -> KernelSpec:
-    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "w4a4", "weight_only", "hmma",
-    "general", "reference").  Raises as gemv does."""
+    """The kernel spec :func:`gemv` would run on these arguments (``.name``: "gemm", "w4a4", "weight_only",
+    "hmma", "general", "reference").  Raises as gemv does."""
     return plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel).spec
 
 
@@ -458,7 +456,8 @@ def gemv(
     a: FP4Tensor ``[L, M, K]`` or ``[M, K]`` (NVFP4 or MXFP4, either scale layout).
     b: FP4Tensor ``[L, N, K]`` or ``[N, K]`` of a's format (any scale layout), or a float16, bfloat16 or
         float32 tensor ``[L, N, K]``, ``[N, K]`` or ``[K]`` (any strides: Triton kernels read a contiguous copy
-        unless it is contiguous along K with 16-byte aligned rows); 1 <= N <= 16.  A batch dimension on one
+        unless it is contiguous along K with 16-byte aligned rows); any N >= 1 (N > 16: the GEMM kernel,
+        ``kernels/gemm.py``, for fp16/bf16 activations; the reference any).  A batch dimension on one
         operand only is broadcast over the other.
     out: written and returned when given: exactly the result's shape, ``out_dtype`` and a's device, any
         strides.  Otherwise a new tensor.
@@ -467,11 +466,11 @@ def gemv(
         ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).
         ``"triton-ptx"``: PTX paths (CUDA only).  ``"reference"``: float64 (``fp4gemv.reference``).
     kernel: None (the first of ``kernels.GEMV_KERNELS`` that supports the case: :func:`select_kernel` says
-        which) or a kernel's name ("w4a4", "weight_only", "hmma", "general", "reference"), which must support the
-        case.
+        which) or a kernel's name ("gemm", "w4a4", "weight_only", "hmma", "general", "reference"), which must
+        support the case.
     config: None (the kernel's measured default) or an instance of the chosen kernel's config class
         (``kernels.w4a4.W4A4Config``, ``kernels.weight_only.WeightOnlyConfig``, ``kernels.hmma_gemv.HmmaConfig``,
-        ``kernels.general.GeneralConfig``).
+        ``kernels.general.GeneralConfig``, ``kernels.gemm.GemmConfig``).
     Returns ``[L?, M, N]``: L when either operand has it, N unless b is a ``[K]`` vector.
 
     Both operands' global scales multiply the result (their fp32 product).  The w4a4 and general kernels
@@ -485,6 +484,8 @@ def gemv(
     for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
     2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
     ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
+    The GEMM kernel (N > 16) is exact for NVFP4; for MXFP4 while the block scales stay within 2^-125 .. 2^125
+    (bf16 activations) or 2^-23 .. 2^13 (fp16), beyond which weights overflow or round (``kernels/gemm.py``).
     """
     call, addresses = _prepared(a, b, out, out_dtype, backend, kernel, config)
     return call._run(a, b, out, addresses)

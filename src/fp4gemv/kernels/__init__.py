@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from ..target import Target
+from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
 from .reference import Reference
@@ -22,7 +23,7 @@ from .weight_only import MAX_FLOAT_N_OVER_HMMA, WeightOnly
 
 __all__ = ["GEMV_KERNELS", "DEFERRALS", "Deferral", "kernel_by_name", "choose_kernel"]
 
-GEMV_KERNELS: tuple[KernelSpec, ...] = (W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
+GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
 
 
 class Deferral(NamedTuple):

@@ -36,6 +36,7 @@ from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .block_sum_tiles import w4a4_config
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
+from .spec import too_many_rows
 
 __all__ = ["GeneralConfig", "General", "gemv_kernel"]
 
@@ -195,6 +196,8 @@ class General(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if too_many_rows(case) is not None:
+            return too_many_rows(case)
         if case.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
             return f"needs e4m3 conversions (sm_89 or newer; this is {target.describe()})"
         for name, meta in (("a", case.a), ("b", case.b)):

@@ -44,7 +44,7 @@ from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
 from .spec import (ErrorModel, FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
-                   global_scale_sources)
+                   global_scale_sources, too_many_rows)
 
 __all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
 
@@ -406,6 +406,8 @@ class Hmma(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if too_many_rows(case) is not None:
+            return too_many_rows(case)
         if case.fmt.name != "nvfp4":
             return "needs NVFP4 (e4m3 scales fold into its 16-bit operands)"
         if case.k % 64:

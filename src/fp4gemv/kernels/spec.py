@@ -28,7 +28,11 @@ from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
            "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
-           "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources"]
+           "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources", "GEMV_MAX_N",
+           "too_many_rows"]
+
+# Activation rows the GEMV kernels take: they keep every row's accumulator in registers (the GEMM takes more).
+GEMV_MAX_N = 16
 
 
 def alignment(t: torch.Tensor, strides: tuple[int, ...] = ()) -> int:
@@ -197,6 +201,13 @@ class ErrorModel(NamedTuple):
 
     tensor_cores: bool = False
     fold: int = 0
+
+
+def too_many_rows(case: GemvCase) -> str | None:
+    """The reason a GEMV kernel refuses ``case`` for its N, None when N <= ``GEMV_MAX_N``."""
+    if case.n > GEMV_MAX_N:
+        return f"takes N <= {GEMV_MAX_N} activation rows (register accumulators), got N = {case.n}"
+    return None
 
 
 class KernelSpec:

@@ -51,7 +51,7 @@ from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_
 from ._decode import doubled_e2m1
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
 from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch,
-                   global_scale_sources)
+                   global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
@@ -167,6 +167,8 @@ class WeightOnly(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if too_many_rows(case) is not None:
+            return too_many_rows(case)
         if case.k % 32:
             return f"needs K a multiple of 32, got K = {case.k}"
         nvfp4 = case.fmt.name == "nvfp4"

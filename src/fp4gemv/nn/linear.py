@@ -42,8 +42,12 @@ Activations = Literal["weight-only", "w4a4"]
 ScaleKind = Literal["multiplier", "divisor"]
 ACTIVATIONS: tuple[str, ...] = ("weight-only", "w4a4")
 SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
-# fp4gemv.gemv takes 1 to 16 activation rows; more tokens (prefill) dequantize the weight once instead.
+# Up to this many tokens every case runs through fp4gemv.gemv's GEMV kernels; more tokens run through gemv's
+# GEMM kernel (kernels/gemm.py) where it applies (``FP4Linear.fused_prefill``), else dequantize the weight.
 DECODE_MAX_TOKENS = 16
+# What kernels/gemm.py needs that a module can tell without a call: fp16/bf16 activations, K a multiple of 32,
+# 16-byte aligned weight rows.
+_FUSED_PREFILL_DTYPES = (torch.float16, torch.bfloat16)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
@@ -101,9 +105,11 @@ class FP4Linear(nn.Module):
 
     forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
     dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
-    product of x's leading dimensions) run through ``fp4gemv.gemv``, rounded once to x's dtype, then
-    ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, dequantize(W, x.dtype), bias)``
-    where ``x_q`` is x (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
+    product of x's leading dimensions), and any number where :meth:`fused_prefill` holds (weight-only fp16/bf16,
+    ``in_features`` a multiple of 32: the GEMM kernel), run through ``fp4gemv.gemv``, rounded once to x's
+    dtype, then ``+ bias`` in x's dtype.  Other prefills (fp32 activations, W4A4 beyond 16 tokens) compute
+    ``F.linear(x_q, fp4gemv.dequantize(W, x.dtype), bias)`` where ``x_q`` is x (weight-only) or its FP4 quantization
+    dequantized to x's dtype (W4A4).
     """
 
     def __init__(
@@ -272,7 +278,7 @@ class FP4Linear(nn.Module):
         weight = self.quantized_weight()
         if activation is None:
             activation = self.quantize_input(x2d) if self.activations == "w4a4" else x2d
-        if tokens <= DECODE_MAX_TOKENS:
+        if tokens <= DECODE_MAX_TOKENS or self.fused_prefill(activation):
             y = torch.empty(tokens, self.out_features, dtype=out_dtype, device=x2d.device) if out is None else out
             # gemv writes W @ x^T ([out, tokens]) straight into the transposed view.
             gemv(weight, activation, out=y.t(), out_dtype=out_dtype)
@@ -282,6 +288,14 @@ class FP4Linear(nn.Module):
         if isinstance(activation, FP4Tensor):
             activation = dequantize(activation, out_dtype)
         return F.linear(activation.to(out_dtype), dequantize(weight, out_dtype), bias)
+
+    def fused_prefill(self, activation: FP4Tensor | torch.Tensor) -> bool:
+        """Whether more than 16 tokens of ``activation`` (the product's float or FP4 input) run through
+        ``fp4gemv.gemv`` (its GEMM kernel, ``kernels/gemm.py``, or on CPU tensors the exact reference) rather
+        than dequantizing the weight: fp16/bf16 activations, ``in_features`` a multiple of 32, and 16-byte
+        aligned weight rows."""
+        return (not isinstance(activation, FP4Tensor) and activation.dtype in _FUSED_PREFILL_DTYPES
+                and self.in_features % 32 == 0 and self.weight.data_ptr() % 16 == 0)
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
