@@ -18,7 +18,7 @@ from .reference import round_from_float64
 from .target import Backend, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "ID_DTYPES", "BIAS_DTYPES"]
+__all__ = ["moe_gemv", "check_moe_arguments", "kernel_launch", "check_expert_ids", "ID_DTYPES", "BIAS_DTYPES"]
 
 ID_DTYPES = (torch.int32, torch.int64)
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,7 +123,9 @@ def _check_data_alignment(w: FP4Tensor) -> None:
                          f"{tuple(d.stride())} at address {d.data_ptr() % 8} mod 8")
 
 
-def _launch(w, x, expert_ids, bias, global_scales, out) -> None:
+def kernel_launch(w, x, expert_ids, bias, global_scales, out) -> tuple[tuple[int, ...], list, dict]:
+    """(grid, positional arguments, keyword arguments) of the ``moe_gemv_kernel`` launch for checked operands
+    (also what tests/aot.py compiles for sm_90)."""
     experts, m, k = w.shape
     tokens, top_k = expert_ids.shape
     pairs = tokens * top_k
@@ -141,7 +143,7 @@ def _launch(w, x, expert_ids, bias, global_scales, out) -> None:
         gs, gs_stride, has_gs = w.scales, 0, False  # never read
     nb = k // 16
     grid = (triton.cdiv(m, config.rows), pairs, triton.cdiv(pairs, config.cols))
-    moe_gemv_kernel[grid](
+    args = [
         data, w.scales, gs, x, expert_ids, bias if bias is not None else w.scales, out,
         m, nb, experts, pairs, top_k,
         w.data.stride(0) // 8, w.data.stride(1) // 8,
@@ -151,10 +153,13 @@ def _launch(w, x, expert_ids, bias, global_scales, out) -> None:
         expert_ids.stride(0), expert_ids.stride(1),
         *((bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)),
         out.stride(0), out.stride(1), out.stride(2),
+    ]
+    kwargs = dict(
         P_PAD=triton.next_power_of_2(pairs), ROWS=config.rows, COLS=config.cols, BLOCKS=config.blocks,
         FORMAT=w.fmt.name, HAS_GS=has_gs, HAS_BIAS=bias is not None, EVEN_K=nb % config.blocks == 0,
         num_warps=config.num_warps,
     )
+    return grid, args, kwargs
 
 
 def moe_gemv(
@@ -208,7 +213,8 @@ def moe_gemv(
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     if target.runs_triton:
-        _launch(w, x, expert_ids, bias, global_scales, out)
+        grid, args, kwargs = kernel_launch(w, x, expert_ids, bias, global_scales, out)
+        moe_gemv_kernel[grid](*args, **kwargs)
     else:
         _reference(w, x, expert_ids, bias, global_scales, out)
     return out
