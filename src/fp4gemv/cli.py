@@ -8,6 +8,7 @@
                             [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
     fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
     fp4gemv bench --model llama3-8b|llama3-70b [--n 1,8]   one decode token's linear layers   (GPU only)
+    fp4gemv bench --model gpt-oss-20b|gpt-oss-120b [--n 1,8,16]   MoE layers of one decode step   (GPU only)
     torchrun --nproc-per-node N -m fp4gemv bench --tp N [--format ..] [--act bf16|fp16] [--n 1,8] [--out DIR]
                             tensor-parallel layers on N GPUs against one   (N GPUs)
 
@@ -217,7 +218,9 @@ def _parse_ns(text: str) -> list[int] | None:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    n_text = args.n if args.n is not None else ("1,8" if args.tp is not None or args.model else "1")
+    moe_model = args.model in ("gpt-oss-20b", "gpt-oss-120b")
+    n_text = args.n if args.n is not None else ("1,8,16" if moe_model else "1,8" if args.tp is not None or args.model
+                                                else "1")
     ns = _parse_ns(n_text)
     if ns is None:
         print(f"error: --n: expected comma-separated integers from 1 to 16, got {n_text!r}", file=sys.stderr)
@@ -244,6 +247,18 @@ def _run_bench(args: argparse.Namespace) -> int:
         from fp4gemv.bench.host import format_host_table, host_costs
 
         print(format_host_table(host_costs()))
+        return 0
+    if moe_model:
+        import json
+        import os
+
+        from fp4gemv.bench.moe import format_moe_table, moe_benchmark
+
+        rows = moe_benchmark(args.model, ns)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"moe-{args.model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(format_moe_table(rows))
         return 0
     if args.model:
         import json
@@ -279,9 +294,11 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
-    p.add_argument("--model", choices=("llama3-8b", "llama3-70b"), default=None,
+    p.add_argument("--model", choices=("llama3-8b", "llama3-70b", "gpt-oss-20b", "gpt-oss-120b"), default=None,
                    help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
-                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json")
+                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json.  gpt-oss-*: its "
+                        "MoE layers at T = --n tokens (default 1,8,16) through fp4gemv.moe_gemv against the best read, "
+                        "bf16 experts in torch and triton_kernels (fp4gemv.bench.moe); writes moe-MODEL.json")
     p.add_argument("--tp", type=_positive_int, default=None, metavar="N",
                    help="instead: tensor-parallel 28672x8192 column- and 8192x28672 row-parallel layers on N GPUs "
                         "against one (fp4gemv.bench.tp); launch with torchrun --nproc-per-node N -m fp4gemv bench "
