@@ -219,3 +219,39 @@ def test_compiles_for_sm90_without_local_memory(compile_for_sm90):
     assert len(lines) == 4, lines
     for line in lines:
         assert "local: []" in line, line
+
+
+@pytest.mark.gpu
+def test_gpt_oss_shapes_on_gpu():
+    """gpt-oss-20b's gate_up (5760 x 2880) and down (2880 x 2880) at T = 16, k = 4 with 32 experts."""
+    for m in (5760, 2880):
+        w = random_fp4((32, m, 2880), "mxfp4", "swizzled", seed=30 + m)
+        x = random_activation((16, 2880), torch.bfloat16, seed=31)
+        ids = random_ids(16, 4, 32, seed=32)
+        bias = random_activation((32, m), torch.bfloat16, seed=33)
+        got = fp4gemv.moe_gemv(w, x, ids, bias=bias)
+        assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_with_bad_ids_stays_in_bounds():
+    """Under capture the ids are not checked: replayed with ids outside [0, E) the kernel writes zeros for those
+    pairs, the exact result for the others, and touches nothing else (the sync after replay would raise an
+    illegal address)."""
+    w = random_fp4((8, 64, 256), "nvfp4", "linear", seed=34, global_scale=0.5)
+    x = random_activation((4, 256), torch.bfloat16, seed=35)
+    ids = random_ids(4, 2, 8, seed=36)
+    out = torch.empty(4, 2, 64, dtype=torch.bfloat16, device="cuda")
+    fp4gemv.moe_gemv(w, x, ids, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp4gemv.moe_gemv(w, x, ids, out=out)
+    ids.copy_(torch.tensor([[0, 1 << 30], [-5, 3], [7, 8], [2, 2]], dtype=ids.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, j in ((0, 1), (1, 0), (2, 1)):
+        assert (out[t, j] == 0).all()
+    assert_routed_exact(out, w, x, ids, torch.bfloat16)
+    with pytest.raises(ValueError, match="expert_ids: expected ids in"):
+        fp4gemv.moe_gemv(w, x, ids, out=out)
