@@ -166,7 +166,7 @@ class FP4Experts(nn.Module):
 
 def _quantized(weight: torch.Tensor, bias, fmt: str, scale_layout: str) -> ExpertWeights:
     """``weight`` ``[E, rows, K]`` quantized (NVFP4: per-expert power-of-two global scales from each amax)."""
-    weight = weight.detach()
+    weight = weight.detach().contiguous()
     global_scales = None
     if fmt == "nvfp4":
         # 448 * 6 is the largest NVFP4 magnitude; a power of two keeps the scale exact in every convention.
