@@ -3,15 +3,15 @@
 Public API: :class:`FP4Tensor` (quantized tensors, a container: ``FP4Tensor.from_task`` for the GPU MODE task's
 operands), :func:`quantize` (floats to an FP4Tensor, a Triton kernel on CUDA), :func:`dequantize` (back to
 floats), :func:`gemv` (FP4 weights times FP4 or float activations), :func:`select_kernel` (which kernel gemv
-runs) and :mod:`fp4gemv.nn` (``FP4Linear``, model quantization, checkpoint loading and saving).
+runs), :func:`moe_gemv` (T tokens through their routed experts) and :mod:`fp4gemv.nn` (``FP4Linear``, model quantization, checkpoint loading and saving).
 """
 
 from .quantize import dequantize
-from .library import gemv, quantize  # after .quantize: the name fp4gemv.quantize is the public function
+from .library import gemv, moe_gemv, quantize  # after .quantize: the name fp4gemv.quantize is the public function
 from .ops import select_kernel
 from .tensor import FP4Tensor
 from . import nn  # noqa: E402  (after gemv and FP4Tensor, which it builds on)
 
-__all__ = ["FP4Tensor", "dequantize", "gemv", "nn", "quantize", "select_kernel", "__version__"]
+__all__ = ["FP4Tensor", "dequantize", "gemv", "moe_gemv", "nn", "quantize", "select_kernel", "__version__"]
 
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@
                             [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
     fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
     fp4gemv bench --model llama3-8b|llama3-70b [--n 1,8]   one decode token's linear layers   (GPU only)
+    fp4gemv bench --model gpt-oss-20b|gpt-oss-120b [--n 1,8,16]   MoE layers of one decode step   (GPU only)
 
 (Tensor-parallel layers on N GPUs are timed by the benchmark script ``benchmarks/tp_layers.py`` under torchrun.)
 
@@ -31,6 +32,8 @@ import fp4gemv
 from fp4gemv import bench, task
 from fp4gemv.bench.host import format_host_table, host_costs
 from fp4gemv.bench.model import decode_benchmark, format_decode_table
+from fp4gemv.bench.moe import format_moe_table, moe_benchmark
+from fp4gemv.bench.prefill import PREFILL_TOKENS, format_prefill_table, prefill_benchmark
 from fp4gemv.target import BACKENDS, interpreting
 
 __all__ = ["build_parser", "main"]
@@ -220,9 +223,6 @@ def _parse_ns(text: str) -> list[int] | None:
 def _run_prefill(args: argparse.Namespace) -> int:
     """``bench --prefill``: the prefill table (bench.prefill), or with ``--model`` the model's linear layers at
     prefill sizes (default 2048 tokens)."""
-    import json
-
-    from fp4gemv.bench.prefill import PREFILL_TOKENS, format_prefill_table, prefill_benchmark
 
     default = "2048" if args.model else ",".join(map(str, PREFILL_TOKENS))
     text = args.n if args.n is not None else default
@@ -238,7 +238,6 @@ def _run_prefill(args: argparse.Namespace) -> int:
         return 2
     os.makedirs(args.out, exist_ok=True)
     if args.model:
-        from fp4gemv.bench.model import decode_benchmark, format_decode_table
 
         rows = decode_benchmark(args.model, tokens)
         with open(os.path.join(args.out, f"prefill-{args.model}.json"), "w") as f:
@@ -255,7 +254,8 @@ def _run_prefill(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.prefill:
         return _run_prefill(args)
-    n_text = args.n if args.n is not None else ("1,8" if args.model else "1")
+    moe_model = args.model in ("gpt-oss-20b", "gpt-oss-120b")
+    n_text = args.n if args.n is not None else ("1,8,16" if moe_model else "1,8" if args.model else "1")
     ns = _parse_ns(n_text)
     if ns is None:
         print(f"error: --n: expected comma-separated integers from 1 to 16, got {n_text!r}", file=sys.stderr)
@@ -265,6 +265,14 @@ def _run_bench(args: argparse.Namespace) -> int:
         return 2
     if args.host:
         print(format_host_table(host_costs()))
+        return 0
+    if moe_model:
+
+        rows = moe_benchmark(args.model, ns)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"moe-{args.model}.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+        print(format_moe_table(rows))
         return 0
     if args.model:
         rows = decode_benchmark(args.model, ns)
@@ -292,9 +300,11 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
-    p.add_argument("--model", choices=("llama3-8b", "llama3-70b"), default=None,
+    p.add_argument("--model", choices=("llama3-8b", "llama3-70b", "gpt-oss-20b", "gpt-oss-120b"), default=None,
                    help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
-                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json")
+                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json.  gpt-oss-*: its "
+                        "MoE layers at T = --n tokens (default 1,8,16) through fp4gemv.moe_gemv against the best read, "
+                        "bf16 experts in torch and triton_kernels (fp4gemv.bench.moe); writes moe-MODEL.json")
     p.add_argument("--prefill", action="store_true",
                    help="instead: FP4Linear (NVFP4, MXFP4; bf16 activations) against bf16 F.linear and FP8 "
                         "torch._scaled_mm at T = 32 .. 8192 tokens (--n: the token counts) on the decode shapes; "

@@ -8,20 +8,21 @@ mutation) and ``torch.ops.fp4gemv.quantize`` (the packed data and scale bytes), 
 as tensors and its format and layout as strings.  Their real implementations are the eager functions (any
 device: kernels on CUDA, the reference or the interpreter on CPU); their fake implementations compute shapes
 and dtypes only.  Everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens
-inside the op, at run time.
+inside the op, at run time.  ``torch.ops.fp4gemv.moe_gemv`` is the routed expert GEMV
+(:func:`moe_gemv`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import formats, layouts, ops
+from . import formats, layouts, moe, ops
 from .kernels import kernel_by_name
 from .quantize import check_quantize_arguments, global_scale_tensor
 from .quantize import quantize as eager_quantize
 from .tensor import FP4Tensor
 
-__all__ = ["gemv", "quantize"]
+__all__ = ["gemv", "quantize", "moe_gemv"]
 
 
 def gemv(a, b, *, out=None, out_dtype=torch.float16, backend="auto", kernel=None, config=None) -> torch.Tensor:
@@ -137,3 +138,39 @@ def _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, 
     g = global_scale_tensor(global_scale, fmt, x, False)
     data, scales = torch.ops.fp4gemv.quantize(x, fmt.name, scale_layout, g, backend, check_values)
     return FP4Tensor(data, scales, fmt, scale_layout, g)
+
+
+# --- routed expert GEMV (fp4gemv.moe) ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("fp4gemv::moe_gemv", mutates_args=())
+def _moe_gemv_op(
+    w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
+    expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
+    scale_layout: str, out_dtype: torch.dtype, backend: str,
+) -> torch.Tensor:
+    w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
+    # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).
+    return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
+                        backend=backend, check_ids=False)
+
+
+@_moe_gemv_op.register_fake
+def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend):
+    return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], w_data.shape[1]), dtype=out_dtype)
+
+
+def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_dtype=None, backend="auto",
+             check_ids=True) -> torch.Tensor:
+    """:func:`fp4gemv.moe.moe_gemv` (its docstring has the arguments), also under ``torch.compile``, where it is
+    the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``)."""
+    if not torch.compiler.is_compiling():
+        return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
+                            backend=backend, check_ids=check_ids)
+    _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
+    result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
+                                        w.fmt.name, w.scale_layout, out_dtype, backend)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

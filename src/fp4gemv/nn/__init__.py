@@ -5,12 +5,14 @@ quantized to FP4); :func:`quantize_model` converts a float model; :func:`load_qu
 checkpoints people download (compressed-tensors ``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss
 MXFP4) and :func:`save_compressed_tensors`, :func:`save_modelopt`, :func:`save_mxfp4` write them.
 :class:`ColumnParallelFP4Linear` and :class:`RowParallelFP4Linear` split one layer over a ``torch.distributed``
-process group (``fp4gemv.nn.parallel``).
+process group (``fp4gemv.nn.parallel``).  :class:`FP4Experts` runs a mixture-of-experts layer's experts
+(gpt-oss, Qwen3-MoE) through ``fp4gemv.moe_gemv`` (``fp4gemv.nn.moe``: also the MoE checkpoint readers).
 """
 
 from .checkpoints import SafetensorsDirectory, detect_convention, layer_tensors, read_layer
 from .linear import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
 from .parallel import ColumnParallelFP4Linear, RowParallelFP4Linear
+from .moe import ExpertWeights, FP4Experts, gpt_oss_experts, nvfp4_experts, quantize_experts
 from .model import (
     QuantizationConfig,
     calibrate_input_scales,
@@ -40,4 +42,9 @@ __all__ = [
     "detect_convention",
     "read_layer",
     "layer_tensors",
+    "ExpertWeights",
+    "FP4Experts",
+    "gpt_oss_experts",
+    "nvfp4_experts",
+    "quantize_experts",
 ]

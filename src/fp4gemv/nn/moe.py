@@ -1,0 +1,266 @@
+"""Mixture-of-experts expert MLPs on FP4 weights, and the MoE checkpoint conventions that hold them.
+
+:class:`FP4Experts` is a drop-in for transformers 5's expert modules (``forward(hidden_states, top_k_index,
+top_k_weights)``; transformers 5.17, ``models/gpt_oss/modeling_gpt_oss.py`` ``GptOssExperts`` and
+``models/qwen3_moe/modeling_qwen3_moe.py`` ``Qwen3MoeExperts``): each token's k experts run gate_up, the
+activation and down through :func:`fp4gemv.moe_gemv` (each distinct expert's weights read once per call), and
+the k outputs are summed with the routing weights.
+
+* ``activation="gpt-oss"``: gate and up interleaved in gate_up's rows (``gate_up[..., ::2]``,
+  ``gate_up[..., 1::2]``), both with bias; gate clamped above at ``limit`` 7.0, up to ``±limit``,
+  ``gate * sigmoid(alpha * gate) * (up + 1)`` with alpha 1.702; down with bias (``GptOssExperts._apply_gate``).
+* ``activation="silu"``: ``silu(gate) * up``, gate the first half of gate_up's rows (``.chunk(2, dim=-1)``,
+  ``Qwen3MoeExperts``), or gate and up as two projections (per-expert NVFP4 checkpoints); no bias.
+
+gate_up and the activation are computed in fp32 (moe_gemv's fp32 result), the activation rounded once to the
+hidden dtype for down, down's fp32 result weighted and summed in fp32, then rounded to the hidden dtype.
+
+Checkpoints, read without repacking where the layout allows:
+
+* gpt-oss (openai/gpt-oss ``gpt_oss/torch/weights.py``; transformers ``integrations/mxfp4.py``
+  ``_convert_moe_packed_tensors``: ``sub[:, 0::2] = lut[blk & 0x0F]``, ``ldexp(value, scales - 127)``):
+  ``<prefix>.gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]``, ``gate_up_proj_scales`` uint8 e8m0
+  ``[E, 2I, H/32]``, ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj_blocks`` ``[E, H, I/32, 16]``,
+  ``down_proj_scales``, ``down_proj_bias`` ``[E, H]``: the blocks are viewed as FP4Tensor data
+  ``[E, rows, K/2]`` (same bytes) and the scales as linear e8m0 scales: no copy (:func:`gpt_oss_experts`).
+* NVFP4 experts stored one linear layer per expert, ``<prefix>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``,
+  in compressed-tensors (``weight_packed``, ``weight_scale``, ``weight_global_scale`` a divisor) or ModelOpt
+  form (``weight``, ``weight_scale``, ``weight_scale_2`` a multiplier), each layer read by
+  ``FP4Linear.from_state_dict`` (``checkpoints`` cites both conventions): the E experts' bytes are stacked
+  into ``[E, rows, K/2]`` once at load (they are separate tensors in the file) and the per-tensor scales become
+  moe_gemv's per-expert ``global_scales`` (:func:`nvfp4_experts`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import library
+from ..tensor import FP4Tensor
+from .linear import FP4Linear
+
+__all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "quantize_experts",
+           "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
+
+Activation = Literal["gpt-oss", "silu"]
+# GptOssExperts: self.alpha = 1.702, self.limit = 7.0.
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
+
+
+class ExpertWeights(NamedTuple):
+    """One projection of all experts: ``weight`` FP4Tensor ``[E, rows, K]``, optional ``bias`` ``[E, rows]``,
+    optional per-expert fp32 ``global_scales`` ``[E]`` (instead of the weight's own global scale)."""
+
+    weight: FP4Tensor
+    bias: torch.Tensor | None = None
+    global_scales: torch.Tensor | None = None
+
+
+def _check_weights(name: str, w: object, experts: int | None = None) -> ExpertWeights:
+    if not isinstance(w, ExpertWeights):
+        raise TypeError(f"{name}: expected an ExpertWeights, got {type(w).__name__}")
+    if not isinstance(w.weight, FP4Tensor) or w.weight.ndim != 3:
+        raise ValueError(f"{name}: expected an FP4Tensor [E, rows, K], got {w.weight!r}")
+    if experts is not None and w.weight.shape[0] != experts:
+        raise ValueError(f"{name}: expected E = {experts} experts like gate_up, got {w.weight.shape[0]}")
+    return w
+
+
+class FP4Experts(nn.Module):
+    """The expert MLPs of one MoE layer on FP4 weights (module docstring: activations, rounding).
+
+    gate_up: ExpertWeights ``[E, 2I, H]`` (fused: interleaved rows for "gpt-oss", halves for "silu"), or a
+        pair ``(gate, up)`` of ExpertWeights ``[E, I, H]``.
+    down: ExpertWeights ``[E, H, I]``.
+    activation: ``"gpt-oss"`` (clamped SwiGLU, ``alpha``, ``limit``) or ``"silu"``.
+    backend: moe_gemv's backend (``"auto"``: the Triton kernel on CUDA, the float64 reference on CPU).
+    Expert ids come from the router's top-k and are not checked (no sync per step): an id outside [0, E)
+    contributes zeros (``fp4gemv.moe``).
+    """
+
+    def __init__(self, gate_up, down: ExpertWeights, *, activation: Activation = "gpt-oss",
+                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT, backend: str = "auto") -> None:
+        super().__init__()
+        if activation not in ("gpt-oss", "silu"):
+            raise ValueError(f"activation: expected 'gpt-oss' or 'silu', got {activation!r}")
+        projections = list(gate_up) if isinstance(gate_up, tuple) and not isinstance(gate_up, ExpertWeights) \
+            else [gate_up]
+        if len(projections) not in (1, 2):
+            raise ValueError(f"gate_up: expected one fused ExpertWeights or a (gate, up) pair, got {len(projections)}")
+        first = _check_weights("gate_up", projections[0])
+        experts, rows, hidden = first.weight.shape
+        for i, p in enumerate(projections[1:], 1):
+            _check_weights("gate_up", p, experts)
+            if p.weight.shape != first.weight.shape:
+                raise ValueError(f"gate_up: expected up of gate's shape {tuple(first.weight.shape)}, got "
+                                 f"{tuple(p.weight.shape)}")
+        intermediate = rows if len(projections) == 2 else rows // 2
+        if len(projections) == 1 and rows % 2:
+            raise ValueError(f"gate_up: expected an even number of rows (gate and up), got {rows}")
+        down = _check_weights("down", down, experts)
+        if tuple(down.weight.shape[1:]) != (hidden, intermediate):
+            raise ValueError(f"down: expected [E, H, I] = {(experts, hidden, intermediate)}, got "
+                             f"{tuple(down.weight.shape)}")
+        self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden, intermediate
+        self.activation, self.alpha, self.limit, self.backend = activation, alpha, limit, backend
+        self._names = [f"gate_up{i}" for i in range(len(projections))] + ["down"]
+        self._formats = {}
+        for name, p in zip(self._names, [*projections, down]):
+            self.register_buffer(f"{name}_data", p.weight.data)
+            self.register_buffer(f"{name}_scales", p.weight.scales)
+            self.register_buffer(f"{name}_weight_global_scale", p.weight.global_scale)
+            self.register_buffer(f"{name}_bias", p.bias)
+            self.register_buffer(f"{name}_global_scales", p.global_scales)
+            self._formats[name] = (p.weight.fmt.name, p.weight.scale_layout)
+
+    def projection(self, name: str) -> ExpertWeights:
+        """The ExpertWeights ``name`` ("gate_up0", "gate_up1" when gate and up are separate, "down") as stored."""
+        fmt, layout = self._formats[name]
+        b = self._buffers
+        weight = FP4Tensor(b[f"{name}_data"], b[f"{name}_scales"], fmt, layout, b[f"{name}_weight_global_scale"])
+        return ExpertWeights(weight, b[f"{name}_bias"], b[f"{name}_global_scales"])
+
+    def _routed(self, name: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        p = self.projection(name)
+        return library.moe_gemv(p.weight, x, ids, bias=p.bias, global_scales=p.global_scales,
+                                out_dtype=torch.float32, backend=self.backend, check_ids=False)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """hidden_states ``[T, H]``; top_k_index ``[T, k]`` expert ids; top_k_weights ``[T, k]``. Returns ``[T, H]``
+        in hidden_states' dtype."""
+        x = hidden_states.reshape(-1, self.hidden_size)
+        tokens, top_k = top_k_index.shape
+        if len(self._names) == 3:
+            gate, up = self._routed("gate_up0", x, top_k_index), self._routed("gate_up1", x, top_k_index)
+        else:
+            gate_up = self._routed("gate_up0", x, top_k_index)
+            if self.activation == "gpt-oss":
+                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "gpt-oss":
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+        else:
+            h = F.silu(gate) * up
+        h = h.to(x.dtype).reshape(tokens * top_k, self.intermediate_size)
+        y = self._routed("down", h, top_k_index.reshape(tokens * top_k, 1)).reshape(tokens, top_k, self.hidden_size)
+        return (y * top_k_weights.to(torch.float32)[..., None]).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        fmt = self._formats["down"][0]
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"fmt={fmt!r}, activation={self.activation!r}, gate_up={'separate' if len(self._names) == 3 else 'fused'}")
+
+
+# --- from float modules ------------------------------------------------------------------------------------------
+
+
+def _quantized(weight: torch.Tensor, bias, fmt: str, scale_layout: str) -> ExpertWeights:
+    """``weight`` ``[E, rows, K]`` quantized (NVFP4: per-expert power-of-two global scales from each amax)."""
+    weight = weight.detach().contiguous()
+    global_scales = None
+    if fmt == "nvfp4":
+        # 448 * 6 is the largest NVFP4 magnitude; a power of two keeps the scale exact in every convention.
+        amax = weight.abs().amax(dim=(1, 2)).to(torch.float32).clamp(min=2.0**-100)
+        global_scales = torch.exp2(torch.ceil(torch.log2(amax / (448 * 6))))
+        scaled = weight.to(torch.float64) / global_scales.to(torch.float64)[:, None, None]
+        w = library.quantize(scaled.to(torch.float32), fmt, scale_layout)
+    else:
+        w = library.quantize(weight.to(torch.float32), fmt, scale_layout)
+    return ExpertWeights(w, None if bias is None else bias.detach(), global_scales)
+
+
+def quantize_experts(module: nn.Module, fmt: str = "mxfp4", scale_layout: str = "linear",
+                     backend: str = "auto") -> FP4Experts:
+    """An FP4Experts holding ``module``'s quantized weights: transformers 5's ``GptOssExperts`` (gate_up_proj
+    ``[E, H, 2I]``, down_proj ``[E, I, H]``, both transposed, with biases) or ``Qwen3MoeExperts`` (and its
+    look-alikes: gate_up_proj ``[E, 2I, H]``, down_proj ``[E, H, I]``, no bias, SiLU)."""
+    if hasattr(module, "gate_up_proj_bias"):
+        gate_up = _quantized(module.gate_up_proj.transpose(1, 2), module.gate_up_proj_bias, fmt, scale_layout)
+        down = _quantized(module.down_proj.transpose(1, 2), module.down_proj_bias, fmt, scale_layout)
+        return FP4Experts(gate_up, down, activation="gpt-oss", alpha=float(module.alpha), limit=float(module.limit),
+                          backend=backend)
+    if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+        act = getattr(module, "act_fn", None)
+        # transformers' ACT2FN["silu"] is its own SiLUActivation class, not nn.SiLU.
+        if act is not None and not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+            raise ValueError(f"module: expected SiLU experts (act_fn nn.SiLU or SiLUActivation), got "
+                             f"{type(act).__name__}")
+        gate_up = _quantized(module.gate_up_proj, None, fmt, scale_layout)
+        down = _quantized(module.down_proj, None, fmt, scale_layout)
+        return FP4Experts(gate_up, down, activation="silu", backend=backend)
+    raise TypeError(f"module: expected a transformers GptOssExperts or Qwen3MoeExperts, got {type(module).__name__}")
+
+
+# --- from checkpoints --------------------------------------------------------------------------------------------
+
+
+def _get(tensors: Mapping[str, torch.Tensor], key: str, required: bool = True):
+    if key in tensors:
+        return tensors[key]
+    if required:
+        raise KeyError(f"{key}: missing")
+    return None
+
+
+def _gpt_oss_projection(tensors, prefix: str, name: str, device) -> ExpertWeights:
+    blocks_key, scales_key = f"{prefix}.{name}_blocks", f"{prefix}.{name}_scales"
+    blocks, scales = _get(tensors, blocks_key), _get(tensors, scales_key)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 4 or blocks.shape[-1] != 16:
+        raise ValueError(f"{blocks_key}: expected uint8 [E, rows, K/32, 16], got {blocks.dtype} {tuple(blocks.shape)}")
+    if scales.dtype not in (torch.uint8, torch.float8_e8m0fnu) or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ValueError(f"{scales_key}: expected uint8 e8m0 {tuple(blocks.shape[:3])} (one per block of "
+                         f"{blocks_key}), got {scales.dtype} {tuple(scales.shape)}")
+    experts, rows = blocks.shape[:2]
+    bias = _get(tensors, f"{prefix}.{name}_bias", required=False)
+    if bias is not None and tuple(bias.shape) != (experts, rows):
+        raise ValueError(f"{prefix}.{name}_bias: expected shape {(experts, rows)}, got {tuple(bias.shape)}")
+    data = blocks.reshape(experts, rows, -1)  # a view: 16 bytes per 32-element block, low nibble first
+    device = blocks.device if device is None else torch.device(device)
+    weight = FP4Tensor(data.to(device), scales.to(device), "mxfp4", "linear")
+    return ExpertWeights(weight, None if bias is None else bias.to(device))
+
+
+def gpt_oss_experts(tensors: Mapping[str, torch.Tensor], prefix: str, *, device=None,
+                    backend: str = "auto") -> FP4Experts:
+    """The FP4Experts of one gpt-oss MoE layer, ``prefix`` e.g. ``"model.layers.0.mlp.experts"`` (module
+    docstring: the keys), the checkpoint's bytes used as they are (``device`` moves them)."""
+    gate_up = _gpt_oss_projection(tensors, prefix, "gate_up_proj", device)
+    down = _gpt_oss_projection(tensors, prefix, "down_proj", device)
+    return FP4Experts(gate_up, down, activation="gpt-oss", backend=backend)
+
+
+def _stacked_nvfp4(tensors, prefix: str, experts: int, name: str, device) -> ExpertWeights:
+    layers = [FP4Linear.from_state_dict(tensors, f"{prefix}.{e}.{name}", activations="weight-only", device=device)
+              for e in range(experts)]
+    weights = [layer.quantized_weight().with_scale_layout("linear") for layer in layers]
+    if any(w.fmt.name != "nvfp4" for w in weights):
+        raise ValueError(f"{prefix}.*.{name}: expected NVFP4 experts, got {sorted({w.fmt.name for w in weights})}")
+    multipliers = [layer.weight_multiplier() for layer in layers]
+    global_scales = None
+    if any(m is not None for m in multipliers):
+        global_scales = torch.stack([torch.ones((), device=weights[0].device) if m is None else m.reshape(())
+                                     for m in multipliers]).to(torch.float32)
+    data = torch.stack([w.data for w in weights])
+    scales = torch.stack([w.scales for w in weights])
+    biases = [layer.bias for layer in layers]
+    bias = None if all(b is None for b in biases) else torch.stack([b.detach() for b in biases])
+    return ExpertWeights(FP4Tensor(data, scales, "nvfp4", "linear"), bias, global_scales)
+
+
+def nvfp4_experts(tensors: Mapping[str, torch.Tensor], prefix: str, num_experts: int, *,
+                  names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), device=None,
+                  backend: str = "auto") -> FP4Experts:
+    """SiLU-gated FP4Experts from per-expert NVFP4 linear layers ``<prefix>.<e>.<name>`` in compressed-tensors or
+    ModelOpt form (Qwen3-MoE / DeepSeek exports; module docstring), ``names``: the gate, up and down layers."""
+    gate, up, down = (_stacked_nvfp4(tensors, prefix, num_experts, name, device) for name in names)
+    return FP4Experts((gate, up), down, activation="silu", backend=backend)

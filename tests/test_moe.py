@@ -1,0 +1,257 @@
+"""fp4gemv.moe_gemv against the exact oracle: routing (shared experts, one expert for all, E=128 k=4 T=1..16),
+K = 2880, tails, both id dtypes, bad ids, per-expert global scales, validation, torch.compile, sm_90 compile.
+
+The bound is the block-sum bound of tests/operands.py (depth K/16 + 22, fp32 unit roundoff) per pair, on the
+magnitudes |W_e| |x_t| times the global scale, plus one fp32 rounding for the bias addition."""
+
+import pytest
+import torch
+
+import fp4gemv
+from fp4gemv import FP4Tensor, moe
+from operands import DEVICE, MIN_SUBNORMAL, SIGNIFICAND_BITS, poisoned, random_activation, random_fp4
+
+def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None):
+    """(exact float64 result [T, k, M], the largest |got - exact| a correct kernel gives) per pair."""
+    experts, m, k = w.shape
+    tokens, top_k = expert_ids.shape
+    ids = expert_ids.reshape(-1).long().cpu()
+    values = fp4gemv.dequantize(w, torch.float64).cpu()  # [E, M, K], global scale included
+    if global_scales is not None:
+        values = values * global_scales.cpu().to(torch.float64)[:, None, None]
+    x64 = x.cpu().to(torch.float64)
+    token = torch.arange(tokens * top_k) // top_k
+    w_pairs = values[ids.clamp(0, experts - 1)]  # [P, M, K]
+    exact = torch.einsum("pmk,pk->pm", w_pairs, x64[token])
+    magnitude = torch.einsum("pmk,pk->pm", w_pairs.abs(), x64[token].abs())
+    bias_abs = torch.zeros_like(exact)
+    if bias is not None:
+        b = bias.cpu().to(torch.float64)[ids.clamp(0, experts - 1)]
+        exact, bias_abs = exact + b, b.abs()
+    valid = ((ids >= 0) & (ids < experts))[:, None]
+    exact = torch.where(valid, exact, 0.0)
+    n = k // 16 + 22
+    bound = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149 + (k + 3) * 2.0**-53 * magnitude
+    bound = bound + 1.01 * 2.0**-24 * (magnitude + bias_abs)  # the bias addition
+    g = got.cpu().reshape(tokens * top_k, m).to(torch.float64)
+    _, exponent = torch.frexp(g.abs())
+    ulp = torch.exp2((exponent - SIGNIFICAND_BITS[out_dtype]).to(torch.float64))
+    ulp = torch.where(g == 0, 0.0, ulp).clamp(min=MIN_SUBNORMAL[out_dtype])
+    bound = torch.where(valid, bound + ulp / 2, 0.0)
+    return exact.reshape(tokens, top_k, m), bound.reshape(tokens, top_k, m)
+
+
+def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None):
+    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales)
+    g = got.cpu().to(torch.float64)
+    ok = torch.isfinite(g) & ((g - exact).abs() <= bound)
+    if not ok.all():
+        bad = (~ok).nonzero()[:5].tolist()
+        detail = [(i, g[tuple(i)].item(), exact[tuple(i)].item()) for i in bad]
+        raise AssertionError(f"{int((~ok).sum())} of {g.numel()} outputs off the exact result; first: {detail}")
+
+
+def routed(w, x, expert_ids, **kw):
+    return fp4gemv.moe_gemv(w, x, expert_ids, backend="triton", **kw)
+
+
+def random_ids(tokens, top_k, experts, seed, dtype=torch.int32):
+    """Top-k-like ids: distinct experts per token."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("act,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32),
+                                           (torch.float32, torch.float16)])
+def test_matches_exact(fmt, layout, act, out_dtype):
+    """M = 20 (a row tail of 8-row tiles), K = 96 (6 blocks: a K tail), shared and duplicate experts, bias."""
+    w = random_fp4((6, 20, 96), fmt, layout, seed=3, global_scale=0.75 if fmt == "nvfp4" else None)
+    x = random_activation((5, 96), act, seed=4)
+    ids = torch.tensor([[1, 3], [3, 1], [1, 5], [0, 3], [3, 3]], dtype=torch.int32, device=DEVICE)
+    bias = random_activation((6, 20), torch.bfloat16, seed=5)
+    got = routed(w, x, ids, bias=bias, out_dtype=out_dtype)
+    assert got.shape == (5, 2, 20) and got.dtype == out_dtype
+    assert_routed_exact(got, w, x, ids, out_dtype, bias=bias)
+
+
+def test_every_token_on_one_expert():
+    """16 tokens on one expert (one 16-column group), then both slots of every token on it (32 pairs: two
+    column chunks)."""
+    w = random_fp4((4, 8, 64), "mxfp4", "linear", seed=6)
+    x = random_activation((16, 64), torch.bfloat16, seed=7)
+    for ids in (torch.full((16, 1), 2, dtype=torch.int64), torch.full((16, 2), 2, dtype=torch.int64)):
+        ids = ids.to(DEVICE)
+        got = routed(w, x, ids, out_dtype=torch.float32)
+        assert_routed_exact(got, w, x, ids, torch.float32)
+
+
+def test_128_experts_top4_every_token_count():
+    w = random_fp4((128, 8, 64), "nvfp4", "swizzled", seed=8)
+    x = random_activation((16, 64), torch.bfloat16, seed=9)
+    for tokens in range(1, 17):
+        ids = random_ids(tokens, 4, 128, seed=tokens, dtype=torch.int64 if tokens % 2 else torch.int32)
+        ids[tokens // 2, 0] = ids[0, 1]  # at least one expert shared by two tokens (when tokens > 1)
+        got = routed(w, x[:tokens], ids)
+        assert_routed_exact(got, w, x[:tokens], ids, torch.bfloat16)
+
+
+def test_gpt_oss_k_2880():
+    """K = 2880: 90 MXFP4 scale columns (not a multiple of 4: swizzle padding), a K tail of the loop."""
+    w = random_fp4((4, 8, 2880), "mxfp4", "swizzled", seed=10)
+    x = random_activation((3, 2880), torch.bfloat16, seed=11)
+    ids = torch.tensor([[0, 2], [2, 3], [1, 2]], dtype=torch.int32, device=DEVICE)
+    bias = random_activation((4, 8), torch.float32, seed=12)
+    got = routed(w, x, ids, bias=bias)
+    assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias)
+
+
+def test_strided_operands_and_out():
+    """ids and x as transposed views, out a strided view: all read and written through their strides."""
+    w = random_fp4((5, 12, 64), "nvfp4", "linear", seed=13)
+    x = random_activation((64, 3), torch.float16, seed=14).T
+    ids = torch.tensor([[4, 0, 4], [1, 1, 2]], dtype=torch.int64, device=DEVICE).T
+    base = poisoned((12, 2, 3), torch.float32)
+    out = base.permute(2, 1, 0)
+    got = routed(w, x, ids, out=out, out_dtype=torch.float32)
+    assert got is out
+    assert_routed_exact(out, w, x, ids, torch.float32)
+
+
+def test_per_expert_global_scales():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15)
+    scales = torch.tensor([0.5, 3.0, 2.0**-7, 1.375], dtype=torch.float32, device=DEVICE)
+    x = random_activation((2, 64), torch.bfloat16, seed=16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    got = routed(w, x, ids, global_scales=scales, out_dtype=torch.float32)
+    assert_routed_exact(got, w, x, ids, torch.float32, global_scales=scales)
+    with_global = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15, global_scale=2.0)
+    with pytest.raises(ValueError, match="global_scales: expected None when w has a global scale"):
+        routed(with_global, x, ids, global_scales=scales)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_bad_ids(backend):
+    w = random_fp4((4, 8, 64), "mxfp4", "linear", seed=17)
+    x = random_activation((2, 64), torch.bfloat16, seed=18)
+    out = poisoned((2, 2, 8), torch.bfloat16)
+    for bad in (4, -1):
+        ids = torch.tensor([[0, bad], [1, 2]], dtype=torch.int32, device=DEVICE)
+        with pytest.raises(ValueError, match=rf"expert_ids: expected ids in \[0, 4\), got {bad} at \(0, 1\)"):
+            fp4gemv.moe_gemv(w, x, ids, out=out, backend=backend)
+        assert torch.isnan(out).all()  # nothing written
+        # Unchecked (what CUDA graphs and torch.compile get): zeros for the bad pair, the others exact.
+        got = fp4gemv.moe_gemv(w, x, ids, backend=backend, check_ids=False)
+        assert (got[0, 1] == 0).all()
+        assert_routed_exact(got, w, x, ids, torch.bfloat16)
+
+
+def test_validation_names_the_argument():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
+    x = random_activation((2, 64), torch.bfloat16, seed=20)
+    ids = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
+    cases = [
+        (dict(w=FP4Tensor(w.data[0], w.scales[0], "nvfp4")), ValueError, r"w: expected an FP4Tensor \[E, M, K\]"),
+        (dict(x=x[:, :32]), ValueError, r"x: expected \[T, K\] with K = 64"),
+        (dict(x=x.to(torch.int32)), TypeError, "x: expected dtype float16, bfloat16, float32"),
+        (dict(expert_ids=ids[:1]), ValueError, r"expert_ids: expected \[T, k\] with T = 2"),
+        (dict(expert_ids=ids.to(torch.int16)), TypeError, "expert_ids: expected dtype int32, int64"),
+        (dict(bias=torch.zeros(4, 9)), ValueError, r"bias: expected shape \[E, M\] = \(4, 8\), got \(4, 9\)"),
+        (dict(out=torch.empty(2, 2, 9, dtype=torch.bfloat16)), ValueError, r"out: expected shape \[T, k, M\]"),
+        (dict(out=torch.empty(2, 2, 8, dtype=torch.float16)), TypeError, "out: expected dtype torch.bfloat16"),
+        (dict(global_scales=torch.ones(3)), ValueError, r"global_scales: expected one per expert, \[E\] = \[4\]"),
+    ]
+    for change, error, message in cases:
+        args = dict(w=w, x=x, expert_ids=ids)
+        args.update(change)
+        a, b, c = args.pop("w"), args.pop("x"), args.pop("expert_ids")
+        with pytest.raises(error, match=message):
+            routed(a, b, c, **args)
+
+
+def test_torch_compile_fullgraph():
+    w = random_fp4((6, 8, 64), "mxfp4", "swizzled", seed=21)
+    x = random_activation((3, 64), torch.bfloat16, seed=22)
+    ids = torch.tensor([[5, 0], [0, 2], [2, 5]], dtype=torch.int64, device=DEVICE)
+    bias = random_activation((6, 8), torch.bfloat16, seed=23)
+
+    def step(x, ids):
+        return fp4gemv.moe_gemv(w, x * 2, ids, bias=bias, backend="triton") + 1
+
+    compiled = torch.compile(step, fullgraph=True)
+    got = compiled(x, ids)
+    eager = step(x, ids)
+    assert torch.equal(got, eager)
+    direct = routed(w, x * 2, ids, bias=bias)
+    assert_routed_exact(direct, w, x * 2, ids, torch.bfloat16, bias=bias)
+
+
+_SM90_SCRIPT = r"""
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from aot import jit_specialization, local_memory
+from fp4gemv import FP4Tensor, moe
+from fp4gemv.kernels.moe_gemv import moe_gemv_kernel
+
+for fmt, layout, tokens, k, bias in [("mxfp4", "swizzled", 1, 4, True), ("mxfp4", "linear", 8, 4, True),
+                                     ("nvfp4", "swizzled", 16, 4, False), ("nvfp4", "linear", 16, 8, False)]:
+    e, m, kk = 32, 5760, 2880
+    bs = 16 if fmt == "nvfp4" else 32
+    w = FP4Tensor(torch.zeros(e, m, kk // 2, dtype=torch.uint8), torch.zeros(e, m, kk // bs, dtype=torch.uint8),
+                  fmt).with_scale_layout(layout)
+    x = torch.zeros(tokens, kk, dtype=torch.bfloat16)
+    ids = torch.zeros(tokens, k, dtype=torch.int32)
+    b = torch.zeros(e, m, dtype=torch.bfloat16) if bias else None
+    out = torch.empty(tokens, k, m, dtype=torch.bfloat16)
+    grid, args, kwargs = moe.kernel_launch(w, x, ids, b, None, out)
+    options = dict(num_warps=kwargs.pop("num_warps"))
+    sig, const, attrs, _ = jit_specialization(moe_gemv_kernel, args, kwargs)
+    compiled = triton.compile(ASTSource(moe_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    print(fmt, layout, tokens, k, "local:", local_memory(compiled), "ld.global.v" in compiled.asm["ptx"])
+"""
+
+
+def test_compiles_for_sm90_without_local_memory(compile_for_sm90):
+    lines = compile_for_sm90(_SM90_SCRIPT).strip().splitlines()
+    assert len(lines) == 4, lines
+    for line in lines:
+        assert "local: []" in line, line
+
+
+@pytest.mark.gpu
+def test_gpt_oss_shapes_on_gpu():
+    """gpt-oss-20b's gate_up (5760 x 2880) and down (2880 x 2880) at T = 16, k = 4 with 32 experts."""
+    for m in (5760, 2880):
+        w = random_fp4((32, m, 2880), "mxfp4", "swizzled", seed=30 + m)
+        x = random_activation((16, 2880), torch.bfloat16, seed=31)
+        ids = random_ids(16, 4, 32, seed=32)
+        bias = random_activation((32, m), torch.bfloat16, seed=33)
+        got = fp4gemv.moe_gemv(w, x, ids, bias=bias)
+        assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_with_bad_ids_stays_in_bounds():
+    """Under capture the ids are not checked: replayed with ids outside [0, E) the kernel writes zeros for those
+    pairs, the exact result for the others, and touches nothing else (the sync after replay would raise an
+    illegal address)."""
+    w = random_fp4((8, 64, 256), "nvfp4", "linear", seed=34, global_scale=0.5)
+    x = random_activation((4, 256), torch.bfloat16, seed=35)
+    ids = random_ids(4, 2, 8, seed=36)
+    out = torch.empty(4, 2, 64, dtype=torch.bfloat16, device="cuda")
+    fp4gemv.moe_gemv(w, x, ids, out=out)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp4gemv.moe_gemv(w, x, ids, out=out)
+    ids.copy_(torch.tensor([[0, 1 << 30], [-5, 3], [7, 8], [2, 2]], dtype=ids.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    for t, j in ((0, 1), (1, 0), (2, 1)):
+        assert (out[t, j] == 0).all()
+    assert_routed_exact(out, w, x, ids, torch.bfloat16)
+    with pytest.raises(ValueError, match="expert_ids: expected ids in"):
+        fp4gemv.moe_gemv(w, x, ids, out=out)
