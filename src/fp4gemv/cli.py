@@ -297,7 +297,9 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                    help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
     p.add_argument("--n", default=None, help="activation rows (decode batch), comma-separated, each 1..16 "
                                              "(default: 1; with --model: 1,8)")
-    p.add_argument("--bf16", action="store_true", help="also time the product with bf16 weights (torch.matmul)")
+    p.add_argument("--bf16", action="store_true",
+                   help="also time the product with bf16 weights (torch.matmul) and with e4m3 weights and activation "
+                        "(torch._scaled_mm, per-tensor scales), the ratios beside")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
     p.add_argument("--model", choices=("llama3-8b", "llama3-70b", "gpt-oss-20b", "gpt-oss-120b"), default=None,

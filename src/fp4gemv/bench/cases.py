@@ -154,7 +154,40 @@ def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline
     row["best_read"], row["best_read_us"] = measure.best_read(nbytes)
     if bf16_baseline:
         row["bf16_us"] = _bf16_matmul_us(shape)
+        row["fp8_us"], row["fp8_rows"] = _fp8_scaled_mm_us(shape)
     return row
+
+
+def _fp8_scaled_mm_us(shape: Shape) -> tuple[float, int]:
+    """The same product with e4m3 weights and activation through ``torch._scaled_mm`` (cuBLASLt, per-tensor fp32
+    scales, bf16 out), one launch per batch, same protocol; and the activation rows it ran: N, or 16 where
+    cuBLASLt refuses N (its FP8 path wants multiples of 16)."""
+    nbytes = shape.l * shape.m * shape.k
+    one = torch.ones((), device="cuda")
+    weights = []
+    for i in range(input_count(nbytes)):
+        g = torch.Generator(device="cuda").manual_seed(i)
+        w = torch.randn((shape.l, shape.m, shape.k), generator=g, device="cuda", dtype=torch.bfloat16)
+        weights.append(w.to(torch.float8_e4m3fn))
+    rows = shape.n
+    for attempt in (shape.n, 16):
+        rows = attempt
+        x = torch.randn((attempt, shape.k), device="cuda").to(torch.float8_e4m3fn)
+        try:
+            torch._scaled_mm(x, weights[0][0].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+            break
+        except RuntimeError:
+            if attempt == 16:
+                raise
+
+    def launch(w):
+        for batch in range(shape.l):
+            torch._scaled_mm(x, w[batch].t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    time = summarize(device_time_us(launch, weights))["median_us"]
+    weights.clear()
+    torch.cuda.empty_cache()
+    return time, rows
 
 
 def _bf16_matmul_us(shape: Shape) -> float:
@@ -174,15 +207,23 @@ def _bf16_matmul_us(shape: Shape) -> float:
 
 def format_table(rows: Sequence[dict]) -> str:
     head = (f"{'fmt':>5} {'act':>4} {'N':>2} {'shape':>14} {'MB':>6} {'us':>7} {'best read us':>12} "
-            f"{'x read':>6} {'host us':>7} {'bf16 us':>7}  kernel")
+            f"{'x read':>6} {'host us':>7} {'bf16 us':>7} {'x bf16':>6} {'fp8 us':>7} {'x fp8':>6}  kernel")
     lines = [head]
     for r in rows:
         t = r["time"]["median_us"]
-        bf16 = f"{r['bf16_us']:>7.2f}" if "bf16_us" in r else f"{'':>7}"
+        bf16 = f"{r['bf16_us']:>7.2f} {r['bf16_us'] / t:>6.2f}" if "bf16_us" in r else f"{'':>14}"
+        fp8 = ""
+        if "fp8_us" in r:
+            padded = "*" if r["fp8_rows"] != r["n"] else " "
+            fp8 = f"{r['fp8_us']:>6.2f}{padded} {r['fp8_us'] / t:>6.2f}"
+        else:
+            fp8 = f"{'':>14}"
         lines.append(
             f"{r['fmt']:>5} {r['act']:>4} {r['n']:>2} {Shape(r['m'], r['k'], r['l']).label():>14} "
             f"{r['bytes'] / 1e6:>6.1f} {t:>7.2f} {r['best_read_us']:>12.2f} {r['best_read_us'] / t:>6.2f} "
-            f"{r['host_us']:>7.1f} {bf16}  {r['kernel']}")
+            f"{r['host_us']:>7.1f} {bf16} {fp8}  {r['kernel']}")
+    if any(r.get("fp8_rows", r["n"]) != r["n"] for r in rows):
+        lines.append("* FP8 with the activation padded to 16 rows (cuBLASLt refused N)")
     return "\n".join(lines)
 
 
