@@ -97,8 +97,9 @@ class FP4Linear(nn.Module):
     The constructor makes placeholders (zeros, unit scales) for ``load_state_dict``; :meth:`from_linear`
     and :meth:`from_state_dict` build loaded modules.
 
-    forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
-    dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
+    forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 on the weight's device; returns
+    ``[..., out_features]`` in x's dtype.  A bias in another dtype is rounded to x's on each call
+    (``module.to(dtype)`` converts it once).  Up to 16 tokens (the
     product of x's leading dimensions) run through ``fp4gemv.gemv``, rounded once to x's dtype, then
     ``+ bias`` in x's dtype.  More tokens (prefill) compute ``F.linear(x_q, W.dequantize(x.dtype), bias)``
     where ``x_q`` is x (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
@@ -226,14 +227,14 @@ class FP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
-        if self.bias is not None and self.bias.dtype != x.dtype:
-            raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
-                            f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)  # a copy per call: .to(dtype) on the module converts it once instead
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_zeros((*lead, self.out_features))
-        return self._product(x2d, x.dtype, self.bias).reshape(*lead, self.out_features)
+        return self._product(x2d, x.dtype, bias).reshape(*lead, self.out_features)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -326,6 +327,9 @@ class FP4Linear(nn.Module):
         weight = linear.weight.detach()
         if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"linear.weight: expected a float dtype, got {_dtype_name(weight.dtype)}")
+        _check_choice("fmt", fmt, tuple(formats.FORMATS))
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("linear.weight: expected finite values (NaN and infinity have no FP4 encoding)")
         multiplier = per_tensor_scale(weight.abs().amax(), per_tensor) if fmt == "nvfp4" else None
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
                      scale_layout=scale_layout, activations=activations,

@@ -90,6 +90,8 @@ def quantize_model(
     W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
     """
     skip = [skip] if isinstance(skip, str) else list(skip)
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations: expected 'weight-only' or 'w4a4', got {activations!r}")
     todo = [(n, m) for n, m in _float_linears(model) if not _skipped(n, skip)]
