@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
@@ -21,6 +23,17 @@ def test_api_tour_runs_as_written():
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "True all 1024 outputs within" in done.stdout, done.stdout
+
+
+def test_nn_block_runs_as_written(tmp_path):
+    pytest.importorskip("transformers")
+    block = re.search(r"## FP4 models: `fp4gemv.nn`.*?```python\n(.*?)```", _readme(), re.S).group(1)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"tensor\(\[\[\s*1,\s*2,\s*3(,\s*\d+){4}\]\]\)", done.stdout), done.stdout
 
 
 def test_ci_runs_the_readme_test_command():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +27,8 @@ def from_pretrained(
     path: a directory with ``config.json``, ``*.safetensors`` and a quantization config in a convention
         ``fp4gemv.nn.load_quantized`` reads (compressed-tensors ``nvfp4-pack-quantized``, NVIDIA ModelOpt
         NVFP4 with ``hf_quant_config.json``, gpt-oss MXFP4).
-    device: where every tensor is loaded (transformers' ``device_map``; None: the CPU).
+    device: where every tensor is loaded (transformers' ``device_map``, which needs ``accelerate``: without
+        it the model loads on the CPU and is then moved, with a warning; None: the CPU).
     dtype: the float tensors' dtype (embeddings, norms, lm_head, biases); None: the checkpoint's.
     activations, scale_layout: ``fp4gemv.nn.hf_quantizer.FP4GemvConfig``'s.
     kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
@@ -43,9 +46,17 @@ def from_pretrained(
     if "quantization_config" in kwargs:
         raise TypeError("quantization_config: expected none (from_pretrained passes FP4GemvConfig(activations, "
                         "scale_layout) itself)")
+    move_to = None
     if device is not None:
-        kwargs["device_map"] = device
+        if importlib.util.find_spec("accelerate") is not None:
+            kwargs["device_map"] = device  # transformers needs accelerate for any device_map
+        elif torch.device(device).type != "cpu":
+            warnings.warn(f"device: loading on the CPU, then moving to {device}: transformers loads straight onto "
+                          f"a device only with accelerate installed (pip install fp4gemv[transformers])",
+                          stacklevel=2)
+            move_to = device
     if dtype is not None:
         kwargs["dtype"] = dtype
     config = FP4GemvConfig(activations=activations, scale_layout=scale_layout)
-    return AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, **kwargs)
+    return model if move_to is None else model.to(move_to)
