@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
+from .. import ops
 from ..ops import gemv
+from ..quantize import quantize
 from ..tensor import FP4Tensor
 
 __all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "per_tensor_scale"]
@@ -206,12 +208,22 @@ class FP4Linear(nn.Module):
         self.__dict__["_quantized_weight"] = ((self.weight, self.weight_scale, per_tensor, version), quantized)
         return quantized
 
+    def _launch_tensors(self) -> tuple:
+        """The tensors a kept decode launch reads (by address): weight, block scales, per-tensor scale, bias."""
+        buffers = self._buffers
+        per_tensor = buffers.get("weight_scale_2")
+        if per_tensor is None:
+            per_tensor = buffers.get("weight_global_scale")
+        return buffers["weight"], buffers["weight_scale"], per_tensor, self._parameters["bias"]
+
     def quantize_input(self, x2d: torch.Tensor) -> FP4Tensor:
         """W4A4's activation ``[T, in_features]`` as an FP4Tensor in the weight's format (linear scales)."""
         multiplier = self.input_multiplier()
         if multiplier is None and self.fmt == "nvfp4":
             multiplier = per_tensor_scale(x2d.detach().abs().amax())
-        return FP4Tensor.quantize(x2d, self.fmt, "linear", multiplier)
+        # Unchecked (checking reads a value back: a device synchronisation per call): a NaN or infinity
+        # gets its block the NaN scale byte, so the outputs it reaches are NaN, as nn.Linear's would be.
+        return quantize(x2d, self.fmt, "linear", multiplier, check_values=False)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -226,6 +238,11 @@ class FP4Linear(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        launch = self.__dict__.get("_decode_launch")
+        if launch is not None and not torch.compiler.is_compiling():
+            y = launch.run(self, x)
+            if y is not None:
+                return y
         self._check_input(x)
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
@@ -234,7 +251,11 @@ class FP4Linear(nn.Module):
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_zeros((*lead, self.out_features))
-        return self._product(x2d, x.dtype, bias).reshape(*lead, self.out_features)
+        y = self._product(x2d, x.dtype, bias)
+        if (self.activations == "weight-only" and x2d.shape[0] <= DECODE_MAX_TOKENS and bias is self.bias
+                and not torch.compiler.is_compiling()):
+            self.__dict__["_decode_launch"] = _DecodeLaunch.of(self, x, x2d, y)
+        return y.reshape(*lead, self.out_features)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -274,6 +295,7 @@ class FP4Linear(nn.Module):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_quantized_weight", None)  # views of the buffers: rebuilt on the next call
+        state.pop("_decode_launch", None)
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -294,6 +316,7 @@ class FP4Linear(nn.Module):
         # fp32 per-tensor scales count as floating point: keep their dtype (and exact values), move only.
         kept = {name: self._buffers[name] for name in _FIXED_BUFFERS if self._buffers.get(name) is not None}
         self.__dict__.pop("_quantized_weight", None)
+        self.__dict__.pop("_decode_launch", None)
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
@@ -370,6 +393,54 @@ class FP4Linear(nn.Module):
         from .checkpoints import layer_from_tensors
 
         return layer_from_tensors(tensors, prefix, activations=activations, scale_layout=scale_layout, device=device)
+
+
+class _DecodeLaunch:
+    """An eager weight-only decode call's launch, kept for the next call with the same metadata: one check of
+    x's metadata and of the module's tensors' identity, then the output's allocation and the compiled
+    kernel's launch (``ops.prepared``'s cached plan, its launcher called directly); about nn.Linear's host
+    cost.  Only for Triton kernels already compiled, on an activation read in place (no copy)."""
+
+    __slots__ = ("key", "tensors", "version", "weight", "prepared", "weight_pointers", "out_shape", "rows_shape",
+                 "dtype", "device")
+
+    @staticmethod
+    def of(module: FP4Linear, x: torch.Tensor, x2d: torch.Tensor, y: torch.Tensor) -> _DecodeLaunch | None:
+        weight = module.quantized_weight()
+        prepared, pointers = ops.prepared(weight, x2d, y.t(), x.dtype, "auto", None, None)
+        if prepared.compiled is None or prepared.plan.copy_activation or pointers is None:
+            return None  # the reference path (CPU), or a copy of x first: the ordinary call
+        if x2d.data_ptr() != x.data_ptr():
+            return None
+        launch = _DecodeLaunch()
+        launch.key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+                      torch.cuda.current_device() if x.is_cuda else None)
+        launch.tensors = module._launch_tensors()
+        # A divisor's reciprocal is a tensor of the kept FP4Tensor (kept alive here), remade when it changes.
+        launch.version = None if launch.tensors[2] is None else launch.tensors[2]._version
+        launch.weight = weight
+        launch.prepared = prepared
+        launch.weight_pointers = pointers[:3]
+        launch.out_shape = (*x.shape[:-1], module.out_features)
+        launch.rows_shape = tuple(y.shape)
+        launch.dtype, launch.device = x.dtype, x.device
+        return launch
+
+    def run(self, module: FP4Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The product for an x of the kept metadata on the kept tensors, else None (the ordinary call)."""
+        if type(x) is not torch.Tensor or (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+                                           torch.cuda.current_device() if x.is_cuda else None) != self.key:
+            return None
+        weight, scale, per_tensor, bias = module._launch_tensors()
+        kept = self.tensors
+        if (weight is not kept[0] or scale is not kept[1] or per_tensor is not kept[2] or bias is not kept[3]
+                or (per_tensor is not None and per_tensor._version != self.version)):
+            return None
+        y = torch.empty(self.rows_shape, dtype=self.dtype, device=self.device)
+        self.prepared.launch((*self.weight_pointers, x.data_ptr(), 0, 0, y.data_ptr()))
+        if bias is not None:
+            y.add_(bias)
+        return y.view(self.out_shape)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
