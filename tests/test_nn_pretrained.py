@@ -163,3 +163,29 @@ def test_from_pretrained_errors(tmp_path):
     with pytest.raises(ValueError, match=f"{key}: the modelopt config quantizes this module but the checkpoint has "
                                          f"no FP4 tensors for it"):
         from_pretrained(tmp_path)
+
+
+def test_a_static_cache_decode_step_compiles_in_one_graph_without_recompiling(tmp_path):
+    """transformers' static-cache decode (what generate compiles) traces FP4 layers without a graph break and
+    does not recompile from one token to the next; its logits are the eager model's."""
+    import torch._dynamo
+
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_compressed_tensors(float_model, tmp_path, config=float_model.config.to_dict())
+    model = from_pretrained(tmp_path)
+    prompt = _prompt()
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=PROMPT + 4) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(prompt, past_key_values=cache, cache_position=torch.arange(PROMPT))
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="eager", fullgraph=True)
+        token = torch.tensor([[int(prompt[0, -1])]])  # the strides of the argmax tokens that follow
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(3):
+                position = torch.tensor([PROMPT + i])
+                compiled = step(token, past_key_values=caches[0], cache_position=position).logits
+                eager = model(token, past_key_values=caches[1], cache_position=position).logits
+                assert torch.equal(compiled, eager)
+                token = eager[:, -1:].argmax(-1)
