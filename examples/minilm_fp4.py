@@ -13,8 +13,9 @@ declared dependency, sentence-transformers, would pull transformers, scipy and s
 
 Sentences run one at a time, as the model is used for search queries: those of up to 16 tokens take
 FP4Linear's GEMV path, longer ones its prefill path (dequantize + F.linear).  On the CPU the GEMV path is the
-float64 reference and the whole run takes several minutes (566 s of CPU time measured); ``--batched``
-embeds all sentences in one padded call (the prefill path) and is much quicker.
+float64 reference and the whole run takes minutes (742 s of CPU time, 35 min wall, on a 2-core machine shared
+with other jobs; far less on an idle one); ``--batched`` embeds all sentences in one padded call (the prefill
+path) and is much quicker.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ bug confined to one small-scaled block can hide in it; ``test_hmma_bound_rejects
 reach every block, as a K-order bug in this kernel would, and the one-hot K-order tests check exactly.
 """
 
+import dataclasses
 import itertools
 import json
 
@@ -161,7 +162,8 @@ def test_hmma_kernel_reads_padded_rows():
     scales = torch.zeros(2, m, k // 16 + 4, dtype=torch.uint8, device=DEVICE)[:, :, 2:2 + k // 16]
     scales.copy_(w.scales)
     a = FP4Tensor(data, scales, "nvfp4", "linear", w.global_scale)
-    assert Hmma().supports(_case(a, random_activation((3, k), torch.float16, seed=0)), SM90)
+    sm90_triton = dataclasses.replace(SM90, mode="triton")  # the support checks, without the PTX path's Triton guard
+    assert Hmma().supports(_case(a, random_activation((3, k), torch.float16, seed=0)), sm90_triton)
     xb = random_fp4((2, 3, k), "nvfp4", "swizzled", seed=12)
     x_data = torch.zeros(2, 3, k // 2 + 16, dtype=torch.uint8, device=DEVICE)[:, :, :k // 2]
     x_data.copy_(xb.data)
@@ -504,6 +506,8 @@ def _aot_variants_script(variants):
     return f"VARIANTS = {variants!r}\n" + _AOT_COMMON + _AOT_VARIANTS
 
 
+@pytest.mark.skipif(not hmma_gemv.PTX_LAYOUT_VERIFIED, reason="the PTX path runs on Triton 3.6 only (its operand "
+                    "layout differs on others; test_ptx_path_is_refused_off_triton_36 checks the refusal)")
 @pytest.mark.parametrize("activation", ("fp16", "bf16", "fp4"))
 def test_hmma_kernel_compiles_for_sm90_with_the_fragment_layout(compile_for_sm90, activation):
     """Every PTX variant (N_TILES 1 / 2, 1 / 2 / 4 / 8 warps), with and without divisibility: a cubin,
@@ -559,6 +563,8 @@ _JIT_CALLS = [  # label, M, K, L, activation, N
 ]
 
 
+@pytest.mark.skipif(not hmma_gemv.PTX_LAYOUT_VERIFIED, reason="the PTX path runs on Triton 3.6 only (its operand "
+                    "layout differs on others; test_ptx_path_is_refused_off_triton_36 checks the refusal)")
 def test_hmma_kernel_compiles_with_the_jits_specialization(compile_for_sm90):
     """What the JIT compiles for real calls (K = 16384: every stride divisible; K = 192: a row stride of 24
     words and 16-byte aligned pointers only) has the fragment layout, mma.sync and no local memory."""
@@ -659,3 +665,17 @@ def test_hmma_one_hot_k_order_on_gpu():
         for backend in ("triton-ptx", "triton"):
             got = gemv(a, x, out_dtype=torch.float32, backend=backend, kernel="hmma", config=config)
             assert torch.equal(got, expected), (activation, config, backend)
+
+
+def test_ptx_path_is_refused_off_triton_36(monkeypatch):
+    """On a Triton whose asm operand layout is not the verified one, dispatch skips hmma's PTX path with the
+    reason (the next kernel runs), naming it refuses, and the pure-Triton twin still runs."""
+    monkeypatch.setattr(hmma_gemv, "PTX_LAYOUT_VERIFIED", False)
+    a = random_fp4((128, 64), "nvfp4", "swizzled", seed=1, device="cpu")
+    x = torch.randn(9, 64, dtype=torch.float16)
+    case = GemvOperands.of(a, x, torch.empty(128, 9)).case
+    assert ops.choose_kernel(case, SM90).name == "weight_only"  # which leaves N > 8 to hmma where hmma runs
+    with pytest.raises(ValueError, match=r"kernel: 'hmma' cannot run .*: its PTX step reads operands in Triton "
+                                         r"3.6's register layout \(verified for 3.6 only\)"):
+        ops.choose_kernel(case, SM90, "hmma")
+    assert ops.choose_kernel(case, dataclasses.replace(SM90, mode="triton")).name == "hmma"

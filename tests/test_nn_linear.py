@@ -128,8 +128,13 @@ def test_validation_names_the_argument():
         module([1.0] * 128)
     with pytest.raises(ValueError, match=r"x: expected shape \[..., in_features\] = \[..., 128\], got \(2, 64\)"):
         module(torch.randn(2, 64))
-    with pytest.raises(TypeError, match="x: expected dtype float32 like bias, got bfloat16"):
-        module(torch.randn(2, 128).bfloat16())
+    nan_linear = _linear()
+    with torch.no_grad():
+        nan_linear.weight[3, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"linear.weight: expected finite values"):
+        FP4Linear.from_linear(nan_linear)
+    with pytest.raises(ValueError, match="fmt: expected one of 'nvfp4', 'mxfp4', got 'int4'"):
+        FP4Linear.from_linear(_linear(), "int4")
     with pytest.raises(ValueError, match="in_features: expected a positive multiple of the mxfp4 block size 32"):
         FP4Linear(48, 16, fmt="mxfp4")
     with pytest.raises(ValueError, match="fmt: expected 'nvfp4' or 'mxfp4'"):
@@ -140,6 +145,16 @@ def test_validation_names_the_argument():
         FP4Linear(64, 16, input_scale="multiplier")
     with pytest.raises(TypeError, match="linear: expected an nn.Linear"):
         FP4Linear.from_linear(nn.Conv1d(4, 4, 1))
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_a_bias_in_another_dtype_is_rounded_to_x_dtype(tokens):
+    """from_linear(nn.Linear(...)) keeps the fp32 bias; bf16 input then works, as with the module in bf16."""
+    module = FP4Linear.from_linear(_linear())
+    x = torch.randn(tokens, 128).bfloat16()
+    y = module(x)
+    assert y.dtype == torch.bfloat16 and module.bias.dtype == torch.float32
+    assert torch.equal(y, module.to(torch.bfloat16)(x))
 
 
 def test_from_linear_quantizes_with_a_power_of_two_per_tensor_scale():

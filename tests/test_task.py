@@ -323,6 +323,15 @@ def test_cli_task_test_with_the_triton_backend(capsys, monkeypatch):
     assert out[-1] == "2 passed, 0 failed"
 
 
+def test_cli_task_test_with_the_ptx_backend_on_a_cpu_refuses_in_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(task, "generate_input", lambda *a, **kw: pytest.fail("generated inputs"))
+    assert cli.main(["task", "test", "--backend", "triton-ptx"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert err.startswith("error: --backend triton-ptx: needs a CUDA GPU (its decode is PTX), got device cpu")
+
+
 def test_cli_task_benchmark_without_a_gpu_exits_at_once(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(task, "generate_input", lambda *a, **kw: pytest.fail("generated inputs"))

@@ -117,6 +117,11 @@ def _time_calls(
 
 
 def _task_test(args: argparse.Namespace) -> int:
+    if args.backend == "triton-ptx" and args.device != "cuda" and task.resolve_device(args.device).type != "cuda":
+        print(f"error: --backend triton-ptx: needs a CUDA GPU (its decode is PTX), got device "
+              f"{task.resolve_device(args.device)}; --backend triton runs the pure-Triton paths on a CPU",
+              file=sys.stderr)
+        return 2
     device = _select_device(args.device)
     if device is None:
         return 2

@@ -92,7 +92,8 @@ def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> t
     if b.device != a.device:
         raise ValueError(f"b: expected device {a.device} like a, got {b.device}")
     if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
+        got = f"{type(out_dtype).__name__} {out_dtype!r}" if not isinstance(out_dtype, torch.dtype) else out_dtype
+        raise TypeError(f"out_dtype: expected a torch.dtype among {_names(OUT_DTYPES)}, got {got}")
     if out is not None:
         _check_out(out, shape, out_dtype, a.device)
     return shape

@@ -200,6 +200,10 @@ def quantize(
             :func:`nvfp4_global_scale`; one extra read of ``x``); a Python number (rounded to float32); or a
             one-element float32 tensor on x's device.  It must be a positive normal float32.  NVFP4 divides by
             ``scale * g``; MXFP4 divides ``x`` by ``g`` before choosing its exponents.  The result carries it.
+            NVFP4 without one saturates silently: its e4m3 block scales reach 448 at most and 2^-9 at least,
+            so magnitudes above 6 * 448 = 2688 become ±2688 and blocks whose largest magnitude is below
+            about 6 * 2^-9 lose precision, down to zero (1e-6 becomes 0).  Pass ``"auto"`` (or a scale
+            near ``amax / 2688``) for data outside that range, such as activations.
         backend: ``"auto"`` (the Triton kernel on CUDA, ``formats.quantize`` elsewhere), ``"triton"`` (also on
             CPU tensors under ``TRITON_INTERPRET=1``) or ``"reference"``.
         check_values: raise ValueError when ``x`` holds a NaN or infinity, and check a tensor global scale's

@@ -25,6 +25,11 @@ BACKENDS: tuple[str, ...] = ("auto", "triton-ptx", "triton", "reference")
 Mode = Literal["ptx", "triton", "reference"]
 
 
+# Triton reads TRITON_INTERPRET when a kernel is defined, and fp4gemv's kernels are defined when it is imported:
+# the value at import decides whether they can run on CPU tensors.
+_INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, on CPU tensors)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -125,5 +130,9 @@ def resolve_target(backend: str, device: torch.device) -> Target:
     if backend == "triton":
         if device.type != "cuda" and not interpreting():
             raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
+        if device.type != "cuda" and not _INTERPRETER_AT_IMPORT:
+            raise ValueError(f"backend: 'triton' on device {device} needs TRITON_INTERPRET=1 set before fp4gemv is "
+                             f"imported (Triton reads it when the kernels are defined), but it was set afterwards: "
+                             f"set it in the environment that starts Python")
         return replace(target, mode="triton")
     return target

@@ -40,17 +40,31 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None
         raise TypeError(f"{name}: expected dtype {names}, got {_dtype_name(t.dtype)}")
 
 
-def _global_scale_tensor(global_scale: float | torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    """A 0-d float32 tensor on ``device`` (a Python number is rounded to fp32 once), or None."""
+_F32_SMALLEST_NORMAL = 2.0**-126
+
+
+def _check_global_scale_value(value: float) -> None:
+    # 0 zeroes every product, NaN / inf poison it, a negative one flips its sign, a subnormal is flushed.
+    if not (_F32_SMALLEST_NORMAL <= value < float("inf")):
+        raise ValueError(f"global_scale: expected a positive normal float32 (2^-126 or more, finite), got {value}")
+
+
+def _global_scale_tensor(global_scale: float | torch.Tensor | None, device: torch.device,
+                         check_values: bool) -> torch.Tensor | None:
+    """A 0-d float32 tensor on ``device`` (a Python number is rounded to fp32 once, then checked), or None."""
     if global_scale is None:
         return None
     if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
-        return torch.tensor(float(global_scale), dtype=torch.float32, device=device)
+        g = torch.tensor(float(global_scale), dtype=torch.float32)
+        _check_global_scale_value(float(g))
+        return g.to(device)
     _check_tensor("global_scale", global_scale, (torch.float32,))
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
     if global_scale.device != device:
         raise ValueError(f"global_scale: expected device {device} like data, got {global_scale.device}")
+    if check_values:
+        _check_global_scale_value(global_scale.item())  # a device synchronisation: only when asked
     return global_scale.reshape(())
 
 
@@ -65,7 +79,10 @@ class FP4Tensor:
         fmt: ``"nvfp4"`` (e4m3 scale per 16 elements) or ``"mxfp4"`` (e8m0 scale per 32); K must be a
             multiple of the block size.
         scale_layout: ``"linear"`` or ``"swizzled"``.
-        global_scale: None, a Python number (stored as fp32) or a one-element float32 tensor on data's device.
+        global_scale: None, a Python number (stored as fp32) or a one-element float32 tensor on data's device;
+            a positive normal float32 (as ``quantize`` requires): a number is always checked, a tensor's value
+            only with ``check_values=True`` (reading it synchronises the device, and the op layer builds
+            FP4Tensors on every call).
 
     Tensors are kept as given (viewed as uint8, never copied); the attributes cannot be rebound afterwards.
     Raises TypeError / ValueError naming the argument, the expected and the actual.
@@ -80,6 +97,8 @@ class FP4Tensor:
         fmt: str | formats.FP4Format = "nvfp4",
         scale_layout: ScaleLayout = "linear",
         global_scale: float | torch.Tensor | None = None,
+        *,
+        check_values: bool = False,
     ) -> None:
         fmt = formats.resolve_format(fmt)
         _check_tensor("data", data, _DATA_DTYPES)
@@ -120,7 +139,7 @@ class FP4Tensor:
         init(self, "scales", formats.as_uint8(scales))
         init(self, "fmt", fmt)
         init(self, "scale_layout", scale_layout)
-        init(self, "global_scale", _global_scale_tensor(global_scale, data.device))
+        init(self, "global_scale", _global_scale_tensor(global_scale, data.device, check_values))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"FP4Tensor is immutable: make a new one instead of setting {name!r}")

@@ -41,6 +41,12 @@ import triton
 import triton.language as tl
 
 from ..target import Target
+
+# The asm step takes its operands in the blocked layout Triton 3.6 gives them (threadsPerWarp [8, 1, 1, 4]; the
+# sm_90 compile tests of tests/test_kernels_hmma.py check every variant).  Triton 3.9 lays them out as
+# [4, 1, 2, 4], which would put other elements in each lane's registers: the PTX path stays off on other
+# Triton versions (the pure-Triton twin has no such assumption), and dispatch moves on to the next kernel.
+PTX_LAYOUT_VERIFIED = triton.__version__.startswith("3.6.")
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
 from .spec import (ErrorModel, FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
@@ -408,6 +414,9 @@ class Hmma(TritonKernelSpec):
             return "runs Triton kernels only"
         if too_many_rows(case) is not None:
             return too_many_rows(case)
+        if target.mode == "ptx" and not PTX_LAYOUT_VERIFIED:
+            return (f"its PTX step reads operands in Triton 3.6's register layout (verified for 3.6 only), this is "
+                    f"Triton {triton.__version__}")
         if case.fmt.name != "nvfp4":
             return "needs NVFP4 (e4m3 scales fold into its 16-bit operands)"
         if case.k % 64:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
+from .. import ops
 from ..library import gemv, quantize
 from ..quantize import dequantize
 from ..tensor import FP4Tensor
@@ -103,8 +104,8 @@ class FP4Linear(nn.Module):
     The constructor makes placeholders (zeros, unit scales) for ``load_state_dict``; :meth:`from_linear`
     and :meth:`from_state_dict` build loaded modules.
 
-    forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 (bias, when present, in the same
-    dtype) on the weight's device; returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
+    forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 on the weight's device (a bias in
+    another dtype is rounded to x's on each call: ``module.to(dtype)`` converts it once); returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
     product of x's leading dimensions), and any number where :meth:`fused_prefill` holds (weight-only fp16/bf16,
     ``in_features`` a multiple of 32: the GEMM kernel), run through ``fp4gemv.gemv``, rounded once to x's
     dtype, then ``+ bias`` in x's dtype.  Other prefills (fp32 activations, W4A4 beyond 16 tokens) compute
@@ -225,12 +226,22 @@ class FP4Linear(nn.Module):
         self.__dict__["_quantized_weight"] = ((self.weight, self.weight_scale, per_tensor, version), quantized)
         return quantized
 
+    def _launch_tensors(self) -> tuple:
+        """The tensors a kept decode launch reads (by address): weight, block scales, per-tensor scale, bias."""
+        buffers = self._buffers
+        per_tensor = buffers.get("weight_scale_2")
+        if per_tensor is None:
+            per_tensor = buffers.get("weight_global_scale")
+        return buffers["weight"], buffers["weight_scale"], per_tensor, self._parameters["bias"]
+
     def quantize_input(self, x2d: torch.Tensor) -> FP4Tensor:
         """W4A4's activation ``[T, in_features]`` as an FP4Tensor in the weight's format (linear scales)."""
         multiplier = self.input_multiplier()
         if multiplier is None and self.fmt == "nvfp4":
             multiplier = per_tensor_scale(x2d.detach().abs().amax())
-        return quantize(x2d, self.fmt, "linear", multiplier)
+        # Unchecked (checking reads a value back: a device synchronisation per call): a NaN or infinity
+        # gets its block the NaN scale byte, so the outputs it reaches are NaN, as nn.Linear's would be.
+        return quantize(x2d, self.fmt, "linear", multiplier, check_values=False)
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -245,15 +256,24 @@ class FP4Linear(nn.Module):
     # --- forward ---------------------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        launch = self.__dict__.get("_decode_launch")
+        if launch is not None and not torch.compiler.is_compiling():
+            y = launch.run(self, x)
+            if y is not None:
+                return y
         self.check_input(x)
-        if self.bias is not None and self.bias.dtype != x.dtype:
-            raise TypeError(f"x: expected dtype {_dtype_name(self.bias.dtype)} like bias, got "
-                            f"{_dtype_name(x.dtype)} (convert the module with .to(dtype))")
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)  # a copy per call: .to(dtype) on the module converts it once instead
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if x2d.shape[0] == 0:
             return x.new_zeros((*lead, self.out_features))
-        return self.product(x2d, x.dtype, self.bias).reshape(*lead, self.out_features)
+        y = self.product(x2d, x.dtype, bias)
+        if (self.activations == "weight-only" and x2d.shape[0] <= DECODE_MAX_TOKENS and bias is self.bias
+                and not torch.compiler.is_compiling()):
+            self.__dict__["_decode_launch"] = _DecodeLaunch.of(self, x, x2d, y)
+        return y.reshape(*lead, self.out_features)
 
     def check_input(self, x: torch.Tensor) -> None:
         """TypeError / ValueError naming ``x`` unless it is a valid input of :meth:`forward`."""
@@ -302,6 +322,7 @@ class FP4Linear(nn.Module):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_quantized_weight", None)  # views of the buffers: rebuilt on the next call
+        state.pop("_decode_launch", None)
         return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
@@ -322,6 +343,7 @@ class FP4Linear(nn.Module):
         # fp32 per-tensor scales count as floating point: keep their dtype (and exact values), move only.
         kept = {name: self._buffers[name] for name in _FIXED_BUFFERS if self._buffers.get(name) is not None}
         self.__dict__.pop("_quantized_weight", None)
+        self.__dict__.pop("_decode_launch", None)
         super()._apply(fn, recurse)
         for name, before in kept.items():
             after = self._buffers[name]
@@ -355,6 +377,9 @@ class FP4Linear(nn.Module):
         weight = linear.weight.detach()
         if weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"linear.weight: expected a float dtype, got {_dtype_name(weight.dtype)}")
+        _check_choice("fmt", fmt, tuple(formats.FORMATS))
+        if not bool(torch.isfinite(weight).all()):
+            raise ValueError("linear.weight: expected finite values (NaN and infinity have no FP4 encoding)")
         multiplier = per_tensor_scale(weight.abs().amax(), per_tensor) if fmt == "nvfp4" else None
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, fmt=fmt,
                      scale_layout=scale_layout, activations=activations,
@@ -446,6 +471,56 @@ class FP4Linear(nn.Module):
 
 def _kind(multiplier: torch.Tensor | None, divisor: torch.Tensor | None) -> ScaleKind | None:
     return "multiplier" if multiplier is not None else "divisor" if divisor is not None else None
+
+
+class _DecodeLaunch:
+    """An eager weight-only decode call's launch, kept for the next call with the same metadata: one check of
+    x's metadata and of the module's tensors' identity, then the output's allocation and the compiled
+    kernel's launch (``ops.prepare_gemv``'s kept call, launched on addresses); about nn.Linear's host
+    cost.  Only for Triton kernels already compiled, on an activation read in place (no copy)."""
+
+    __slots__ = ("key", "tensors", "version", "weight", "prepared", "weight_addresses", "out_shape", "rows_shape",
+                 "dtype", "device")
+
+    @staticmethod
+    def of(module: FP4Linear, x: torch.Tensor, x2d: torch.Tensor, y: torch.Tensor) -> _DecodeLaunch | None:
+        weight = module.quantized_weight()
+        prepared = ops.prepare_gemv(weight, x2d, out=y.t(), out_dtype=x.dtype)
+        if not prepared.launches_by_address:
+            return None  # the reference path (CPU), a copy of x first, or a kernel launched otherwise
+        if x2d.data_ptr() != x.data_ptr():
+            return None
+        launch = _DecodeLaunch()
+        launch.key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+                      torch.cuda.current_device() if x.is_cuda else None)
+        launch.tensors = module._launch_tensors()
+        # A divisor's reciprocal is a tensor of the kept FP4Tensor (kept alive here), remade when it changes.
+        launch.version = None if launch.tensors[2] is None else launch.tensors[2]._version
+        launch.weight = weight
+        launch.prepared = prepared
+        gs = weight.global_scale
+        launch.weight_addresses = (weight.data.data_ptr(), weight.scales.data_ptr(), 0 if gs is None else gs.data_ptr())
+        launch.out_shape = (*x.shape[:-1], module.out_features)
+        launch.rows_shape = tuple(y.shape)
+        launch.dtype, launch.device = x.dtype, x.device
+        return launch
+
+    def run(self, module: FP4Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The product for an x of the kept metadata on the kept tensors, else None (the ordinary call)."""
+        if type(x) is not torch.Tensor or (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+                                           torch.cuda.current_device() if x.is_cuda else None) != self.key:
+            return None
+        weight, scale, per_tensor, bias = module._launch_tensors()
+        kept = self.tensors
+        if (weight is not kept[0] or scale is not kept[1] or per_tensor is not kept[2] or bias is not kept[3]
+                or (per_tensor is not None and per_tensor._version != self.version)):
+            return None
+        y = torch.empty(self.rows_shape, dtype=self.dtype, device=self.device)
+        data, scales, global_scale = self.weight_addresses
+        self.prepared.launch_at(ops.GemvAddresses(data, scales, x.data_ptr(), y.data_ptr(), 0, global_scale))
+        if bias is not None:
+            y.add_(bias)
+        return y.view(self.out_shape)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,8 @@ __all__ = [
     "quantize_model",
     "calibrate_input_scales",
     "load_quantized",
+    "fp4_modules",
+    "check_replacement",
     "save_compressed_tensors",
     "save_modelopt",
     "save_mxfp4",
@@ -89,6 +91,8 @@ def quantize_model(
     W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
     """
     skip = [skip] if isinstance(skip, str) else list(skip)
+    if fmt not in ("nvfp4", "mxfp4"):
+        raise ValueError(f"fmt: expected 'nvfp4' or 'mxfp4', got {fmt!r}")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations: expected 'weight-only' or 'w4a4', got {activations!r}")
     todo = [(n, m) for n, m in _float_linears(model) if not _skipped(n, skip)]
@@ -244,6 +248,42 @@ def _modelopt_config(path: Path, q: dict) -> QuantizationConfig:
 # --- loading ----------------------------------------------------------------------------------------------
 
 
+def fp4_modules(model: nn.Module, keys: Container[str], config: QuantizationConfig,
+                prefix: str = "") -> list[tuple[str, str, str]]:
+    """The ``nn.Linear`` modules of ``model`` that the checkpoint holds in FP4: (module name, checkpoint key,
+    scheme) with scheme ``"weight-only"`` or ``"w4a4"`` as the config says.  ``keys``: the checkpoint's
+    tensor names (a mapping or a set); ``prefix`` is prepended to module names to form them.  Raises
+    ValueError where the tensors and the config disagree (never a silent float layer)."""
+    found = []
+    for name, module in _float_linears(model):
+        key = prefix + name
+        convention = detect_convention(keys, key)
+        scheme = config.scheme(key, module)  # the config names modules as the checkpoint does
+        if convention is None:
+            if scheme is not None:
+                raise ValueError(f"{key}: the {config.method} config quantizes this module but the checkpoint "
+                                 f"has no FP4 tensors for it")
+            continue
+        if scheme is None:
+            raise ValueError(f"{key}: the checkpoint has {convention} FP4 tensors but the {config.method} config "
+                             f"leaves this module in float")
+        if convention != config.convention:
+            raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
+                             f"got {convention} key names")
+        found.append((name, key, scheme))
+    return found
+
+
+def check_replacement(key: str, linear: nn.Linear, new: FP4Linear) -> None:
+    """Raise ValueError unless the FP4 layer read at ``key`` has the shape and bias of the Linear it replaces."""
+    if (new.in_features, new.out_features) != (linear.in_features, linear.out_features):
+        raise ValueError(f"{key}: expected [out, in] = [{linear.out_features}, {linear.in_features}] like the "
+                         f"model's Linear, got [{new.out_features}, {new.in_features}]")
+    if (new.bias is None) != (linear.bias is None):
+        raise ValueError(f"{key}.bias: expected {'a' if linear.bias is not None else 'no'} bias like the "
+                         f"model's Linear")
+
+
 def load_quantized(
     model: nn.Module,
     directory: str | Path,
@@ -268,29 +308,11 @@ def load_quantized(
     tensors = SafetensorsDirectory(directory)
     replaced, consumed = [], set()
     try:
-        for name, module in _float_linears(model):
-            key = prefix + name
-            convention = detect_convention(tensors, key)
-            scheme = config.scheme(key, module)  # the config names modules as the checkpoint does
-            if convention is None:
-                if scheme is not None:
-                    raise ValueError(f"{key}: the {config.method} config quantizes this module but the checkpoint "
-                                     f"has no FP4 tensors for it")
-                continue
-            if scheme is None:
-                raise ValueError(f"{key}: the checkpoint has {convention} FP4 tensors but the {config.method} config "
-                                 f"leaves this module in float")
-            if convention != config.convention:
-                raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
-                                 f"got {convention} key names")
+        for name, key, scheme in fp4_modules(model, tensors, config, prefix):
+            module = model.get_submodule(name)
             new = FP4Linear.from_state_dict(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
                                      device=module.weight.device)
-            if (new.in_features, new.out_features) != (module.in_features, module.out_features):
-                raise ValueError(f"{key}: expected [out, in] = [{module.out_features}, {module.in_features}] like the "
-                                 f"model's Linear, got [{new.out_features}, {new.in_features}]")
-            if (new.bias is None) != (module.bias is None):
-                raise ValueError(f"{key}.bias: expected {'a' if module.bias is not None else 'no'} bias like the "
-                                 f"model's Linear")
+            check_replacement(key, module, new)
             _replace(model, name, new)
             replaced.append(name)
             consumed.update(layer_keys(tensors, key))

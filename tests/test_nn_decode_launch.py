@@ -1,0 +1,147 @@
+"""FP4Linear's eager decode: a kept launch for repeated calls of the same metadata (one check, then the
+compiled kernel's launcher), dropped whenever the metadata or the module's tensors change; and W4A4's
+per-call activation quantization reads nothing back (no device synchronisation)."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import fp4gemv.nn.linear as linear_module
+from fp4gemv import ops
+from fp4gemv.nn import FP4Linear
+
+
+class _RecordingPrepared:
+    """Stands for a prepared call launched on addresses (the CPU has none): records the addresses of each."""
+
+    launches_by_address = True
+
+    def __init__(self):
+        self.launches = []
+
+    def launch_at(self, addresses):
+        self.launches.append(addresses)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    fake = _RecordingPrepared()
+    monkeypatch.setattr(linear_module, "ops", SimpleNamespace(prepare_gemv=lambda *a, **k: fake,
+                                                              GemvAddresses=ops.GemvAddresses))
+    return fake
+
+
+def _layer(bias=True):
+    torch.manual_seed(0)
+    return FP4Linear.from_linear(nn.Linear(64, 48, bias=bias), "nvfp4")
+
+
+def test_a_repeated_call_launches_the_kept_plan_with_this_calls_pointers(recording):
+    layer = _layer()
+    x = torch.randn(1, 1, 64)
+    first = layer(x)  # the ordinary call, which keeps the launch
+    assert recording.launches == [] and first.shape == (1, 1, 48)
+    weight = layer.quantized_weight()
+    for _ in range(3):
+        x = torch.randn(1, 1, 64)
+        y = layer(x)
+        assert y.shape == (1, 1, 48) and y.dtype == torch.float32
+        addresses = recording.launches[-1]
+        assert addresses == ops.GemvAddresses(weight.data.data_ptr(), weight.scales.data_ptr(), x.data_ptr(),
+                                              y.data_ptr(), 0, weight.global_scale.data_ptr(), 0)
+    assert len(recording.launches) == 3
+
+
+@pytest.mark.parametrize("change", ["dtype", "tokens", "stride", "weight", "bias", "scale in place", "to()"])
+def test_the_kept_launch_is_not_used_when_anything_it_depends_on_changes(recording, change):
+    layer = _layer()
+    x = torch.randn(2, 64)
+    layer(x)
+    layer(x)
+    assert len(recording.launches) == 1
+    if change == "dtype":
+        x = x.bfloat16()
+    elif change == "tokens":
+        x = torch.randn(3, 64)
+    elif change == "stride":
+        x = torch.randn(2, 128)[:, :64]
+    elif change == "weight":
+        layer.weight = layer.weight.clone()
+    elif change == "bias":
+        layer.bias = nn.Parameter(layer.bias.detach().clone(), requires_grad=False)
+    elif change == "scale in place":
+        layer.weight_scale_2.mul_(2)
+    else:
+        layer.to(torch.bfloat16)
+        x = x.bfloat16()
+    expected = FP4Linear.from_state_dict(layer.state_dict())(x) if change != "stride" else None
+    y = layer(x)
+    assert len(recording.launches) == 1  # the ordinary call ran
+    if expected is not None:
+        assert torch.equal(y, expected)
+
+
+def test_no_kept_launch_on_the_reference_path():
+    layer = _layer()
+    x = torch.randn(2, 64)
+    layer(x)
+    assert layer.__dict__.get("_decode_launch") is None  # the float64 reference has no compiled kernel
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_w4a4_reads_nothing_back_per_call(monkeypatch, static):
+    """Reading a tensor's value (item, bool, float) is a device synchronisation on CUDA: none per call in the
+    module or the quantize op (the CPU codec, formats.py, reads values; CUDA runs the Triton kernel instead)."""
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(64, 48), "nvfp4", activations="w4a4",
+                                  input_scale=0.25 if static else None)
+    x = torch.randn(2, 64)
+    layer(x)  # the first call may plan
+    reads = []
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def recorder(self, *args, _original=original, _name=name):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.endswith((os.path.join("fp4gemv", "quantize.py"), os.path.join("nn", "linear.py"),
+                                os.path.join("fp4gemv", "tensor.py"), os.path.join("fp4gemv", "ops.py"))):
+                reads.append((_name, caller))
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, name, recorder)
+    layer(x)
+    monkeypatch.undo()
+    assert reads == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_cuda_kept_launch_gives_the_ordinary_calls_bits(bias, tokens):
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(4096, 1024, bias=bias, device="cuda", dtype=torch.bfloat16), "nvfp4")
+    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    ordinary = layer(x)
+    assert layer.__dict__.get("_decode_launch") is not None
+    for _ in range(2):
+        x2 = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+        expected = FP4Linear.from_state_dict(layer.state_dict())(x2)
+        assert torch.equal(layer(x2), expected)
+    assert torch.equal(layer(x), ordinary)
+
+
+@pytest.mark.gpu
+def test_cuda_w4a4_call_does_not_synchronise():
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(4096, 1024, device="cuda"), "nvfp4", activations="w4a4")
+    x = torch.randn(1, 4096, device="cuda")
+    layer(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        layer(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,193 @@
+"""Tiny Llama checkpoints written by fp4gemv's own writers in each convention load through
+``fp4gemv.nn.from_pretrained`` and through transformers' ``AutoModelForCausalLM.from_pretrained`` with
+``FP4GemvConfig``: FP4 layers become FP4Linear holding the stored bytes, logits equal those of the same model
+with exactly dequantized weights (weight-only) or of ``load_quantized`` into the float model (W4A4), and greedy
+``generate`` gives the same tokens."""
+
+import copy
+
+import pytest
+import torch
+
+import fp4gemv
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from fp4gemv.nn import (  # noqa: E402
+    FP4Linear,
+    SafetensorsDirectory,
+    calibrate_input_scales,
+    from_pretrained,
+    load_quantized,
+    quantize_model,
+    save_compressed_tensors,
+    save_modelopt,
+    save_mxfp4,
+)
+from fp4gemv.nn.hf_quantizer import FP4GemvConfig  # noqa: E402
+
+VOCAB, PROMPT = 96, 20  # 20 tokens: the prefill path (> DECODE_MAX_TOKENS); generate then decodes one at a time
+WRITERS = {"compressed-tensors": save_compressed_tensors, "modelopt": save_modelopt, "gpt-oss": save_mxfp4}
+CASES = [("compressed-tensors", "weight-only"), ("compressed-tensors", "w4a4"), ("modelopt", "weight-only"),
+         ("modelopt", "w4a4"), ("gpt-oss", "weight-only")]
+
+
+def _config():
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=64, tie_word_embeddings=False, dtype="float32")
+
+
+def _float_model():
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config()).eval()
+    with torch.no_grad():  # weights over a wide range of magnitudes, so block scales differ
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.mul_(torch.logspace(-3, 1, module.in_features))
+    return model
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{c}-{a}" for c, a in CASES])
+def checkpoint(request, tmp_path_factory):
+    """(directory, the float model, the FP4 model that was written, activations)."""
+    convention, activations = request.param
+    float_model = _float_model()
+    fp4_model = copy.deepcopy(float_model)
+    fmt = "mxfp4" if convention == "gpt-oss" else "nvfp4"
+    quantize_model(fp4_model, fmt, activations=activations, skip=["lm_head"], scale_layout="linear")
+    prompt = torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    if activations == "w4a4":
+        calibrate_input_scales(fp4_model, lambda: fp4_model(prompt))
+    directory = tmp_path_factory.mktemp(f"{convention}-{activations}")
+    WRITERS[convention](fp4_model, directory, config=float_model.config.to_dict())
+    return directory, float_model, fp4_model, activations
+
+
+def _dequantized(float_model, fp4_model):
+    """The float model with each Linear's weight replaced by its FP4 value, exact in float32."""
+    model = copy.deepcopy(float_model)
+    with torch.no_grad():
+        for name, module in fp4_model.named_modules():
+            if isinstance(module, FP4Linear):
+                exact = fp4gemv.dequantize(module.quantized_weight(), torch.float64)
+                assert torch.equal(exact.to(torch.float32).to(torch.float64), exact)
+                model.get_submodule(name).weight.copy_(exact)
+    return model
+
+
+def _entry_points(directory):
+    return {"fp4gemv.nn.from_pretrained": from_pretrained(directory, scale_layout="linear"),
+            "AutoModelForCausalLM.from_pretrained": transformers.AutoModelForCausalLM.from_pretrained(
+                str(directory), quantization_config=FP4GemvConfig(scale_layout="linear"))}
+
+
+def _prompt():
+    return torch.randint(0, VOCAB, (1, PROMPT), generator=torch.Generator().manual_seed(2))
+
+
+def _greedy(model, prompt):
+    out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return out[0, PROMPT:].tolist()
+
+
+@torch.no_grad()
+def test_both_entry_points_hold_the_stored_bytes(checkpoint):
+    directory, float_model, _, activations = checkpoint
+    linears = sorted(n for n, m in float_model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head")
+    stored = SafetensorsDirectory(directory)
+    for where, model in _entry_points(directory).items():
+        fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+        assert sorted(fp4) == linears, where
+        assert type(model.lm_head) is nn.Linear and model.lm_head.weight.dtype == torch.float32
+        for name, module in fp4.items():
+            assert module.activations == activations and module.scale_layout == "linear"
+            key = f"{name}.weight_packed" if f"{name}.weight_packed" in stored else f"{name}.weight"
+            if f"{name}.weight_blocks" in stored:
+                key = f"{name}.weight_blocks"
+            assert torch.equal(module.weight, stored[key].reshape(module.weight.shape)), (where, name)
+        # No float tensor of an FP4 layer's shape exists anywhere in the loaded model.
+        fp4_shapes = {(m.out_features, m.in_features) for m in fp4.values()}
+        assert not any(tuple(t.shape) in fp4_shapes for t in model.state_dict().values() if t.is_floating_point())
+    stored.close()
+
+
+@torch.no_grad()
+def test_logits_and_greedy_tokens_match_the_dequantized_model(checkpoint):
+    directory, float_model, fp4_model, activations = checkpoint
+    if activations == "weight-only":
+        expected_model = _dequantized(float_model, fp4_model)
+    else:  # the activations are quantized too: the float model with the checkpoint loaded by load_quantized
+        expected_model = copy.deepcopy(float_model)
+        load_quantized(expected_model, directory)
+    prompt = _prompt()
+    expected_logits = expected_model(prompt).logits
+    expected_tokens = _greedy(expected_model, prompt)
+    for where, model in _entry_points(directory).items():
+        assert torch.equal(model(prompt).logits, expected_logits), where
+        assert _greedy(model, prompt) == expected_tokens, where
+
+
+@torch.no_grad()
+def test_decode_step_is_the_exact_product(checkpoint):
+    """A one-token step runs fp4gemv.gemv (the float64 product rounded once): equal to load_quantized's, and
+    within float32 rounding of the dequantized model's."""
+    directory, float_model, fp4_model, activations = checkpoint
+    reference = copy.deepcopy(float_model)
+    load_quantized(reference, directory)
+    token = torch.tensor([[5]])
+    model = from_pretrained(directory, scale_layout="swizzled")
+    assert all(m.scale_layout == "swizzled" for m in model.modules() if isinstance(m, FP4Linear))
+    got = model(token).logits
+    assert torch.equal(got, reference(token).logits)
+    if activations == "weight-only":
+        torch.testing.assert_close(got, _dequantized(float_model, fp4_model)(token).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_from_pretrained_errors(tmp_path):
+    model = _float_model()
+    quantize_model(model, skip=["lm_head"], scale_layout="linear")
+    save_modelopt(model, tmp_path, config=model.config.to_dict())
+    with pytest.raises(TypeError, match="quantization_config: expected none"):
+        from_pretrained(tmp_path, quantization_config=FP4GemvConfig())
+    with pytest.raises(ValueError, match="activations: expected None, 'weight-only' or 'w4a4', got 'w8a8'"):
+        FP4GemvConfig(activations="w8a8")
+    # The config says the MLP is quantized but its tensors are float: refused, never a silent float layer.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj"
+    for name in ("weight", "weight_scale", "weight_scale_2"):
+        tensors.pop(f"{key}.{name}")
+    tensors[f"{key}.weight"] = torch.zeros(128, 64)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{key}: the modelopt config quantizes this module but the checkpoint has "
+                                         f"no FP4 tensors for it"):
+        from_pretrained(tmp_path)
+
+
+def test_a_static_cache_decode_step_compiles_in_one_graph_without_recompiling(tmp_path):
+    """transformers' static-cache decode (what generate compiles) traces FP4 layers without a graph break and
+    does not recompile from one token to the next; its logits are the eager model's."""
+    import torch._dynamo
+
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_compressed_tensors(float_model, tmp_path, config=float_model.config.to_dict())
+    model = from_pretrained(tmp_path)
+    prompt = _prompt()
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=PROMPT + 4) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(prompt, past_key_values=cache, cache_position=torch.arange(PROMPT))
+        torch._dynamo.reset()
+        step = torch.compile(model, backend="eager", fullgraph=True)
+        token = torch.tensor([[int(prompt[0, -1])]])  # the strides of the argmax tokens that follow
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for i in range(3):
+                position = torch.tensor([PROMPT + i])
+                compiled = step(token, past_key_values=caches[0], cache_position=position).logits
+                eager = model(token, past_key_values=caches[1], cache_position=position).logits
+                assert torch.equal(compiled, eager)
+                token = eager[:, -1:].argmax(-1)
