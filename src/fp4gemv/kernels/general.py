@@ -11,9 +11,10 @@ One program computes ``ROWS`` output rows of one batch for all N activation rows
 ``BLOCKS`` 16-element blocks (one int64 each; an MXFP4 32-element block is two of them sharing one scale).
 Each weight block is loaded once per program and used for every activation row.  Scales of either operand
 are addressed through five strides that cover the linear layout and the 128x4 swizzle in one formula
-(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s; for W4A4 NVFP4 with N = 1 it computes
-what w4a4.py computes, bit for bit at ``ksplit = 1`` (tested; w4a4.py's ksplit, unroll, PDL and per-row
-activation loads are not ported here):
+(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s; for W4A4 with N = 1 it forms the same
+scaled block products and per-block fp32 sums as w4a4.py at ``ksplit = 1``, but its final sum over the blocks
+may run in another order, so the two agree within the error bound (tested), not necessarily bit for bit
+(w4a4.py's ksplit, unroll, PDL and per-row activation loads are not ported here):
 
 * W4A4: each block's exact integer dot product (``_decode``: doubled integers, PTX or pure Triton, equal bit
   for bit) times ``sfa * sfb`` (exact in fp32: 4-bit significands, or powers of two), accumulated in fp32.
@@ -120,7 +121,7 @@ def gemv_kernel(
                 block = block_dot_ptx(a[:, None, :], b_lo[None, :, :], b_hi[None, :, :],
                                       tab_lo[None, None, :], tab_hi[None, None, :])
             else:
-                block = block_dot_triton(a[:, None, :], doubled_e2m1(unpack_block(b)).to(tl.int32)[None, :, :, :])
+                block = block_dot_triton(a[:, None, :], b[None, :, :])
             acc += block * scale
         else:
             k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
-from ._decode import doubled_e2m1
+from ._decode import e2m1_word_values
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
 __all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
@@ -241,13 +241,6 @@ def _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, FP4_ACTIVATIO
 
 
 @triton.jit
-def _codes_f32(words):
-    """32-bit words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
-    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
-    return doubled_e2m1(codes).to(tl.float32) * 0.5
-
-
-@triton.jit
 def _thread_value(t, Q: tl.constexpr, WARPS: tl.constexpr):
     """Element q = Q of each thread's 4 words of ``t`` ``[8, WARPS, 2, 16]``, for all 4 of them."""
     t = tl.reshape(t, [8, WARPS, 2, 4, 4])
@@ -267,14 +260,14 @@ def _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS: tl.
     step_b = (k0 // 64) * _thread_value(col_tiles, 1, WARPS)
     # Weights [g, warp, half, word, e], rows g + 8 * half; word q's block is 2c + q // 2.
     sfa = decode_scale(tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0), "nvfp4")
-    a = _codes_f32(words) * sfa[:, :, :, :, None]
+    a = e2m1_word_values(words) * sfa[:, :, :, :, None]
     a = tl.reshape(tl.permute(a, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, row, k = 8 * word + e]
     # Activation [g, warp, tile, word, e] for n = g + 8 * tile (the halves of the pointer tensors).
     x_ok = k_ok & n_ok
     if FP4_ACTIVATION:
         x_words = tl.load((x_p + k0 // 2 + 4 * q).to(tl.pointer_type(tl.int32)), mask=x_ok, other=0)
         sfb = decode_scale(tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0), "nvfp4")
-        x = _codes_f32(x_words) * sfb[:, :, :, :, None]
+        x = e2m1_word_values(x_words) * sfb[:, :, :, :, None]
     else:
         e = tl.arange(0, 8)[None, None, None, None, :]
         x_ptrs = x_p[:, :, :, :, None] + 2 * k0 + 16 * q[:, :, :, :, None] + 2 * e
