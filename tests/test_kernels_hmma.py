@@ -55,7 +55,7 @@ from operands import (
 from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, formats, gemv, ops, task
-from fp4gemv.kernels import hmma_gemv
+from fp4gemv.kernels import _ptx
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
 from fp4gemv.kernels.spec import GemvOperands
@@ -408,7 +408,7 @@ def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
     words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]  # every code in every position
     words += [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
     for w in words:
-        regs = emulate_ptx(hmma_gemv.decode_word_f16("w", "p0", "p1"), {"w": w})
+        regs = emulate_ptx(_ptx.decode_word_f16("w", ("p0", "p1", "xe", "xo"), "xe", "xo"), {"w": w})
         for i, reg in enumerate(("p0", "p1", "xe", "xo")):
             halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
             got = halves.view(torch.float16).double()

@@ -27,7 +27,9 @@ import functools
 import struct
 from typing import NamedTuple
 
-__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_f16", "decode_word_bf16",
+from ._ptx import AsmOperands, PtxBlock, decode_word_f16
+
+__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_bf16",
            "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS"]
 
 MODES = ("fold", "k32", "split")
@@ -70,28 +72,6 @@ def fold_exponent(fmt: str, act: str, mode: str) -> int:
     return 126 - BF16_SCALE_BIAS if mode == "fold" else 126 - BF16_ACTIVATION_BIAS
 
 
-def decode_word_f16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, m29: str) -> list[str]:
-    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), i = 0..3, each code
-    placed as ``sign << 15 | code << 9`` (its value times 2^-14; code 1, 0.5, is fp16's subnormal 2^-15).
-
-    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
-    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``(w & 0x70..) >> 3 | w & 0x80..`` (the shift a
-    ``mul.hi`` by ``m29`` = 2^29; four codes per operation), and one ``prmt`` per pair puts two such bytes above
-    zero bytes.  ``t``, ``u``: scratch.
-    """
-    p0, p1, p2, p3 = pairs
-    return [
-        f"shl.b32 {t}, {word}, 1;", f"and.b32 {t}, {t}, 0x0E0E0E0E;", f"shl.b32 {u}, {word}, 4;",
-        f"and.b32 {u}, {u}, 0x80808080;", f"or.b32 {t}, {t}, {u};",  # bytes: codes 0, 2, 4, 6
-        f"and.b32 {u}, {word}, 0x70707070;", f"mul.hi.u32 {u}, {u}, {m29};", f"and.b32 {p3}, {word}, 0x80808080;",
-        f"or.b32 {u}, {u}, {p3};",  # bytes: codes 1, 3, 5, 7
-        f"prmt.b32 {p0}, {t}, 0, 0x2404;",  # (e0, e4)
-        f"prmt.b32 {p1}, {u}, 0, 0x2404;",  # (e1, e5)
-        f"prmt.b32 {p2}, {t}, 0, 0x3414;",  # (e2, e6)
-        f"prmt.b32 {p3}, {u}, 0, 0x3414;",  # (e3, e7)
-    ]
-
-
 def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, mul: dict[str, str]) -> list[str]:
     """PTX turning the 8 codes of ``word`` into the bf16 pairs (e_i, e_{i+4}), each code placed as
     ``sign << 15 | code << 6`` (its value times 2^-126; code 1 is bf16's subnormal 2^-127).  The magnitude bits
@@ -112,24 +92,6 @@ def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str
 
 def _f32_hex(x: float) -> str:
     return "0f" + struct.pack(">f", x).hex().upper()
-
-
-class _Operands:
-    """Numbering of the asm's operands: outputs, the tied accumulator inputs, then named inputs of ``pack``
-    registers each (element e of an operand is ``name[e]``)."""
-
-    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str]]):
-        self.pack = pack
-        self.constraints = ["=f"] * (n_out * pack) + [str(i) for i in range(n_out * pack)]
-        self.index: dict[str, int] = {}
-        first = 2 * n_out * pack
-        for name, kind in names:
-            self.index[name] = first
-            self.constraints += [kind] * pack
-            first += pack
-
-    def __call__(self, name: str, e: int = 0) -> str:
-        return f"${self.index[name] + e}"
 
 
 def input_names(spec: StepSpec) -> list[str]:
@@ -162,32 +124,20 @@ def step_asm(spec: StepSpec) -> tuple[str, str]:
     """
     if spec.mode not in MODES:
         raise ValueError(f"spec.mode: expected one of {MODES}, got {spec.mode!r}")
-    op = _Operands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
+    op = AsmOperands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
     body = {"fold": _FoldStep, "k32": _K32Step, "split": _SplitStep}[spec.mode](spec, op)
-    return "\n".join(body.lines), ",".join(op.constraints)
+    return body.text(), op.constraint_string()
 
 
-class _Step:
-    """Shared emitters: declarations, masked loads, decode, activation pairs, scales and the mma."""
+class _Step(PtxBlock):
+    """The step's PTX block and the emitters the modes share: masked loads, decode, activation pairs, scales
+    and the mma."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
+        super().__init__()
         self.spec, self.op = spec, op
         self.mma_type = "bf16" if spec.act == "bf16" else "f16"
-        self.decls: dict[str, set[str]] = {}
-        self.code: list[str] = []
-        self.lines: list[str] = []
         self.mul = {m: op(m) for m in MULTIPLIERS}
-
-    def reg(self, kind: str, name: str) -> str:
-        self.decls.setdefault(kind, set()).add(name)
-        return name
-
-    def emit(self, *lines: str) -> None:
-        self.code.extend(lines)
-
-    def finish(self) -> None:
-        decls = [f".reg .{kind} {', '.join(sorted(names))};" for kind, names in sorted(self.decls.items())]
-        self.lines = ["{", *decls, *self.code, "}"]
 
     def acc(self, t: int, nt: int, r: int) -> str:
         """Fragment register r of tile t, n-tile nt: output 2 nt + r % 2, element 2 t + r // 2."""
@@ -309,7 +259,7 @@ class _Step:
 class _FoldStep(_Step):
     """NVFP4 weights: 16-byte weight loads, e4m3 scales folded into the fragments."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
         s, P, U = spec, op.pack, spec.chunks
         mul = "mul.rn.bf16x2" if self.mma_type == "bf16" else "mul.rn.f16x2"
@@ -356,13 +306,12 @@ class _FoldStep(_Step):
                         for mm in range(2):
                             frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
                             self.mma(d, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]], d)
-        self.finish()
 
 
 class _SplitStep(_Step):
     """16-byte weight loads, unscaled weights, C columns split by K owner, scales on fp32 partials."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
         s, P, U = spec, op.pack, spec.chunks
         mx, fp4 = s.fmt == "mxfp4", s.act == "fp4"
@@ -443,14 +392,13 @@ class _SplitStep(_Step):
                                 scale = fx
                             d = self.acc(t, nt, r)
                             self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
-        self.finish()
 
 
 class _K32Step(_Step):
     """MXFP4 weights: word c of every 32-element block (4-byte loads), two mma per block into a zeroed partial,
     the e8m0 scale applied to the partial in fp32."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
         s, P = spec, op.pack
         fp4 = s.act == "fp4"
@@ -503,4 +451,3 @@ class _K32Step(_Step):
                             f = fx
                         d = self.acc(t, nt, r)
                         self.emit(f"fma.rn.f32 {d}, {part[r]}, {f}, {d};")
-        self.finish()
