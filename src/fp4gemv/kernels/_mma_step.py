@@ -313,85 +313,106 @@ class _SplitStep(_Step):
 
     def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
-        s, P, U = spec, op.pack, spec.chunks
-        mx, fp4 = s.fmt == "mxfp4", s.act == "fp4"
+        self.mx, self.fp4 = spec.fmt == "mxfp4", spec.act == "fp4"
         on = self.reg("pred", "xon")
         self.emit(f"setp.ne.s32 {on}, {op('xon')}, 0;")
-        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(U)]
-        xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(U)]
+        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(spec.chunks)]
+        xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(spec.chunks)]
         words = self.chunk_weights(preds)
-        sraw = {}
-        for u in range(U):
-            for e in range(P):
-                if mx:  # the thread's chunk is one block: its scale byte
+        sraw = self.weight_scale_loads(preds)
+        xraw, xsraw = self.activation_loads(preds, [p if p is not None else on for p in xpreds])
+        zero = self.zero()
+        for u in range(spec.chunks):
+            b, xscale = self.activation_pairs(u, xraw, xsraw)
+            for t in range(spec.tiles):
+                self.tile_blocks(t, u, words, self.weight_scales(t, u, sraw), b, xscale, zero)
+
+    def weight_scale_loads(self, preds: list[str | None]) -> dict:
+        """sraw[e, u]: MXFP4 the scale byte of the thread's block (its chunk), NVFP4 its two blocks' bytes."""
+        s, op, sraw = self.spec, self.op, {}
+        for u in range(s.chunks):
+            for e in range(op.pack):
+                if self.mx:
                     sraw[e, u] = self.reg("b32", f"sr{e}_{u}")
                     self.load("u8", [sraw[e, u]], op("ps", e), op("ks"), s.sfa_col_tile * u, preds[u])
-                else:  # two blocks: two scale bytes
+                else:
                     sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
                     self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
-        xraw, xsraw = {}, {}
+        return sraw
+
+    def activation_loads(self, preds: list[str | None], xpreds: list[str]) -> tuple[dict, dict]:
+        """B of each n-tile and chunk and, for FP4, its scales.  Only the threads with g // 2 == c supply B (row
+        2 nt + g % 2 at their own K slots); the others give zeros, so column 2 c + j sees thread c's slots only."""
+        s, op, xraw, xsraw = self.spec, self.op, {}, {}
         for nt in range(s.n_tiles):
-            for u in range(U):
-                # Only the threads with g // 2 == c supply B (row 2 nt + g % 2 at their own K slots); the
-                # others give zeros, so column 2 c + j sees thread c's slots only.
-                xraw[nt, u] = self.chunk_activation(nt, u, xpreds[u] if xpreds[u] is not None else on)
-                if fp4 and mx:
+            for u in range(s.chunks):
+                xraw[nt, u] = self.chunk_activation(nt, u, xpreds[u])
+                if self.fp4 and self.mx:
                     for j in range(2):
                         xsraw[nt, u, j] = self.reg("b32", f"xs{nt}_{u}_{j}")
                         self.load("u8", [xsraw[nt, u, j]], op(f"pxs{j}", nt), op("kxs"), s.sfb_col_tile * u,
                                   preds[u])
-                elif fp4:
+                elif self.fp4:
                     xsraw[nt, u] = self.reg("b16", f"xs{nt}_{u}")
                     self.load("b16", [xsraw[nt, u]], op("pxs", nt), op("kxs"), 2 * s.sfb_col_tile * u, preds[u])
-        zero = self.zero()
-        for u in range(U):
-            b, xscale = {}, {}
-            for nt in range(s.n_tiles):
-                if fp4:
-                    b[nt] = []
-                    if not mx:
-                        xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
-                    for q in range(4):
-                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
-                            if not mx:
-                                self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
-                            b[nt].append(p)
-                    if mx:
-                        xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
-                else:
-                    b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
-                    if s.act == "bf16":
-                        self.bias_bf16(b[nt])
-            for t in range(s.tiles):
-                # Scales of the thread's blocks per row h: MXFP4 one (the chunk), NVFP4 two (words 0-1, 2-3).
-                if mx:
-                    f = [[self.e8m0(sraw[2 * t + h, u], f"sf{t}_{h}_{u}")] for h in range(2)]
-                else:
-                    f = []
-                    for h in range(2):
-                        hx = self.reg("b32", f"sh{t}_{h}_{u}")
-                        self.emit(f"cvt.rn.f16x2.e4m3x2 {hx}, {sraw[2 * t + h, u]};")
-                        f.append(list(self.scales_f32_e4m3(hx, f"sf{t}_{h}_{u}")))
-                groups = [range(4)] if mx else [range(2), range(2, 4)]
-                for blk, qs in enumerate(groups):
-                    a = {(q, h): self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for q in qs for h in range(2)}
-                    for nt in range(s.n_tiles):
-                        part = [self.reg("f32", f"pp{t}_{nt}_{u}_{blk}_{r}") for r in range(4)]
-                        first = True
-                        for q in qs:
-                            for mm in range(2):
-                                frag = [a[q, 0][2 * mm], a[q, 1][2 * mm], a[q, 0][2 * mm + 1], a[q, 1][2 * mm + 1]]
-                                self.mma(part, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]],
-                                         [zero] * 4 if first else part)
-                                first = False
-                        for r in range(4):
-                            scale = f[r // 2][blk]
-                            if fp4 and mx:
-                                fx = self.reg("f32", f"fx{t}_{nt}_{u}_{r}")
-                                self.emit(f"mul.f32 {fx}, {scale}, {xscale[nt][r % 2]};")
-                                scale = fx
-                            d = self.acc(t, nt, r)
-                            self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
+        return xraw, xsraw
+
+    def activation_pairs(self, u: int, xraw: dict, xsraw: dict) -> tuple[dict, dict]:
+        """b[nt]: the B fragment pairs of chunk u (NVFP4 activations scaled, bf16 biased); xscale[nt]: MXFP4
+        activations' fp32 scales of the thread's two C columns."""
+        b, xscale = {}, {}
+        for nt in range(self.spec.n_tiles):
+            if self.fp4:
+                b[nt] = []
+                if not self.mx:
+                    xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
+                for q in range(4):
+                    for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                        if not self.mx:
+                            self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
+                        b[nt].append(p)
+                if self.mx:
+                    xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
+            else:
+                b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+                if self.spec.act == "bf16":
+                    self.bias_bf16(b[nt])
+        return b, xscale
+
+    def weight_scales(self, t: int, u: int, sraw: dict) -> list[list[str]]:
+        """f[h][blk]: the fp32 scales of the thread's blocks of row h: MXFP4 one (the chunk), NVFP4 two (words
+        0-1, 2-3)."""
+        if self.mx:
+            return [[self.e8m0(sraw[2 * t + h, u], f"sf{t}_{h}_{u}")] for h in range(2)]
+        f = []
+        for h in range(2):
+            hx = self.reg("b32", f"sh{t}_{h}_{u}")
+            self.emit(f"cvt.rn.f16x2.e4m3x2 {hx}, {sraw[2 * t + h, u]};")
+            f.append(list(self.scales_f32_e4m3(hx, f"sf{t}_{h}_{u}")))
+        return f
+
+    def tile_blocks(self, t: int, u: int, words: dict, f: list[list[str]], b: dict, xscale: dict, zero: str) -> None:
+        """Tile t, chunk u: each block's mma into a zeroed partial, which its scales add to the accumulators."""
+        groups = [range(4)] if self.mx else [range(2), range(2, 4)]
+        for blk, qs in enumerate(groups):
+            a = {(q, h): self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for q in qs for h in range(2)}
+            for nt in range(self.spec.n_tiles):
+                part = [self.reg("f32", f"pp{t}_{nt}_{u}_{blk}_{r}") for r in range(4)]
+                first = True
+                for q in qs:
+                    for mm in range(2):
+                        frag = [a[q, 0][2 * mm], a[q, 1][2 * mm], a[q, 0][2 * mm + 1], a[q, 1][2 * mm + 1]]
+                        self.mma(part, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]],
+                                 [zero] * 4 if first else part)
+                        first = False
+                for r in range(4):
+                    scale = f[r // 2][blk]
+                    if self.fp4 and self.mx:
+                        fx = self.reg("f32", f"fx{t}_{nt}_{u}_{r}")
+                        self.emit(f"mul.f32 {fx}, {scale}, {xscale[nt][r % 2]};")
+                        scale = fx
+                    d = self.acc(t, nt, r)
+                    self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
 
 
 class _K32Step(_Step):

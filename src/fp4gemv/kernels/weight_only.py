@@ -290,6 +290,17 @@ def _activation_ptr(b_ptr, pid_l, n, N, b_stride_l, b_stride_n, k_elem, ACT: tl.
 
 
 @triton.jit
+def _twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
+    """The activation row of output ``O``'s C column for thread c: column 8 (O // 2) + 2 c + O % 2, in split
+    activation row O (``_mma_step``'s accumulator layout)."""
+    if MODE == 2:
+        row = O + 0 * c
+    else:
+        row = 8 * (O // 2) + 2 * c + O % 2
+    return row
+
+
+@triton.jit
 def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c,
           zero, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
           N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr, USE_PTX: tl.constexpr,
@@ -551,26 +562,15 @@ def weight_only_gemv_kernel(
             pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
                              sfb_stride_r4, k_first // 16, SFB_COL_TILE)
     muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
-    # The twin reads each C column's activation row at the warp chunk: output o is column 8 (o // 2) + 2 c + o % 2,
-    # in split activation row o.
-    if MODE == 2:
-        col_rows = (0 * c, 1 + 0 * c, 2 + 0 * c, 3 + 0 * c)
-    else:
-        col_rows = (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c)
-    r0, r1, r2, r3 = col_rows
-    col_ptrs = (_activation_ptr(b_ptr, pid_l, r0, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r1, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r2, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r3, N, b_stride_l, b_stride_n, k_warp, ACT))
-    col_scale_ptrs = (
-        _scale_ptr(sfb_ptr, pid_l, r0, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r1, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r2, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r3, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE))
+    # The twin reads each C column's activation row at the warp chunk (``_twin_column_row``).
+    col_ptrs = ()
+    col_scale_ptrs = ()
+    for o in tl.static_range(4):
+        row = _twin_column_row(o, c, MODE)
+        col_ptrs = col_ptrs + (_activation_ptr(b_ptr, pid_l, row, N, b_stride_l, b_stride_n, k_warp, ACT),)
+        col_scale_ptrs = col_scale_ptrs + (
+            _scale_ptr(sfb_ptr, pid_l, row, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                       k_warp // BLOCK, SFB_COL_TILE),)
     a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
     a1 = a0
     a2 = a0
@@ -589,12 +589,7 @@ def weight_only_gemv_kernel(
             a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
                                    col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
                                    SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
-    _store_column(a0, 0, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
-                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-    _store_column(a1, 1, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
-                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-    if N_TILES == 2:
-        _store_column(a2, 2, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
-                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-        _store_column(a3, 3, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
-                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
+    accumulators = (a0, a1, a2, a3)
+    for o in tl.static_range(2 * N_TILES):
+        _store_column(accumulators[o], o, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
+                      c_stride_n, MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
