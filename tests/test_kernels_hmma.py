@@ -374,6 +374,18 @@ def test_hmma_config_out_of_range_is_a_value_error(config):
     assert torch.isnan(out).all()
 
 
+def test_hmma_refuses_16_warps_and_never_chooses_them():
+    """16 warps gave wrong results on the H200 (benchmarks/hmma_warps_check.py diagnoses it on a GPU): an explicit
+    HmmaConfig(16) is refused before anything is written, and no default configuration reaches it."""
+    a, b = _operands("nv-f16")
+    out = poisoned(result_shape(a, b), torch.float16)
+    with pytest.raises(ValueError, match="16 warps gave wrong results"):
+        gemv(a, b, out=out, backend="triton", kernel="hmma", config=HmmaConfig(16))
+    assert torch.isnan(out).all()
+    for m, k, l in ((128, 65536, 1), (64, 16384, 1), (7168, 16384, 1), (256, 1 << 20, 1)):
+        assert hmma_config(m, k, l).warps <= 8
+
+
 @pytest.mark.parametrize("warps", (1, 2, 4, 8))
 def test_hmma_config_in_range_is_accepted(warps):
     a, b = _operands("nv-bf16", 5)

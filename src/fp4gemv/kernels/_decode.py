@@ -14,7 +14,7 @@ import triton.language as tl
 # Doubled e2m1 magnitudes 0,1,2,3,4,6,8,12 as the byte table prmt indexes: bytes 0..3 and 4..7.  Kernels
 # take the two words as runtime arguments and pass them to the PTX below as register operands: written as
 # constants inside each asm block, ptxas copied the low word into a fresh register before every prmt (one
-# extra instruction per prmt; docs/performance.md, v4).
+# extra instruction per prmt; docs/performance.md, the 2-byte scale loads' section).
 MAG_TABLE = (0x03020100, 0x0C080604)
 # float32 1.5 * 2^23: adding a small int32 to its bits adds that integer to its value.
 _MAGIC_F32_BITS = 0x4B400000

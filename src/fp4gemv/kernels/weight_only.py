@@ -35,7 +35,7 @@ a nonzero value below 2^-77 may lose its product's low bits in fp32.  fp16 and F
 in ``fold``, have no such restriction.  On the pure-Triton path (``backend="triton"``) there is no bias.
 
 ``default_config`` and the dispatch range (``WeightOnly.why_not_default``) follow the H200 measurements of
-docs/performance.md, v9.
+docs/performance.md (the weight-only kernel's section).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class WeightOnlyConfig(NamedTuple):
     dependent launch (where the target has it), ``loads_first``: compile with ``ptxas -O1``, which keeps every
     load of a step at its top (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split,
     2 tiles, 5 of the step's 12 loads, 2 of its 4 weight loads, were issued before its first mma;
-    docs/performance.md, v9)."""
+    docs/performance.md, the weight-only kernel's section)."""
 
     tiles: int = 1
     warps: int = 4
