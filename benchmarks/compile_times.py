@@ -14,10 +14,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from aot import Sm90Launch  # noqa: E402
+from operands import build_case  # noqa: E402
+
+from fp4gemv.kernels.hmma_gemv import HmmaConfig  # noqa: E402
+from fp4gemv.kernels.weight_only import WeightOnlyConfig  # noqa: E402
+from fp4gemv.target import SM90  # noqa: E402
 
 FORMATS = ("nvfp4", "mxfp4")
 ACTIVATIONS = (torch.float16, torch.bfloat16, "fp4")
@@ -56,31 +63,17 @@ def variants() -> list[str]:
 
 def variant_launch(label: str):
     """The ``aot.Sm90Launch`` of a label from ``variants``."""
-    from dataclasses import replace
-
-    from aot import Sm90Launch
-    from operands import build_case
-
-    from fp4gemv.kernels.hmma_gemv import HmmaConfig
-    from fp4gemv.kernels.weight_only import WeightOnlyConfig
-    from fp4gemv.target import SM90
-
     kernel, fmt, act, n, cfg, mode = label.split("/")
     activation = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(act, act)
     target = replace(SM90, mode=mode)
     config = None
-    if kernel == "weight_only":
-        shape = (2432, 4608, 2)
-        if cfg != "default":
-            t, w, c, s = (int(v) for v in cfg.split("-"))
-            config = WeightOnlyConfig(t, w, c, split=bool(s))
-    elif kernel == "hmma":
-        shape = (2432, 4608, 2)
-        if cfg != "default":
-            config = HmmaConfig(int(cfg))
-    else:
-        shape = (2432, 4608, 2)
-    a, b = build_case(fmt, activation, int(n), "swizzled", shape, True, seed=1)
+    if kernel == "weight_only" and cfg != "default":
+        t, w, c, s = (int(v) for v in cfg.split("-"))
+        config = WeightOnlyConfig(t, w, c, split=bool(s))
+    elif kernel == "hmma" and cfg != "default":
+        config = HmmaConfig(int(cfg))
+    # The GPU tests' main shape: 16-byte aligned rows, K = 4608 with a partial last step for most configs.
+    a, b = build_case(fmt, activation, int(n), "swizzled", (2432, 4608, 2), True, seed=1)
     return Sm90Launch(a, b, out_dtype=torch.float32, kernel=kernel, config=config, target=target)
 
 
