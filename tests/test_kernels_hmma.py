@@ -58,7 +58,7 @@ from operands import (
 from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops, task
-from fp4gemv.kernels import hmma_gemv
+from fp4gemv.kernels import _ptx, hmma_gemv
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
 from fp4gemv.ops import gemv_operands
@@ -365,6 +365,18 @@ def test_hmma_config_out_of_range_is_a_value_error(config):
     assert torch.isnan(out).all()
 
 
+def test_hmma_refuses_16_warps_and_never_chooses_them():
+    """16 warps gave wrong results on the H200 (benchmarks/hmma_warps_check.py diagnoses it on a GPU): an explicit
+    HmmaConfig(16) is refused before anything is written, and no default configuration reaches it."""
+    a, b = _operands("nv-f16")
+    out = poisoned(result_shape(a, b), torch.float16)
+    with pytest.raises(ValueError, match="16 warps gave wrong results"):
+        gemv(a, b, out=out, backend="triton", kernel="hmma", config=HmmaConfig(16))
+    assert torch.isnan(out).all()
+    for m, k, l in ((128, 65536, 1), (64, 16384, 1), (7168, 16384, 1), (256, 1 << 20, 1)):
+        assert hmma_config(m, k, l).warps <= 8
+
+
 @pytest.mark.parametrize("warps", (1, 2, 4, 8))
 def test_hmma_config_in_range_is_accepted(warps):
     a, b = _operands("nv-bf16", 5)
@@ -399,7 +411,7 @@ def test_fp16_decode_ptx_places_every_code_as_value_times_2_to_the_minus_14():
     words += [sum(c << (4 * i) for i in range(8)) for c in range(16)]  # every code in every position
     words += [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
     for w in words:
-        regs = emulate_ptx(hmma_gemv.decode_word_f16("w", "p0", "p1"), {"w": w})
+        regs = emulate_ptx(_ptx.decode_word_f16("w", ("p0", "p1", "xe", "xo"), "xe", "xo"), {"w": w})
         for i, reg in enumerate(("p0", "p1", "xe", "xo")):
             halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
             got = halves.view(torch.float16).double()

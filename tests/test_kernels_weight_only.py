@@ -45,7 +45,7 @@ from operands import (
 from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops
-from fp4gemv.kernels import _mma_step
+from fp4gemv.kernels import _mma_step, _ptx
 from fp4gemv.kernels.hmma_gemv import HmmaConfig
 from fp4gemv.kernels import choose_kernel
 from fp4gemv.ops import gemv_operands
@@ -373,7 +373,7 @@ def test_decode_ptx_places_every_code(dtype):
         regs = {"w": w, **mul}
         pairs = ("p0", "p1", "p2", "p3")
         if dtype == torch.float16:
-            emulate_ptx(_mma_step.decode_word_f16("w", pairs, "t", "u", "m29"), regs)
+            emulate_ptx(_ptx.decode_word_f16("w", pairs, "t", "u", "m29"), regs)
             fold = 2.0**-14
         else:
             emulate_ptx(_mma_step.decode_word_bf16("w", pairs, "t", "u", {m: m for m in mul}), regs)
@@ -390,7 +390,7 @@ def test_e8m0_ptx_decodes_every_byte():
     """``_Step.e8m0`` (shift into the exponent, max with 2^-127, inf * 0 + inf) on all 256 bytes, in float32
     as the GPU computes it: 2^(byte - 127), byte 0 the subnormal 2^-127, byte 255 NaN."""
     step = _mma_step._Step(_mma_step.StepSpec("mxfp4", "f16", "k32", 1, 1, 1, 4, 4, False),
-                           _mma_step._Operands(2, 2, [(m, "r") for m in _mma_step.MULTIPLIERS]))
+                           _ptx.AsmOperands(2, 2, [(m, "r") for m in _mma_step.MULTIPLIERS]))
     step.e8m0("raw", "f")
     lines = step.code
     assert lines[0].startswith("shl.b32") and lines[1].startswith("mov.b32") and lines[2].startswith("max.f32")
@@ -410,7 +410,7 @@ def test_bf16_bias_is_exact_inside_its_window_and_overflows_at_2_to_64():
     halves.  In bf16 that product is exact for 2^-77 <= |x| < 2^64 (its smallest and largest bf16 values here)
     and infinite from 2^64 on: the range gemv documents for bf16 activations on this kernel."""
     step = _mma_step._Step(_mma_step.StepSpec("mxfp4", "bf16", "k32", 1, 1, 1, 4, 4, False),
-                           _mma_step._Operands(2, 2, [(m, "r") for m in _mma_step.MULTIPLIERS]))
+                           _ptx.AsmOperands(2, 2, [(m, "r") for m in _mma_step.MULTIPLIERS]))
     step.bias_bf16(["p"])
     constant = int(step.code[0].split(",")[1].rstrip(";"), 16)
     halves = torch.tensor([constant & 0xFFFF, constant >> 16], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)

@@ -91,6 +91,14 @@ def doubled_e2m1(code):
 
 
 @triton.jit
+def e2m1_word_values(words):
+    """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order: code i in
+    bits 4i..4i+3)."""
+    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
+    return doubled_e2m1(codes).to(tl.float32) * 0.5
+
+
+@triton.jit
 def unpack_block(packed):
     """One int64 block ``[...]`` to its 16 e2m1 codes ``[..., 16]`` (element order)."""
     shifts = tl.arange(0, 16).to(tl.int64) * 4
@@ -117,14 +125,26 @@ def activation_bytes(b_block, mag_lo, mag_hi):
 
 
 @triton.jit
-def block_dot_triton(a_block, b_dbl):
-    """Exact sum of 4*a*b over each 16-element block, as float32 ``[ROWS, NB]``.
+def _doubled_code(word, I: tl.constexpr):
+    """2 * value of code ``I`` (bits 4I..4I+3) of int32 words, as int32."""
+    return doubled_e2m1((word >> (4 * I)) & 15)
 
-    a_block: int64 packed weights, any shape; b_dbl: int32 doubled activation values, shaped like
-    ``unpack_block(a_block)`` or broadcastable to it.
+
+@triton.jit
+def block_dot_triton(a_block, b_block):
+    """Exact sum of 4*a*b over each 16-element block, as float32, in plain Triton.
+
+    ``a_block``, ``b_block``: int64 packed blocks, shapes broadcastable to each other (the result's).  Element
+    by element over the 16 positions of the two 32-bit halves, on tensors of the blocks' own shape: unpacking
+    to a ``[..., 16]`` tensor and summing it compiled to a local-memory stack and took half a minute
+    (docs/performance.md, "Compile time").  The sum is an exact integer, so any order gives it.
     """
-    a_dbl = doubled_e2m1(unpack_block(a_block)).to(tl.int32)
-    return tl.sum(a_dbl * b_dbl, axis=len(a_dbl.shape) - 1).to(tl.float32)
+    a_words = (a_block.to(tl.int32), (a_block >> 32).to(tl.int32))
+    b_words = (b_block.to(tl.int32), (b_block >> 32).to(tl.int32))
+    total = _doubled_code(a_words[0], 0) * _doubled_code(b_words[0], 0)
+    for i in tl.static_range(1, 16):
+        total += _doubled_code(a_words[i // 8], i % 8) * _doubled_code(b_words[i // 8], i % 8)
+    return total.to(tl.float32)
 
 
 @triton.jit

@@ -27,7 +27,9 @@ import functools
 import struct
 from typing import NamedTuple
 
-__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_f16", "decode_word_bf16",
+from ._ptx import AsmOperands, PtxBlock, decode_word_f16
+
+__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_bf16",
            "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS"]
 
 MODES = ("fold", "k32", "split")
@@ -70,28 +72,6 @@ def fold_exponent(fmt: str, act: str, mode: str) -> int:
     return 126 - BF16_SCALE_BIAS if mode == "fold" else 126 - BF16_ACTIVATION_BIAS
 
 
-def decode_word_f16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, m29: str) -> list[str]:
-    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), i = 0..3, each code
-    placed as ``sign << 15 | code << 9`` (its value times 2^-14; code 1, 0.5, is fp16's subnormal 2^-15).
-
-    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
-    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``(w & 0x70..) >> 3 | w & 0x80..`` (the shift a
-    ``mul.hi`` by ``m29`` = 2^29; four codes per operation), and one ``prmt`` per pair puts two such bytes above
-    zero bytes.  ``t``, ``u``: scratch.
-    """
-    p0, p1, p2, p3 = pairs
-    return [
-        f"shl.b32 {t}, {word}, 1;", f"and.b32 {t}, {t}, 0x0E0E0E0E;", f"shl.b32 {u}, {word}, 4;",
-        f"and.b32 {u}, {u}, 0x80808080;", f"or.b32 {t}, {t}, {u};",  # bytes: codes 0, 2, 4, 6
-        f"and.b32 {u}, {word}, 0x70707070;", f"mul.hi.u32 {u}, {u}, {m29};", f"and.b32 {p3}, {word}, 0x80808080;",
-        f"or.b32 {u}, {u}, {p3};",  # bytes: codes 1, 3, 5, 7
-        f"prmt.b32 {p0}, {t}, 0, 0x2404;",  # (e0, e4)
-        f"prmt.b32 {p1}, {u}, 0, 0x2404;",  # (e1, e5)
-        f"prmt.b32 {p2}, {t}, 0, 0x3414;",  # (e2, e6)
-        f"prmt.b32 {p3}, {u}, 0, 0x3414;",  # (e3, e7)
-    ]
-
-
 def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, mul: dict[str, str]) -> list[str]:
     """PTX turning the 8 codes of ``word`` into the bf16 pairs (e_i, e_{i+4}), each code placed as
     ``sign << 15 | code << 6`` (its value times 2^-126; code 1 is bf16's subnormal 2^-127).  The magnitude bits
@@ -112,24 +92,6 @@ def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str
 
 def _f32_hex(x: float) -> str:
     return "0f" + struct.pack(">f", x).hex().upper()
-
-
-class _Operands:
-    """Numbering of the asm's operands: outputs, the tied accumulator inputs, then named inputs of ``pack``
-    registers each (element e of an operand is ``name[e]``)."""
-
-    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str]]):
-        self.pack = pack
-        self.constraints = ["=f"] * (n_out * pack) + [str(i) for i in range(n_out * pack)]
-        self.index: dict[str, int] = {}
-        first = 2 * n_out * pack
-        for name, kind in names:
-            self.index[name] = first
-            self.constraints += [kind] * pack
-            first += pack
-
-    def __call__(self, name: str, e: int = 0) -> str:
-        return f"${self.index[name] + e}"
 
 
 def input_names(spec: StepSpec) -> list[str]:
@@ -162,32 +124,20 @@ def step_asm(spec: StepSpec) -> tuple[str, str]:
     """
     if spec.mode not in MODES:
         raise ValueError(f"spec.mode: expected one of {MODES}, got {spec.mode!r}")
-    op = _Operands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
+    op = AsmOperands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
     body = {"fold": _FoldStep, "k32": _K32Step, "split": _SplitStep}[spec.mode](spec, op)
-    return "\n".join(body.lines), ",".join(op.constraints)
+    return body.text(), op.constraint_string()
 
 
-class _Step:
-    """Shared emitters: declarations, masked loads, decode, activation pairs, scales and the mma."""
+class _Step(PtxBlock):
+    """The step's PTX block and the emitters the modes share: masked loads, decode, activation pairs, scales
+    and the mma."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
+        super().__init__()
         self.spec, self.op = spec, op
         self.mma_type = "bf16" if spec.act == "bf16" else "f16"
-        self.decls: dict[str, set[str]] = {}
-        self.code: list[str] = []
-        self.lines: list[str] = []
         self.mul = {m: op(m) for m in MULTIPLIERS}
-
-    def reg(self, kind: str, name: str) -> str:
-        self.decls.setdefault(kind, set()).add(name)
-        return name
-
-    def emit(self, *lines: str) -> None:
-        self.code.extend(lines)
-
-    def finish(self) -> None:
-        decls = [f".reg .{kind} {', '.join(sorted(names))};" for kind, names in sorted(self.decls.items())]
-        self.lines = ["{", *decls, *self.code, "}"]
 
     def acc(self, t: int, nt: int, r: int) -> str:
         """Fragment register r of tile t, n-tile nt: output 2 nt + r % 2, element 2 t + r // 2."""
@@ -309,7 +259,7 @@ class _Step:
 class _FoldStep(_Step):
     """NVFP4 weights: 16-byte weight loads, e4m3 scales folded into the fragments."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
         s, P, U = spec, op.pack, spec.chunks
         mul = "mul.rn.bf16x2" if self.mma_type == "bf16" else "mul.rn.f16x2"
@@ -356,101 +306,120 @@ class _FoldStep(_Step):
                         for mm in range(2):
                             frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
                             self.mma(d, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]], d)
-        self.finish()
 
 
 class _SplitStep(_Step):
     """16-byte weight loads, unscaled weights, C columns split by K owner, scales on fp32 partials."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
-        s, P, U = spec, op.pack, spec.chunks
-        mx, fp4 = s.fmt == "mxfp4", s.act == "fp4"
+        self.mx, self.fp4 = spec.fmt == "mxfp4", spec.act == "fp4"
         on = self.reg("pred", "xon")
         self.emit(f"setp.ne.s32 {on}, {op('xon')}, 0;")
-        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(U)]
-        xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(U)]
+        preds = [self.in_k(f"pk{u}", 128 * u) for u in range(spec.chunks)]
+        xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(spec.chunks)]
         words = self.chunk_weights(preds)
-        sraw = {}
-        for u in range(U):
-            for e in range(P):
-                if mx:  # the thread's chunk is one block: its scale byte
+        sraw = self.weight_scale_loads(preds)
+        xraw, xsraw = self.activation_loads(preds, [p if p is not None else on for p in xpreds])
+        zero = self.zero()
+        for u in range(spec.chunks):
+            b, xscale = self.activation_pairs(u, xraw, xsraw)
+            for t in range(spec.tiles):
+                self.tile_blocks(t, u, words, self.weight_scales(t, u, sraw), b, xscale, zero)
+
+    def weight_scale_loads(self, preds: list[str | None]) -> dict:
+        """sraw[e, u]: MXFP4 the scale byte of the thread's block (its chunk), NVFP4 its two blocks' bytes."""
+        s, op, sraw = self.spec, self.op, {}
+        for u in range(s.chunks):
+            for e in range(op.pack):
+                if self.mx:
                     sraw[e, u] = self.reg("b32", f"sr{e}_{u}")
                     self.load("u8", [sraw[e, u]], op("ps", e), op("ks"), s.sfa_col_tile * u, preds[u])
-                else:  # two blocks: two scale bytes
+                else:
                     sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
                     self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
-        xraw, xsraw = {}, {}
+        return sraw
+
+    def activation_loads(self, preds: list[str | None], xpreds: list[str]) -> tuple[dict, dict]:
+        """B of each n-tile and chunk and, for FP4, its scales.  Only the threads with g // 2 == c supply B (row
+        2 nt + g % 2 at their own K slots); the others give zeros, so column 2 c + j sees thread c's slots only."""
+        s, op, xraw, xsraw = self.spec, self.op, {}, {}
         for nt in range(s.n_tiles):
-            for u in range(U):
-                # Only the threads with g // 2 == c supply B (row 2 nt + g % 2 at their own K slots); the
-                # others give zeros, so column 2 c + j sees thread c's slots only.
-                xraw[nt, u] = self.chunk_activation(nt, u, xpreds[u] if xpreds[u] is not None else on)
-                if fp4 and mx:
+            for u in range(s.chunks):
+                xraw[nt, u] = self.chunk_activation(nt, u, xpreds[u])
+                if self.fp4 and self.mx:
                     for j in range(2):
                         xsraw[nt, u, j] = self.reg("b32", f"xs{nt}_{u}_{j}")
                         self.load("u8", [xsraw[nt, u, j]], op(f"pxs{j}", nt), op("kxs"), s.sfb_col_tile * u,
                                   preds[u])
-                elif fp4:
+                elif self.fp4:
                     xsraw[nt, u] = self.reg("b16", f"xs{nt}_{u}")
                     self.load("b16", [xsraw[nt, u]], op("pxs", nt), op("kxs"), 2 * s.sfb_col_tile * u, preds[u])
-        zero = self.zero()
-        for u in range(U):
-            b, xscale = {}, {}
-            for nt in range(s.n_tiles):
-                if fp4:
-                    b[nt] = []
-                    if not mx:
-                        xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
-                    for q in range(4):
-                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
-                            if not mx:
-                                self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
-                            b[nt].append(p)
-                    if mx:
-                        xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
-                else:
-                    b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
-                    if s.act == "bf16":
-                        self.bias_bf16(b[nt])
-            for t in range(s.tiles):
-                # Scales of the thread's blocks per row h: MXFP4 one (the chunk), NVFP4 two (words 0-1, 2-3).
-                if mx:
-                    f = [[self.e8m0(sraw[2 * t + h, u], f"sf{t}_{h}_{u}")] for h in range(2)]
-                else:
-                    f = []
-                    for h in range(2):
-                        hx = self.reg("b32", f"sh{t}_{h}_{u}")
-                        self.emit(f"cvt.rn.f16x2.e4m3x2 {hx}, {sraw[2 * t + h, u]};")
-                        f.append(list(self.scales_f32_e4m3(hx, f"sf{t}_{h}_{u}")))
-                groups = [range(4)] if mx else [range(2), range(2, 4)]
-                for blk, qs in enumerate(groups):
-                    a = {(q, h): self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for q in qs for h in range(2)}
-                    for nt in range(s.n_tiles):
-                        part = [self.reg("f32", f"pp{t}_{nt}_{u}_{blk}_{r}") for r in range(4)]
-                        first = True
-                        for q in qs:
-                            for mm in range(2):
-                                frag = [a[q, 0][2 * mm], a[q, 1][2 * mm], a[q, 0][2 * mm + 1], a[q, 1][2 * mm + 1]]
-                                self.mma(part, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]],
-                                         [zero] * 4 if first else part)
-                                first = False
-                        for r in range(4):
-                            scale = f[r // 2][blk]
-                            if fp4 and mx:
-                                fx = self.reg("f32", f"fx{t}_{nt}_{u}_{r}")
-                                self.emit(f"mul.f32 {fx}, {scale}, {xscale[nt][r % 2]};")
-                                scale = fx
-                            d = self.acc(t, nt, r)
-                            self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
-        self.finish()
+        return xraw, xsraw
+
+    def activation_pairs(self, u: int, xraw: dict, xsraw: dict) -> tuple[dict, dict]:
+        """b[nt]: the B fragment pairs of chunk u (NVFP4 activations scaled, bf16 biased); xscale[nt]: MXFP4
+        activations' fp32 scales of the thread's two C columns."""
+        b, xscale = {}, {}
+        for nt in range(self.spec.n_tiles):
+            if self.fp4:
+                b[nt] = []
+                if not self.mx:
+                    xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
+                for q in range(4):
+                    for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                        if not self.mx:
+                            self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
+                        b[nt].append(p)
+                if self.mx:
+                    xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
+            else:
+                b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+                if self.spec.act == "bf16":
+                    self.bias_bf16(b[nt])
+        return b, xscale
+
+    def weight_scales(self, t: int, u: int, sraw: dict) -> list[list[str]]:
+        """f[h][blk]: the fp32 scales of the thread's blocks of row h: MXFP4 one (the chunk), NVFP4 two (words
+        0-1, 2-3)."""
+        if self.mx:
+            return [[self.e8m0(sraw[2 * t + h, u], f"sf{t}_{h}_{u}")] for h in range(2)]
+        f = []
+        for h in range(2):
+            hx = self.reg("b32", f"sh{t}_{h}_{u}")
+            self.emit(f"cvt.rn.f16x2.e4m3x2 {hx}, {sraw[2 * t + h, u]};")
+            f.append(list(self.scales_f32_e4m3(hx, f"sf{t}_{h}_{u}")))
+        return f
+
+    def tile_blocks(self, t: int, u: int, words: dict, f: list[list[str]], b: dict, xscale: dict, zero: str) -> None:
+        """Tile t, chunk u: each block's mma into a zeroed partial, which its scales add to the accumulators."""
+        groups = [range(4)] if self.mx else [range(2), range(2, 4)]
+        for blk, qs in enumerate(groups):
+            a = {(q, h): self.decode(words[2 * t + h, u][q], f"a{t}_{h}_{u}_{q}") for q in qs for h in range(2)}
+            for nt in range(self.spec.n_tiles):
+                part = [self.reg("f32", f"pp{t}_{nt}_{u}_{blk}_{r}") for r in range(4)]
+                first = True
+                for q in qs:
+                    for mm in range(2):
+                        frag = [a[q, 0][2 * mm], a[q, 1][2 * mm], a[q, 0][2 * mm + 1], a[q, 1][2 * mm + 1]]
+                        self.mma(part, frag, [b[nt][4 * q + 2 * mm], b[nt][4 * q + 2 * mm + 1]],
+                                 [zero] * 4 if first else part)
+                        first = False
+                for r in range(4):
+                    scale = f[r // 2][blk]
+                    if self.fp4 and self.mx:
+                        fx = self.reg("f32", f"fx{t}_{nt}_{u}_{r}")
+                        self.emit(f"mul.f32 {fx}, {scale}, {xscale[nt][r % 2]};")
+                        scale = fx
+                    d = self.acc(t, nt, r)
+                    self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale}, {d};")
 
 
 class _K32Step(_Step):
     """MXFP4 weights: word c of every 32-element block (4-byte loads), two mma per block into a zeroed partial,
     the e8m0 scale applied to the partial in fp32."""
 
-    def __init__(self, spec: StepSpec, op: _Operands):
+    def __init__(self, spec: StepSpec, op: AsmOperands):
         super().__init__(spec, op)
         s, P = spec, op.pack
         fp4 = s.act == "fp4"
@@ -503,4 +472,3 @@ class _K32Step(_Step):
                             f = fx
                         d = self.acc(t, nt, r)
                         self.emit(f"fma.rn.f32 {d}, {part[r]}, {f}, {d};")
-        self.finish()

@@ -11,9 +11,10 @@ One program computes ``ROWS`` output rows of one batch for all N activation rows
 ``BLOCKS`` 16-element blocks (one int64 each; an MXFP4 32-element block is two of them sharing one scale).
 Each weight block is loaded once per program and used for every activation row.  Scales of either operand
 are addressed through five strides that cover the linear layout and the 128x4 swizzle in one formula
-(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s (whose ksplit, unroll, PDL and per-row
-activation loads are not ported here); the two sum in different orders, so their results agree within the
-block-sum bound, not bit for bit (tests/test_kernels_general.py checks both against the exact result):
+(``spec.ScaleAddressing``).  The loop has the shape of ``w4a4.py``'s; for W4A4 with N = 1 it forms the same
+scaled block products and per-block fp32 sums as w4a4.py at ``ksplit = 1``, but its final sum over the blocks
+may run in another order, so the two agree within the error bound (tested), not necessarily bit for bit
+(w4a4.py's ksplit, unroll, PDL and per-row activation loads are not ported here):
 
 * W4A4: each block's exact integer dot product (``_decode``: doubled integers, PTX or pure Triton, equal bit
   for bit) times ``sfa * sfb`` (exact in fp32: 4-bit significands, or powers of two), accumulated in fp32.
@@ -121,7 +122,7 @@ def gemv_kernel(
                 block = block_dot_ptx(a[:, None, :], b_lo[None, :, :], b_hi[None, :, :],
                                       tab_lo[None, None, :], tab_hi[None, None, :])
             else:
-                block = block_dot_triton(a[:, None, :], doubled_e2m1(unpack_block(b)).to(tl.int32)[None, :, :, :])
+                block = block_dot_triton(a[:, None, :], b[None, :, :])
             acc += block * scale
         else:
             k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
@@ -139,7 +140,7 @@ def gemv_kernel(
     store_rounded(c_ptrs, out, (rows < M)[:, None] & (n < N)[None, :])
 
 
-# Only W4A4 with N = 1 has been measured, on ``w4a4.py`` (docs/performance.md, encoded in ``w4a4.w4a4_config``,
+# Only W4A4 with N = 1 has been measured, on ``w4a4.py`` (docs/performance.md, encoded in ``block_sum_tiles.w4a4_config``,
 # which general_config defers to for that case).  Every other case is sized, not measured: it keeps the
 # per-program register tiles no larger than the measured W4A4 ones.
 # fp32 accumulator elements per program for N > 1: as in the measured W4A4 tiles (8 x 128, 8 x 4 x 32).
@@ -165,7 +166,7 @@ def general_config(m: int, k: int, l: int, n: int, *, fp4_activation: bool) -> G
     """The configuration for ``[l, m, k] x [l, n, k]`` (n activation rows, 1..16); no autotuning.
 
     W4A4, n = 1 (for callers who ask for this kernel in that case; the dispatcher runs w4a4.py): rows, warps and
-    K step (ksplit x blocks) of ``w4a4.w4a4_config``; this kernel has no ksplit, unroll or PDL.  W4A4, n > 1:
+    K step (ksplit x blocks) of ``block_sum_tiles.w4a4_config``; this kernel has no ksplit, unroll or PDL.  W4A4, n > 1:
     at most 16 rows, blocks such that the accumulator ``[rows, n_pad, blocks]`` stays at 1024 fp32.  W4A16: 8
     rows and blocks such that the ``[rows, n_pad, blocks, 16]`` product tile stays at 4096 fp32.  Blocks never
     exceed K/16.

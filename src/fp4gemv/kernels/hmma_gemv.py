@@ -1,7 +1,7 @@
 """NVFP4 GEMV on the tensor cores with warp-level ``mma.sync``: NVFP4 weights times fp16/bf16 activations
 (W4A16) or NVFP4 activations (W4A4), N = 1..16 in one pass over the weights.
 
-Why not ``tl.dot``: a first version with it (docs/performance.md, v7) had Triton stage the operands through
+Why not ``tl.dot``: a first version with it (docs/performance.md, the ``tl.dot`` kernel) had Triton stage the operands through
 shared memory with barriers, about 10 instructions per weight byte.  Here each thread decodes the weights it
 holds straight into the registers ``mma.sync.m16n8k16`` reads; nothing moves between threads until the
 final sum over warps.
@@ -48,175 +48,169 @@ from ..target import Target
 # Triton versions (the pure-Triton twin has no such assumption), and dispatch moves on to the next kernel.
 PTX_LAYOUT_VERIFIED = triton.__version__.startswith("3.6.")
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
-from ._decode import doubled_e2m1
+from ._decode import e2m1_word_values
+from ._ptx import AsmOperands, PtxBlock, decode_word_f16
 from .spec import (ErrorModel, FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
                    global_scale_sources, too_many_rows)
 
 __all__ = ["HmmaConfig", "Hmma", "hmma_gemv_kernel"]
 
+# 16 warps gave wrong results on the H200 (every bound check of the GPU test); offline the compiled 16-warp
+# kernel shows no defect (docs/performance.md, "Compile time, and the 16-warp hmma result"), so check_config
+# refuses it until benchmarks/hmma_warps_check.py has located the cause on a GPU.
+MAX_WARPS = 8
 # The module docstring's fold: what the bit placement leaves on a decoded FP4 operand, undone in the epilogue.
 FP16_FOLD = tl.constexpr(2.0**14)
 BF16_FOLD = tl.constexpr(2.0**7)
 _BF16_SCALE_BIAS = 2.0**119
 
 
-def decode_word_f16(word: str, pair0: str, pair1: str) -> list[str]:
-    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), each code placed as
-    ``sign << 15 | code << 9`` (value * 2^-14, module docstring): pairs i = 0, 1, 2, 3 end in ``pair0``,
-    ``pair1``, ``xe``, ``xo`` (``xe``, ``xo`` declared by the caller).
-
-    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
-    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``(w >> 3) & 0x0E.. | w & 0x80..`` (four codes
-    per operation), and one ``prmt`` per pair puts two such bytes above zero bytes: 13 instructions per word
-    where shifting each pair into place took 20.
-    """
-    return [
-        f"shl.b32 xe, {word}, 1;", "and.b32 xe, xe, 0x0E0E0E0E;", f"shl.b32 xo, {word}, 4;",
-        "and.b32 xo, xo, 0x80808080;", "or.b32 xe, xe, xo;",  # bytes: codes 0, 2, 4, 6
-        f"shr.b32 xo, {word}, 3;", "and.b32 xo, xo, 0x0E0E0E0E;", f"and.b32 {pair0}, {word}, 0x80808080;",
-        f"or.b32 xo, xo, {pair0};",  # bytes: codes 1, 3, 5, 7
-        f"prmt.b32 {pair0}, xe, 0, 0x2404;",  # (e0, e4)
-        f"prmt.b32 {pair1}, xo, 0, 0x2404;",  # (e1, e5)
-        "prmt.b32 xe, xe, 0, 0x3414;",  # (e2, e6)
-        "prmt.b32 xo, xo, 0, 0x3414;",  # (e3, e7)
-    ]
-
-
-def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> str:
+class _HmmaStep(PtxBlock):
     """The PTX of one thread's step: load scales and activation, decode 2 rows x 4 words, 8 or 16 mma.
 
-    Operands (8 elements each, element e = 4 * half + q): $0-$7 accumulators out, $8-$15 in; $16-$23 weight
-    words; then 8 b64 each: weight-scale pointers (element 0: row g, 4: row g + 8; scale of block 8w + 2c,
-    byte pointers at step 0), activation pointers (element 0: n = g, 4: n = g + 8; the thread's 4 words at
-    step 0), for FP4 activations its scale pointers; then 8 b32 flags (element 0 / 4: activation row n < N,
-    1: words of K left at step 0 from the thread's first word), 8 b32 k0, 8 b32 scale column-tile strides
-    (element 0: weights, 1: activation).  Accumulator element (half h, word q) is C[g + 8h][8(q // 2) + 2c +
-    q % 2].
+    Operands (``AsmOperands``, 8 elements each, element e = 4 * half + q): the 8 accumulators out, then in
+    (``acc``, not tied); ``words`` the weight words; 8 b64 each: ``sfa_p`` weight-scale pointers (element 0:
+    row g, 4: row g + 8; scale of block 8w + 2c, byte pointers at step 0), ``x_p`` activation pointers
+    (element 0: n = g, 4: n = g + 8; the thread's 4 words at step 0), for FP4 activations ``sfb_p`` its scale
+    pointers; then 8 b32 ``flags`` (element 0 / 4: activation row n < N, 1: words of K left at step 0 from the
+    thread's first word), ``k0``, ``col_tile`` (the scale column-tile strides, element 0: weights, 1:
+    activation).  Accumulator element (half h, word q) is C[g + 8h][8(q // 2) + 2c + q % 2].
     """
-    mag_shift, mul, mma_type = {"f16": (3, "mul.rn.f16x2", "f16"), "bf16": (6, "mul.rn.bf16x2", "bf16")}[dtype]
-    ops = iter(range(24, 200))
-    sfa_p = [f"${next(ops)}" for _ in range(8)]
-    x_p = [f"${next(ops)}" for _ in range(8)]
-    sfb_p = [f"${next(ops)}" for _ in range(8)] if fp4_activation else None
-    flags = [f"${next(ops)}" for _ in range(8)]
-    k0 = [f"${next(ops)}" for _ in range(8)]
-    col_tile = [f"${next(ops)}" for _ in range(8)]
-    bias = struct.pack(">f", _BF16_SCALE_BIAS).hex().upper()
-    lines = [
-        "{",
-        ".reg .pred pk, pn;",
-        ".reg .b32 t, m, kl, st, sraw;",
-        ".reg .b64 ptr, off;",
-        ".reg .b16 h0, h1;",
-        ".reg .f32 f0, f1;",
-        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>;" if dtype == "bf16" else
-        ".reg .b32 sa<4>, a<32>, b<32>, xr<16>, bs<2>, xe, xo;",
-        ".reg .f32 d<8>;",
-    ]
 
-    def k_left(k: str) -> None:
-        """pk: the thread has words of K left at step ``k``."""
-        lines.extend([f"shr.u32 st, {k}, 3;", f"sub.s32 kl, {flags[1]}, st;", "setp.gt.s32 pk, kl, 0;"])
+    # fragment register of the mma -> accumulator element
+    ACC = {0: 0, 1: 1, 2: 4, 3: 5, 4: 2, 5: 3, 6: 6, 7: 7}
 
-    def scale_load(pointer: str, tile_stride: str, k: str, dst: str) -> None:
-        """dst = the 2 scale bytes (blocks 2c, 2c + 1) at pointer + (k / 64) * tile_stride, 0 where not pk."""
-        lines.extend([
-            f"shr.u32 st, {k}, 6;",
-            f"mul.wide.u32 off, st, {tile_stride};",
-            f"add.s64 ptr, {pointer}, off;",
-            f"mov.b32 {dst}, 0;",
-            f"@pk ld.global.u16 {dst}, [ptr];",
-        ])
+    def __init__(self, dtype: str, fp4_activation: bool, n_tiles: int):
+        super().__init__()
+        self.dtype, self.fp4, self.n_tiles = dtype, fp4_activation, n_tiles
+        self.mag_shift, self.mul, self.mma_type = {"f16": (3, "mul.rn.f16x2", "f16"),
+                                                   "bf16": (6, "mul.rn.bf16x2", "bf16")}[dtype]
+        names = [("acc", "f"), ("words", "r"), ("sfa_p", "l"), ("x_p", "l")]
+        names += [("sfb_p", "l")] if fp4_activation else []
+        names += [("flags", "r"), ("k0", "r"), ("col_tile", "r")]
+        self.op = AsmOperands(1, 8, names, tied=False)
+        for kind, regs in (("pred", "pk pn"), ("b32", "t m kl st sraw"), ("b64", "ptr off"), ("b16", "h0 h1"),
+                           ("f32", "f0 f1")):
+            for r in regs.split():
+                self.reg(kind, r)
+        self.weight_pairs()
+        for tile in range(n_tiles):
+            if fp4_activation:
+                self.fp4_activation_pairs(tile)
+            else:
+                self.float_activation_pairs(tile)
+        self.mma_all()
 
-    def scale_pairs(raw: str, dst: tuple[str, str]) -> None:
+    def k_left(self) -> None:
+        """pk: the thread has words of K left at this step."""
+        self.emit(f"shr.u32 st, {self.op('k0')}, 3;", f"sub.s32 kl, {self.op('flags', 1)}, st;",
+                  "setp.gt.s32 pk, kl, 0;")
+
+    def scale_load(self, pointer: str, tile_stride: str, dst: str) -> None:
+        """dst = the 2 scale bytes (blocks 2c, 2c + 1) at pointer + (k0 / 64) * tile_stride, 0 where not pk."""
+        self.emit(f"shr.u32 st, {self.op('k0')}, 6;", f"mul.wide.u32 off, st, {tile_stride};",
+                  f"add.s64 ptr, {pointer}, off;", f"mov.b32 {dst}, 0;", f"@pk ld.global.u16 {dst}, [ptr];")
+
+    def scale_pairs(self, raw: str, dst: tuple[str, str]) -> None:
         """(s, s) pairs of the two scales in the low 16 bits of ``raw``, in the step's dtype."""
-        lines.extend([f"mov.b32 {{h0, h1}}, {raw};", "cvt.rn.f16x2.e4m3x2 t, h0;"])
-        if dtype == "bf16":
-            lines.extend(["mov.b32 {h0, h1}, t;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
-                          f"mul.f32 f0, f0, 0f{bias};", f"mul.f32 f1, f1, 0f{bias};", "cvt.rn.bf16x2.f32 t, f1, f0;"])
-        lines.extend([f"prmt.b32 {dst[0]}, t, 0, 0x1010;", f"prmt.b32 {dst[1]}, t, 0, 0x3232;"])
+        self.emit(f"mov.b32 {{h0, h1}}, {raw};", "cvt.rn.f16x2.e4m3x2 t, h0;")
+        if self.dtype == "bf16":
+            bias = struct.pack(">f", _BF16_SCALE_BIAS).hex().upper()
+            self.emit("mov.b32 {h0, h1}, t;", "cvt.f32.f16 f0, h0;", "cvt.f32.f16 f1, h1;",
+                      f"mul.f32 f0, f0, 0f{bias};", f"mul.f32 f1, f1, 0f{bias};", "cvt.rn.bf16x2.f32 t, f1, f0;")
+        self.emit(f"prmt.b32 {dst[0]}, t, 0, 0x1010;", f"prmt.b32 {dst[1]}, t, 0, 0x3232;")
 
-    def decode(word: str, scale: str, dsts: list[str]) -> None:
+    def decode(self, word: str, scale: str, dsts: list[str]) -> None:
         """dsts[i] = the pair (e_i, e_{i+4}) of ``word`` times ``scale`` (fp16: byte-wise, 4 pairs at once)."""
-        lines.extend(decode_word_f16(word, "t", "m"))
-        lines.extend(f"{mul} {dsts[i]}, {pair}, {scale};" for i, pair in enumerate(("t", "m", "xe", "xo")))
+        xe, xo = self.reg("b32", "xe"), self.reg("b32", "xo")
+        self.emit(*decode_word_f16(word, ("t", "m", xe, xo), xe, xo))
+        self.emit(*(f"{self.mul} {dsts[i]}, {pair}, {scale};" for i, pair in enumerate(("t", "m", xe, xo))))
 
-    def decode_pair(word: str, i: int, scale: str, dst: str) -> None:
+    def decode_pair(self, word: str, i: int, scale: str, dst: str) -> None:
         """dst = the pair (e_i, e_{i+4}) of ``word`` times ``scale``, shifted into place (bf16's code bits
         straddle a byte boundary, so the byte-wise fp16 decode does not apply)."""
-        lines.extend([f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
-                      f"shr.b32 m, m, {mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
-                      f"{mul} {dst}, t, {scale};"])
+        self.emit(f"shl.b32 t, {word}, {12 - 4 * i};", "and.b32 m, t, 0x70007000;",
+                  f"shr.b32 m, m, {self.mag_shift};", "and.b32 t, t, 0x80008000;", "or.b32 t, t, m;",
+                  f"{self.mul} {dst}, t, {scale};")
 
-    k_left(k0[0])
-    scale_load(sfa_p[0], col_tile[0], k0[0], "sraw")
-    scale_pairs("sraw", ("sa0", "sa1"))
-    scale_load(sfa_p[4], col_tile[0], k0[0], "sraw")
-    scale_pairs("sraw", ("sa2", "sa3"))
-    # Weight pairs a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its scale.
-    for q in range(4):
-        if dtype == "f16":
-            for h in range(2):
-                decode(f"${16 + 4 * h + q}", f"sa{2 * h + q // 2}", [f"a{8 * q + 2 * i + h}" for i in range(4)])
-        else:
-            for i in range(4):
-                for h in range(2):
-                    decode_pair(f"${16 + 4 * h + q}", i, f"sa{2 * h + q // 2}", f"a{8 * q + 2 * i + h}")
-    for tile in range(n_tiles):
-        # Activation pairs b[16 * tile + 4q + i] for n = 8 * tile + g: (x_i, x_{i+4}) of word q.
-        lines.extend([f"setp.ne.s32 pn, {flags[4 * tile]}, 0;", "and.pred pn, pn, pk;"])
-        if fp4_activation:
-            lines.extend([f"shr.u32 st, {k0[0]}, 1;", "cvt.u64.u32 off, st;", f"add.s64 ptr, {x_p[4 * tile]}, off;",
-                          "mov.b32 xr0, 0;", "mov.b32 xr1, 0;", "mov.b32 xr2, 0;", "mov.b32 xr3, 0;",
-                          "@pn ld.global.v4.b32 {xr0, xr1, xr2, xr3}, [ptr];"])
-            lines.append("mov.pred pk, pn;")  # the activation's scale load, masked like its words
-            scale_load(sfb_p[4 * tile], col_tile[1], k0[0], "sraw")
-            scale_pairs("sraw", ("bs0", "bs1"))
-            k_left(k0[0])
-            for q in range(4):
-                decode(f"xr{q}", f"bs{q // 2}", [f"b{16 * tile + 4 * q + i}" for i in range(4)])
-        else:
-            # fp16 and bf16: 2 bytes per element of k0.
-            lines.extend([f"mul.wide.u32 off, {k0[0]}, 2;", f"add.s64 ptr, {x_p[4 * tile]}, off;"])
-            lines.extend(f"mov.b32 xr{j}, 0;" for j in range(16))
-            for v in range(4):
-                regs = ", ".join(f"xr{4 * v + j}" for j in range(4))
-                lines.append(f"@pn ld.global.v4.b32 {{{regs}}}, [ptr+{16 * v}];")
-            for q in range(4):
-                for i in range(4):
-                    sel = "0x5410" if i % 2 == 0 else "0x7632"
-                    lines.append(f"prmt.b32 b{16 * tile + 4 * q + i}, xr{4 * q + i // 2}, xr{4 * q + 2 + i // 2}, {sel};")
-    # Accumulators: d[4t + j] is fragment register j of tile t.
-    acc = {0: 0, 1: 1, 2: 4, 3: 5, 4: 2, 5: 3, 6: 6, 7: 7}  # fragment register -> element
-    for r in range(4 * n_tiles):
-        lines.append(f"mov.f32 d{r}, ${8 + acc[r]};")
-    for tile in range(n_tiles):
-        d = ", ".join(f"d{4 * tile + j}" for j in range(4))
+    def weight_pairs(self) -> None:
+        """a[8q + 2i + h]: (e_i, e_{i+4}) of word q of row g + 8h, times its block's scale."""
+        op = self.op
+        sa, a = self.regs("b32", "sa", 4), self.regs("b32", "a", 32)
+        self.k_left()
+        self.scale_load(op("sfa_p", 0), op("col_tile", 0), "sraw")
+        self.scale_pairs("sraw", (sa[0], sa[1]))
+        self.scale_load(op("sfa_p", 4), op("col_tile", 0), "sraw")
+        self.scale_pairs("sraw", (sa[2], sa[3]))
         for q in range(4):
-            for mm in range(2):
-                a = ", ".join(f"a{8 * q + 2 * i + h}" for i, h in ((2 * mm, 0), (2 * mm, 1), (2 * mm + 1, 0),
-                                                                      (2 * mm + 1, 1)))
-                b = f"b{16 * tile + 4 * q + 2 * mm}, b{16 * tile + 4 * q + 2 * mm + 1}"
-                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{mma_type}.{mma_type}.f32 "
-                             f"{{{d}}}, {{{a}}}, {{{b}}}, {{{d}}};")
-    for r in range(8):
-        lines.append(f"mov.f32 ${acc[r]}, d{r};" if r < 4 * n_tiles else f"mov.f32 ${acc[r]}, ${8 + acc[r]};")
-    lines.append("}")
-    return "\n".join(lines)
+            if self.dtype == "f16":
+                for h in range(2):
+                    self.decode(op("words", 4 * h + q), sa[2 * h + q // 2], [a[8 * q + 2 * i + h] for i in range(4)])
+            else:
+                for i in range(4):
+                    for h in range(2):
+                        self.decode_pair(op("words", 4 * h + q), i, sa[2 * h + q // 2], a[8 * q + 2 * i + h])
+
+    def fp4_activation_pairs(self, tile: int) -> None:
+        """b[16 tile + 4q + i] for n = 8 tile + g: (x_i, x_{i+4}) of FP4 word q, times its block's scale."""
+        op = self.op
+        xr, bs, b = self.regs("b32", "xr", 4), self.regs("b32", "bs", 2), self.regs("b32", "b", 32)
+        self.emit(f"setp.ne.s32 pn, {op('flags', 4 * tile)}, 0;", "and.pred pn, pn, pk;")
+        self.emit(f"shr.u32 st, {op('k0')}, 1;", "cvt.u64.u32 off, st;", f"add.s64 ptr, {op('x_p', 4 * tile)}, off;",
+                  *(f"mov.b32 {r}, 0;" for r in xr), f"@pn ld.global.v4.b32 {{{', '.join(xr)}}}, [ptr];")
+        self.emit("mov.pred pk, pn;")  # the activation's scale load, masked like its words
+        self.scale_load(op("sfb_p", 4 * tile), op("col_tile", 1), "sraw")
+        self.scale_pairs("sraw", (bs[0], bs[1]))
+        self.k_left()
+        for q in range(4):
+            self.decode(xr[q], bs[q // 2], [b[16 * tile + 4 * q + i] for i in range(4)])
+
+    def float_activation_pairs(self, tile: int) -> None:
+        """b[16 tile + 4q + i] for n = 8 tile + g: (x_i, x_{i+4}) of the 8 fp16/bf16 values of word q."""
+        op = self.op
+        xr, b = self.regs("b32", "xr", 16), self.regs("b32", "b", 32)
+        self.emit(f"setp.ne.s32 pn, {op('flags', 4 * tile)}, 0;", "and.pred pn, pn, pk;")
+        # 2 bytes per element of k0.
+        self.emit(f"mul.wide.u32 off, {op('k0')}, 2;", f"add.s64 ptr, {op('x_p', 4 * tile)}, off;")
+        self.emit(*(f"mov.b32 {r}, 0;" for r in xr))
+        for v in range(4):
+            self.emit(f"@pn ld.global.v4.b32 {{{', '.join(xr[4 * v:4 * v + 4])}}}, [ptr+{16 * v}];")
+        for q in range(4):
+            for i in range(4):
+                sel = "0x5410" if i % 2 == 0 else "0x7632"
+                self.emit(f"prmt.b32 {b[16 * tile + 4 * q + i]}, {xr[4 * q + i // 2]}, {xr[4 * q + 2 + i // 2]}, {sel};")
+
+    def mma_all(self) -> None:
+        """The accumulators through d (d[4t + j]: fragment register j of n-tile t), 8 mma per n-tile."""
+        d = self.regs("f32", "d", 8)
+        for r in range(4 * self.n_tiles):
+            self.emit(f"mov.f32 {d[r]}, {self.op('acc', self.ACC[r])};")
+        for tile in range(self.n_tiles):
+            dt = ", ".join(d[4 * tile:4 * tile + 4])
+            for q in range(4):
+                for mm in range(2):
+                    a = ", ".join(f"a{8 * q + 2 * i + h}" for i, h in ((2 * mm, 0), (2 * mm, 1), (2 * mm + 1, 0),
+                                                                          (2 * mm + 1, 1)))
+                    b = f"b{16 * tile + 4 * q + 2 * mm}, b{16 * tile + 4 * q + 2 * mm + 1}"
+                    self.emit(f"mma.sync.aligned.m16n8k16.row.col.f32.{self.mma_type}.{self.mma_type}.f32 "
+                              f"{{{dt}}}, {{{a}}}, {{{b}}}, {{{dt}}};")
+        for r in range(8):
+            out = self.op.out(self.ACC[r])
+            self.emit(f"mov.f32 {out}, {d[r]};" if r < 4 * self.n_tiles else f"mov.f32 {out}, {self.op('acc', self.ACC[r])};")
 
 
-def _constraints(fp4_activation: bool) -> str:
-    return ",".join(["=f"] * 8 + ["f"] * 8 + ["r"] * 8 + ["l"] * (24 if fp4_activation else 16) + ["r"] * 24)
+def _hmma_asm(dtype: str, fp4_activation: bool, n_tiles: int) -> tuple[str, str]:
+    """(asm, constraints) of ``_HmmaStep``."""
+    step = _HmmaStep(dtype, fp4_activation, n_tiles)
+    return step.text(), step.op.constraint_string()
 
 
-_ASM_F16_1 = tl.constexpr(_hmma_asm("f16", False, 1))
-_ASM_F16_2 = tl.constexpr(_hmma_asm("f16", False, 2))
-_ASM_BF16_1 = tl.constexpr(_hmma_asm("bf16", False, 1))
-_ASM_BF16_2 = tl.constexpr(_hmma_asm("bf16", False, 2))
-_ASM_FP4_1 = tl.constexpr(_hmma_asm("f16", True, 1))
-_ASM_FP4_2 = tl.constexpr(_hmma_asm("f16", True, 2))
-_FLOAT_CONSTRAINTS = tl.constexpr(_constraints(False))
-_FP4_CONSTRAINTS = tl.constexpr(_constraints(True))
+_ASM_F16_1, _FLOAT_CONSTRAINTS = (tl.constexpr(x) for x in _hmma_asm("f16", False, 1))
+_ASM_F16_2 = tl.constexpr(_hmma_asm("f16", False, 2)[0])
+_ASM_BF16_1 = tl.constexpr(_hmma_asm("bf16", False, 1)[0])
+_ASM_BF16_2 = tl.constexpr(_hmma_asm("bf16", False, 2)[0])
+_ASM_FP4_1, _FP4_CONSTRAINTS = (tl.constexpr(x) for x in _hmma_asm("f16", True, 1))
+_ASM_FP4_2 = tl.constexpr(_hmma_asm("f16", True, 2)[0])
 
 
 @triton.jit
@@ -248,13 +242,6 @@ def _step_ptx(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, FP4_ACTIVATIO
 
 
 @triton.jit
-def _codes_f32(words):
-    """32-bit words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
-    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
-    return doubled_e2m1(codes).to(tl.float32) * 0.5
-
-
-@triton.jit
 def _thread_value(t, Q: tl.constexpr, WARPS: tl.constexpr):
     """Element q = Q of each thread's 4 words of ``t`` ``[8, WARPS, 2, 16]``, for all 4 of them."""
     t = tl.reshape(t, [8, WARPS, 2, 4, 4])
@@ -274,14 +261,14 @@ def _step_triton(acc, words, sfa_p, x_p, sfb_p, flags, k0, col_tiles, WARPS: tl.
     step_b = (k0 // 64) * _thread_value(col_tiles, 1, WARPS)
     # Weights [g, warp, half, word, e], rows g + 8 * half; word q's block is 2c + q // 2.
     sfa = decode_scale(tl.load(sfa_p + step_a + q // 2, mask=k_ok, other=0), "nvfp4")
-    a = _codes_f32(words) * sfa[:, :, :, :, None]
+    a = e2m1_word_values(words) * sfa[:, :, :, :, None]
     a = tl.reshape(tl.permute(a, (1, 2, 0, 3, 4)), [WARPS, 16, 128])  # [warp, row, k = 8 * word + e]
     # Activation [g, warp, tile, word, e] for n = g + 8 * tile (the halves of the pointer tensors).
     x_ok = k_ok & n_ok
     if FP4_ACTIVATION:
         x_words = tl.load((x_p + k0 // 2 + 4 * q).to(tl.pointer_type(tl.int32)), mask=x_ok, other=0)
         sfb = decode_scale(tl.load(sfb_p + step_b + q // 2, mask=x_ok, other=0), "nvfp4")
-        x = _codes_f32(x_words) * sfb[:, :, :, :, None]
+        x = e2m1_word_values(x_words) * sfb[:, :, :, :, None]
     else:
         e = tl.arange(0, 8)[None, None, None, None, :]
         x_ptrs = x_p[:, :, :, :, None] + 2 * k0 + 16 * q[:, :, :, :, None] + 2 * e
@@ -379,8 +366,7 @@ def hmma_gemv_kernel(
 
 class HmmaConfig(NamedTuple):
     """One launch of :func:`hmma_gemv_kernel`: 16 rows per program, ``warps`` warps side by side along K, each on
-    128 elements per step (a power of two, at most 8: 16 warps gave wrong results on the H200, not
-    investigated, docs/performance.md v8)."""
+    128 elements per step (a power of two, at most ``MAX_WARPS``)."""
 
     warps: int
 
@@ -388,7 +374,7 @@ class HmmaConfig(NamedTuple):
 def hmma_config(m: int, k: int, l: int) -> HmmaConfig:  # noqa: E741
     """The configuration for ``l`` batches of ``m x k`` weights (any N from 1 to 16), measured on the H200.
 
-    Sweep 10 (docs/performance.md): 4 warps along K, except 8 for few rows (M x L < 7168) and long K
+    docs/performance.md (the ``mma.sync`` kernel's sweep): 4 warps along K, except 8 for few rows (M x L < 7168) and long K
     (>= 8192), where the 16-row programs alone cannot keep the GPU busy; never more than K / 128 warps.
     """
     warps = 8 if m * l < 7168 and k >= 8192 else 4
@@ -451,8 +437,9 @@ class Hmma(TritonKernelSpec):
 
     def check_config(self, config: HmmaConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("warps",))
-        if config.warps > 8:
-            raise ValueError(f"config: expected 1 to 8 warps, got {config}")
+        if config.warps > MAX_WARPS:
+            raise ValueError(f"config: expected 1 to {MAX_WARPS} warps, got {config} (16 warps gave wrong results "
+                             "on the H200; docs/performance.md, \"Compile time, and the 16-warp hmma result\")")
 
     def triton_launch(self, case: GemvCase, config: HmmaConfig, target: Target) -> TritonLaunch:
         """a: int32 words of 8 codes (strides in words); b: bytes (FP4 data, or the fp16/bf16 activation read as

@@ -124,6 +124,60 @@ def _tile(rows, n_blocks, FORMAT: tl.constexpr, ROWS: tl.constexpr, BLOCKS: tl.c
 
 
 @triton.jit
+def _nvfp4_block_scales(lo_bits, hi_bits, lo, hi, g, HAS_GLOBAL: tl.constexpr, FLOAT64_RECIPROCAL: tl.constexpr):
+    """NVFP4: each block's e4m3 scale byte (0x7F where the block holds NaN or infinity) and the block's values
+    divided by its scale (times the global scale ``g`` when HAS_GLOBAL), ready for the e2m1 rounding:
+    (lo, hi, scale byte, finite)."""
+    # The largest magnitude as the largest integer of magnitude bits: NaN and infinity sort above it.
+    amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+    finite = amax_bits < _F32_EXPONENT_MASK
+    amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
+    if HAS_GLOBAL:
+        s = tl.div_rn(amax, 6.0 * g)
+    else:
+        s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
+    s = tl.where(s == 0.0, 1.0, s)
+    s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
+    scale_byte, scale = _e4m3_round(s)
+    if HAS_GLOBAL:
+        scale = scale * g
+    # x / scale rounded to float32 through float64: with R = 1 / scale (float64, rounded once per block),
+    # x * R is within 2^-52 (relative) of x / scale, and an exact quotient of two float32 numbers is
+    # at least 2^-49 away from every midpoint between normal float32 numbers.  So rounding x * R to
+    # float32 decides every comparison the e2m1 rounding makes as rounding x / scale would (below
+    # 2^-126, where a tie is possible, the code is 0 either way), without a division per element.
+    if FLOAT64_RECIPROCAL:
+        inverse = (1.0 / scale.to(tl.float64))[:, :, None]
+        lo = (lo.to(tl.float64) * inverse).to(tl.float32)
+        hi = (hi.to(tl.float64) * inverse).to(tl.float32)
+    else:
+        lo = tl.div_rn(lo, scale[:, :, None])
+        hi = tl.div_rn(hi, scale[:, :, None])
+    scale_byte = tl.where(finite, scale_byte, 0x7F)
+    return lo, hi, scale_byte, finite
+
+
+@triton.jit
+def _mxfp4_block_scales(lo_bits, hi_bits, lo, hi, g, HAS_GLOBAL: tl.constexpr):
+    """MXFP4: each block's e8m0 scale byte (0xFF where the block holds NaN or infinity) and the block's values
+    (divided by the global scale ``g`` first when HAS_GLOBAL) times 1 / scale: (lo, hi, scale byte, finite)."""
+    if HAS_GLOBAL:
+        lo = tl.div_rn(lo, g)
+        hi = tl.div_rn(hi, g)
+        lo_bits = lo.to(tl.int32, bitcast=True)
+        hi_bits = hi.to(tl.int32, bitcast=True)
+    amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
+    finite = amax_bits < _F32_EXPONENT_MASK
+    # floor(log2(amax)) - 2 from the biased exponent (0 for zero and subnormals: clamps to -127 anyway).
+    exponent = tl.minimum(tl.maximum((amax_bits >> 23) - 129, -127), 127)
+    inverse_scale = (tl.minimum(tl.maximum(127 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+    lo = lo * inverse_scale[:, :, None]
+    hi = hi * inverse_scale[:, :, None]
+    scale_byte = tl.where(finite, exponent + 127, 0xFF)
+    return lo, hi, scale_byte, finite
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     data_ptr,
@@ -157,47 +211,12 @@ def quantize_kernel(
     hi = hi_bits.to(tl.float32, bitcast=True)
     if HAS_GLOBAL:
         g = tl.load(gs_ptr)
-    if FORMAT == "nvfp4":
-        # The largest magnitude as the largest integer of magnitude bits: NaN and infinity sort above it.
-        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
-        finite = amax_bits < _F32_EXPONENT_MASK
-        amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)
-        if HAS_GLOBAL:
-            s = tl.div_rn(amax, 6.0 * g)
-        else:
-            s = tl.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32))
-        s = tl.where(s == 0.0, 1.0, s)
-        s = tl.minimum(tl.maximum(s, 0.001953125), 448.0)
-        scale_byte, scale = _e4m3_round(s)
-        if HAS_GLOBAL:
-            scale = scale * g
-        # x / scale rounded to float32 through float64: with R = 1 / scale (float64, rounded once per block),
-        # x * R is within 2^-52 (relative) of x / scale, and an exact quotient of two float32 numbers is
-        # at least 2^-49 away from every midpoint between normal float32 numbers.  So rounding x * R to
-        # float32 decides every comparison the e2m1 rounding makes as rounding x / scale would (below
-        # 2^-126, where a tie is possible, the code is 0 either way), without a division per element.
-        if FLOAT64_RECIPROCAL:
-            inverse = (1.0 / scale.to(tl.float64))[:, :, None]
-            lo = (lo.to(tl.float64) * inverse).to(tl.float32)
-            hi = (hi.to(tl.float64) * inverse).to(tl.float32)
-        else:
-            lo = tl.div_rn(lo, scale[:, :, None])
-            hi = tl.div_rn(hi, scale[:, :, None])
-        scale_byte = tl.where(finite, scale_byte, 0x7F)
     else:
-        if HAS_GLOBAL:
-            lo = tl.div_rn(lo, g)
-            hi = tl.div_rn(hi, g)
-            lo_bits = lo.to(tl.int32, bitcast=True)
-            hi_bits = hi.to(tl.int32, bitcast=True)
-        amax_bits = tl.max(tl.maximum(lo_bits & _F32_MAGNITUDE_MASK, hi_bits & _F32_MAGNITUDE_MASK), axis=2)
-        finite = amax_bits < _F32_EXPONENT_MASK
-        # floor(log2(amax)) - 2 from the biased exponent (0 for zero and subnormals: clamps to -127 anyway).
-        exponent = tl.minimum(tl.maximum((amax_bits >> 23) - 129, -127), 127)
-        inverse_scale = (tl.minimum(tl.maximum(127 - exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
-        lo = lo * inverse_scale[:, :, None]
-        hi = hi * inverse_scale[:, :, None]
-        scale_byte = tl.where(finite, exponent + 127, 0xFF)
+        g = 1.0  # not read
+    if FORMAT == "nvfp4":
+        lo, hi, scale_byte, finite = _nvfp4_block_scales(lo_bits, hi_bits, lo, hi, g, HAS_GLOBAL, FLOAT64_RECIPROCAL)
+    else:
+        lo, hi, scale_byte, finite = _mxfp4_block_scales(lo_bits, hi_bits, lo, hi, g, HAS_GLOBAL)
     packed = _e2m1_codes(lo) | (_e2m1_codes(hi) << 4)
     packed = tl.where(finite[:, :, None], packed, 0).to(tl.uint8)
     tl.store(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, packed, mask=mask)

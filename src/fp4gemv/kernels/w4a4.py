@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from ..target import Target
-from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
+from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from .block_sum_tiles import W4A4Config, w4a4_config
-from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
 __all__ = ["W4A4Config", "W4A4", "w4a4_gemv_kernel"]
@@ -101,7 +101,7 @@ def _scaled_block_sums(a, sfa, b, sfb, j, tab_lo, tab_hi, USE_PTX: tl.constexpr,
         b_lo, b_hi = activation_bytes(b, tab_lo, tab_hi)
         block = block_dot_ptx(a, b_lo, b_hi, tab_lo, tab_hi)
     else:
-        block = block_dot_triton(a, doubled_e2m1(unpack_block(b)).to(tl.int32))
+        block = block_dot_triton(a, b)
     return block * scale
 
 
@@ -174,10 +174,7 @@ def w4a4_gemv_kernel(
         acc += _scaled_block_sums(a, sfa, b, sfb, j0 + cols, tab_lo, tab_hi, USE_PTX, FORMAT)
     # Block sums carry a factor 4 from the doubled operands; global scales (fp32) apply to the sum.
     out = tl.sum(tl.sum(acc, axis=3), axis=1) * 0.25  # [LANE_ROWS, ROWS_PER_THREAD]
-    if HAS_GSA:
-        out = out * tl.load(gsa_ptr)
-    if HAS_GSB:
-        out = out * tl.load(gsb_ptr)
+    out = apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA, HAS_GSB)
     store_rounded(c_ptr + pid_l * c_stride_l + rows * c_stride_m, out, rows < M)
 
 
@@ -243,7 +240,8 @@ class W4A4(TritonKernelSpec):
             LANE_ROWS=lane_rows, ROWS_PER_THREAD=config.rows // lane_rows, BLOCKS=config.blocks,
             EVEN_K=nb % (config.blocks * config.ksplit) == 0, USE_PTX=target.mode == "ptx",
             HAS_GSA=a.has_global_scale, HAS_GSB=b.has_global_scale,
-            KSPLIT=config.ksplit, UNROLL=config.unroll, PDL=pdl,
+            # The twin unrolled compiles twice the code for no use (it is the reference, not the fast path).
+            KSPLIT=config.ksplit, UNROLL=config.unroll if target.mode == "ptx" else 1, PDL=pdl,
             PREFETCH=_prefetch_blocks(config, nb) if pdl else 0,
             FORMAT=case.fmt.name, SCALE_ROWS_EVEN=scale_rows_even(a),
         )

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..target import SM90, Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
-from ._decode import doubled_e2m1
+from ._decode import e2m1_word_values
 from ._mma_step import MULTIPLIERS, StepSpec, fold_exponent, step_asm
 from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch,
                    global_scale_sources, too_many_rows)
@@ -65,6 +65,8 @@ MAX_SPLIT_N = 4
 MAX_FLOAT_N_OVER_HMMA = 8
 # ptxas options of ``WeightOnlyConfig.loads_first``.
 PTXAS_LOADS_FIRST = "-O1"
+# Elements of K per iteration of the pure-Triton twin's loop over a warp chunk (``_step_triton``).
+TWIN_PIECE = tl.constexpr(8)
 _ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
 _MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
 
@@ -291,6 +293,17 @@ def _activation_ptr(b_ptr, pid_l, n, N, b_stride_l, b_stride_n, k_elem, ACT: tl.
 
 
 @triton.jit
+def _twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
+    """The activation row of output ``O``'s C column for thread c: column 8 (O // 2) + 2 c + O % 2, in split
+    activation row O (``_mma_step``'s accumulator layout)."""
+    if MODE == 2:
+        row = O + 0 * c
+    else:
+        row = 8 * (O // 2) + 2 * c + O % 2
+    return row
+
+
+@triton.jit
 def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c,
           zero, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
           N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr, USE_PTX: tl.constexpr,
@@ -313,7 +326,7 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
                                    kleft + zero, ASM, CONSTRAINTS, MX, ACT, N_TILES, TAIL, P)
     else:
         a0, a1, a2, a3 = _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, c,
-                                      MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE)
+                                      MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, TWIN_PIECE)
     return a0, a1, a2, a3
 
 
@@ -346,72 +359,77 @@ def _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon,
 
 
 @triton.jit
-def _values(words):
-    """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order)."""
-    codes = (tl.expand_dims(words, len(words.shape)) >> (tl.arange(0, 8) * 4)) & 15
-    return doubled_e2m1(codes).to(tl.float32) * 0.5
-
-
-@triton.jit
-def _chunk_values(word_ptr, k_ok, CHUNKS: tl.constexpr):
-    """The e2m1 values of the ``128 * CHUNKS`` elements from ``word_ptr`` (an int32 pointer ``[A, B]``), those at
-    or past ``k_ok`` zero: ``[A, B, 128 * CHUNKS]``."""
-    kw = tl.arange(0, 16 * CHUNKS)
-    words = tl.load(word_ptr[:, :, None] + kw, mask=8 * kw < k_ok[:, :, None], other=0)
-    v = _values(words)
-    return tl.reshape(v, [v.shape[0], v.shape[1], 128 * CHUNKS])
-
-
-@triton.jit
-def _block_scales(sf_ptr, k_ok, BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr, COL_TILE: tl.constexpr):
-    """Decoded scales of ``BLOCKS`` consecutive blocks from column pointers ``sf_ptr`` ``[A, B]`` (a warp chunk's
-    first, a multiple of 4), blocks at or past element ``k_ok`` zero."""
-    j = tl.arange(0, BLOCKS)
-    raw = tl.load(sf_ptr[:, :, None] + (j // 4) * COL_TILE + j % 4, mask=SCALE_BLOCK * j < k_ok[:, :, None], other=0)
-    if SCALE_BLOCK == 32:
-        return decode_scale(raw, "mxfp4")
+def _piece_scales(sf_ptr, piece, in_k, MX: tl.constexpr, COL_TILE: tl.constexpr, PIECE: tl.constexpr):
+    """Decoded scales of the ``PIECE`` elements ``piece`` from column pointers ``sf_ptr`` ``[A, B]`` (a warp
+    chunk's first column, a multiple of 4), zero where not ``in_k``: MXFP4 its block's ``[A, B]``, NVFP4 its
+    blocks' ``[A, B, max(PIECE // 16, 1)]``."""
+    if MX:
+        j = (PIECE * piece) // 32
+        raw = tl.load(sf_ptr + (j // 4) * COL_TILE + j % 4, mask=in_k, other=0)
+        scales = decode_scale(raw, "mxfp4")
     else:
-        return decode_scale(raw, "nvfp4")
+        j = (PIECE * piece) // 16 + tl.arange(0, max(PIECE // 16, 1))
+        raw = tl.load(sf_ptr[:, :, None] + (j // 4) * COL_TILE + j % 4, mask=in_k[:, :, None], other=0)
+        scales = decode_scale(raw, "nvfp4")
+    return scales
 
 
 @triton.jit
-def _activation_values(x_ptr, sx_ptr, k_ok, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
-                       SFB_COL_TILE: tl.constexpr):
-    """The activation at a warp chunk from byte pointers ``x_ptr`` ``[1, T]``: float32 ``[1, T, 128 * CHUNKS]``,
-    NVFP4 with its scales applied; for MXFP4 also the decoded scales ``[1, T, 4 * CHUNKS]`` (else a placeholder
-    that is never read: compiled Triton cannot return None from a jit function)."""
-    KC: tl.constexpr = 128 * CHUNKS
-    kk = tl.arange(0, KC)
-    # One return at the end: compiled Triton checks every return statement's type, constexpr branches too.
+def _piece_values(byte_ptr, piece, in_k, PIECE: tl.constexpr):
+    """The e2m1 values of the ``PIECE`` elements ``piece`` from byte pointers ``byte_ptr`` ``[A, B]``, zero
+    where not ``in_k``: float32 ``[A, B, PIECE]``."""
+    words = tl.load((byte_ptr + (PIECE // 2) * piece).to(tl.pointer_type(tl.int32))[:, :, None]
+                    + tl.arange(0, PIECE // 8), mask=in_k[:, :, None], other=0)
+    v = e2m1_word_values(words)
+    return tl.reshape(v, [v.shape[0], v.shape[1], PIECE])
+
+
+@triton.jit
+def _scaled_nvfp4(v, scales, PIECE: tl.constexpr):
+    """NVFP4 values ``[A, B, PIECE]`` times their blocks' scales ``[A, B, max(PIECE // 16, 1)]``."""
+    NB: tl.constexpr = max(PIECE // 16, 1)
+    return tl.reshape(tl.reshape(v, [v.shape[0], v.shape[1], NB, PIECE // NB]) * scales[:, :, :, None],
+                      [v.shape[0], v.shape[1], PIECE])
+
+
+@triton.jit
+def _piece_column_sum(w, sw, x_ptr, sx_ptr, piece, in_k, MX: tl.constexpr, ACT: tl.constexpr,
+                      SFB_COL_TILE: tl.constexpr, PIECE: tl.constexpr):
+    """Each element's weights ``w`` ``[P, T, PIECE]`` (NVFP4: scaled; MXFP4: unscaled, ``sw`` their block's
+    scale) times the same elements of the activation column at byte pointers ``x_ptr`` ``[1, T]`` (scales
+    ``sx_ptr``), summed: ``[P, T]`` (MXFP4: the partial times the scales)."""
     if ACT == 2:
-        v = _chunk_values(x_ptr.to(tl.pointer_type(tl.int32)), k_ok, CHUNKS)
+        x = _piece_values(x_ptr, piece, in_k, PIECE)
+        sx = _piece_scales(sx_ptr, piece, in_k, MX, SFB_COL_TILE, PIECE)
         if MX:
-            scales = _block_scales(sx_ptr, k_ok, 4 * CHUNKS, 32, SFB_COL_TILE)
+            part = tl.sum(w * x, axis=2) * (sw * sx)
         else:
-            s = _block_scales(sx_ptr, k_ok, 8 * CHUNKS, 16, SFB_COL_TILE)
-            v = tl.reshape(tl.reshape(v, [1, v.shape[1], 8 * CHUNKS, 16]) * s[:, :, :, None], [1, v.shape[1], KC])
-            scales = tl.full([1, 1, 1], 1.0, tl.float32)
+            part = tl.sum(w * _scaled_nvfp4(x, sx, PIECE), axis=2)
     else:
-        ptrs = x_ptr[:, :, None] + 2 * kk
-        ok = kk < k_ok[:, :, None]
+        ptrs = x_ptr[:, :, None] + 2 * (PIECE * piece + tl.arange(0, PIECE))
         if ACT == 1:
-            v = tl.load(ptrs.to(tl.pointer_type(tl.bfloat16)), mask=ok, other=0).to(tl.float32)
+            x = tl.load(ptrs.to(tl.pointer_type(tl.bfloat16)), mask=in_k[:, :, None], other=0).to(tl.float32)
         else:
-            v = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=ok, other=0).to(tl.float32)
-        scales = tl.full([1, 1, 1], 1.0, tl.float32)
-    return v, scales
+            x = tl.load(ptrs.to(tl.pointer_type(tl.float16)), mask=in_k[:, :, None], other=0).to(tl.float32)
+        part = tl.sum(w * x, axis=2)
+        if MX:
+            part = part * sw
+    return part
 
 
 @triton.jit
 def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, lane_c,
                  MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
-                 N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr):
+                 N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr,
+                 PIECE: tl.constexpr):
     """``_step_ptx`` in plain Triton: the same accumulator elements from the same weight pointers.
 
     Each element e of thread (g, c) is its row against the activation row of its C column (``col_ptrs[o]``,
-    at the warp chunk) over the warp's chunk: all of it (fold, k32) or thread c's K slots (split).  Products
-    are exact in fp32 and summed in another order than the tensor cores'."""
-    KC: tl.constexpr = 128 * CHUNKS
+    at the warp chunk) over the warp's chunk: all of it (fold, k32) or thread c's K slots (split: the
+    32-element groups j with j % 4 == c).  A loop over pieces of ``PIECE`` elements keeps each tensor at
+    ``PIECE`` elements per row and column: the whole chunk at once (``[P, T, 128 * CHUNKS]`` per column)
+    took minutes to compile (docs/performance.md, "Compile time").  Products are exact in fp32 and summed in
+    another order than the tensor cores'."""
     if MODE == 1:  # k32: the thread's pointers are its word c of the warp chunk's first block
         first = 0
         wa = pa - 4 * lane_c + ka
@@ -424,42 +442,22 @@ def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, k
         else:
             wsf = ps - ((lane_c // 2) * SFA_COL_TILE + 2 * (lane_c % 2)) + ks
     k_ok = kleft + first  # elements of the warp chunk in K
-    w = _chunk_values(wa.to(tl.pointer_type(tl.int32)), k_ok, CHUNKS)  # [P, T, KC]
-    if MX:
-        sw = _block_scales(wsf, k_ok, 4 * CHUNKS, 32, SFA_COL_TILE)  # [P, T, 4 CHUNKS]
-        w = tl.reshape(w, [w.shape[0], w.shape[1], 4 * CHUNKS, 32])
-        owner = (tl.arange(0, 4 * CHUNKS)[None, None, :] % 4) == lane_c[:, :, None]  # block j is thread j % 4's
-    else:
-        sw = _block_scales(wsf, k_ok, 8 * CHUNKS, 16, SFA_COL_TILE)
-        w = tl.reshape(tl.reshape(w, [w.shape[0], w.shape[1], 8 * CHUNKS, 16]) * sw[:, :, :, None],
-                       [w.shape[0], w.shape[1], KC])
-        owner = ((tl.arange(0, KC)[None, None, :] // 32) % 4) == lane_c[:, :, None]
     x0, x1, x2, x3 = col_ptrs
     s0, s1, s2, s3 = col_scale_ptrs
-    a0 = a0 + _column_sum(w, sw, x0 + kx, s0 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
-    a1 = a1 + _column_sum(w, sw, x1 + kx, s1 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
-    if N_TILES == 2:
-        a2 = a2 + _column_sum(w, sw, x2 + kx, s2 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
-        a3 = a3 + _column_sum(w, sw, x3 + kx, s3 + kxs, k_ok, owner, MODE, MX, ACT, CHUNKS, SFB_COL_TILE)
+    for piece in range((128 // PIECE) * CHUNKS):
+        in_k = PIECE * piece < k_ok  # K is a multiple of 32: a piece is wholly in K or wholly past it
+        if MODE == 2:
+            in_k = in_k & ((PIECE * piece // 32) % 4 == lane_c)
+        w = _piece_values(wa, piece, in_k, PIECE)  # [P, T, PIECE]
+        sw = _piece_scales(wsf, piece, in_k, MX, SFA_COL_TILE, PIECE)
+        if not MX:
+            w = _scaled_nvfp4(w, sw, PIECE)
+        a0 = a0 + _piece_column_sum(w, sw, x0 + kx, s0 + kxs, piece, in_k, MX, ACT, SFB_COL_TILE, PIECE)
+        a1 = a1 + _piece_column_sum(w, sw, x1 + kx, s1 + kxs, piece, in_k, MX, ACT, SFB_COL_TILE, PIECE)
+        if N_TILES == 2:
+            a2 = a2 + _piece_column_sum(w, sw, x2 + kx, s2 + kxs, piece, in_k, MX, ACT, SFB_COL_TILE, PIECE)
+            a3 = a3 + _piece_column_sum(w, sw, x3 + kx, s3 + kxs, piece, in_k, MX, ACT, SFB_COL_TILE, PIECE)
     return a0, a1, a2, a3
-
-
-@triton.jit
-def _column_sum(w, sw, x_ptr, sx_ptr, k_ok, owner, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr,
-                CHUNKS: tl.constexpr, SFB_COL_TILE: tl.constexpr):
-    """Each element's row ``w`` times the activation column at ``x_ptr``, summed over the K slots it covers."""
-    x, sx = _activation_values(x_ptr, sx_ptr, k_ok, MX, ACT, CHUNKS, SFB_COL_TILE)
-    if MX:
-        x = tl.reshape(x, [1, x.shape[1], 4 * CHUNKS, 32])
-        scale = sw
-        if ACT == 2:
-            scale = sw * sx
-        part = tl.sum(w * x, axis=3) * scale
-    else:
-        part = w * x
-    if MODE == 2:
-        part = tl.where(owner, part, 0.0)
-    return tl.sum(part, axis=2)
 
 
 @triton.jit
@@ -567,26 +565,15 @@ def weight_only_gemv_kernel(
             pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
                              sfb_stride_r4, k_first // 16, SFB_COL_TILE)
     muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
-    # The twin reads each C column's activation row at the warp chunk: output o is column 8 (o // 2) + 2 c + o % 2,
-    # in split activation row o.
-    if MODE == 2:
-        col_rows = (0 * c, 1 + 0 * c, 2 + 0 * c, 3 + 0 * c)
-    else:
-        col_rows = (2 * c, 2 * c + 1, 8 + 2 * c, 9 + 2 * c)
-    r0, r1, r2, r3 = col_rows
-    col_ptrs = (_activation_ptr(b_ptr, pid_l, r0, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r1, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r2, N, b_stride_l, b_stride_n, k_warp, ACT),
-                _activation_ptr(b_ptr, pid_l, r3, N, b_stride_l, b_stride_n, k_warp, ACT))
-    col_scale_ptrs = (
-        _scale_ptr(sfb_ptr, pid_l, r0, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r1, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r2, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE),
-        _scale_ptr(sfb_ptr, pid_l, r3, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
-                   k_warp // BLOCK, SFB_COL_TILE))
+    # The twin reads each C column's activation row at the warp chunk (``_twin_column_row``).
+    col_ptrs = ()
+    col_scale_ptrs = ()
+    for o in tl.static_range(4):
+        row = _twin_column_row(o, c, MODE)
+        col_ptrs = col_ptrs + (_activation_ptr(b_ptr, pid_l, row, N, b_stride_l, b_stride_n, k_warp, ACT),)
+        col_scale_ptrs = col_scale_ptrs + (
+            _scale_ptr(sfb_ptr, pid_l, row, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
+                       k_warp // BLOCK, SFB_COL_TILE),)
     a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
     a1 = a0
     a2 = a0
@@ -594,21 +581,18 @@ def weight_only_gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    n_full = K // STEP
+    # The PTX masks only in the last, partial step (its own asm); the twin masks every step, so one loop.
+    n_full = K // STEP if USE_PTX else tl.cdiv(K, STEP)
     for s in range(0, n_full):
         a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
                                col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
                                SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL)
-    if n_full * STEP < K:
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
-                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
-                               SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
-    _store_column(a0, 0, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
-                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-    _store_column(a1, 1, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n, MODE,
-                  TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-    if N_TILES == 2:
-        _store_column(a2, 2, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
-                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
-        _store_column(a3, 3, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m, c_stride_n,
-                      MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)
+    if USE_PTX:
+        if n_full * STEP < K:
+            a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
+                                   col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
+                                   SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
+    accumulators = (a0, a1, a2, a3)
+    for o in tl.static_range(2 * N_TILES):
+        _store_column(accumulators[o], o, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
+                      c_stride_n, MODE, TILES, WARPS, FOLD, USE_PTX, HAS_GSA, HAS_GSB)

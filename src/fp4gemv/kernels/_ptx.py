@@ -1,0 +1,84 @@
+"""The one emitter of the tensor-core kernels' inline PTX (``hmma_gemv.py``, ``_mma_step.py``): numbered asm
+operands by name, a block of PTX with its register declarations, and the e2m1 -> fp16 word decode both use."""
+
+from __future__ import annotations
+
+__all__ = ["AsmOperands", "PtxBlock", "decode_word_f16"]
+
+
+class AsmOperands:
+    """Numbering of an ``inline_asm_elementwise`` call's operands: ``n_out`` outputs of ``pack`` registers
+    each, then (``tied``) an input tied to each output register, then named inputs of ``pack`` registers each,
+    in order (element e of input ``name`` is ``self(name, e)``)."""
+
+    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str]], out_kind: str = "f",
+                 tied: bool = True):
+        self.pack = pack
+        outputs = n_out * pack
+        self.constraints = [f"={out_kind}"] * outputs + ([str(i) for i in range(outputs)] if tied else [])
+        self.index: dict[str, int] = {}
+        first = 2 * outputs if tied else outputs
+        for name, kind in names:
+            self.index[name] = first
+            self.constraints += [kind] * pack
+            first += pack
+
+    def __call__(self, name: str, e: int = 0) -> str:
+        return f"${self.index[name] + e}"
+
+    def out(self, i: int) -> str:
+        """Output register i (0 .. n_out * pack - 1)."""
+        return f"${i}"
+
+    def constraint_string(self) -> str:
+        return ",".join(self.constraints)
+
+
+class PtxBlock:
+    """Lines of PTX in one ``{ }`` scope; registers declared by ``reg`` as they are first named."""
+
+    def __init__(self):
+        self.decls: dict[str, set[str]] = {}
+        self.code: list[str] = []
+
+    def reg(self, kind: str, name: str) -> str:
+        """``name``, declared as a ``.reg .kind``."""
+        self.decls.setdefault(kind, set()).add(name)
+        return name
+
+    def regs(self, kind: str, prefix: str, count: int) -> list[str]:
+        return [self.reg(kind, f"{prefix}{i}") for i in range(count)]
+
+    def emit(self, *lines: str) -> None:
+        self.code.extend(lines)
+
+    def text(self) -> str:
+        decls = [f".reg .{kind} {', '.join(sorted(names))};" for kind, names in sorted(self.decls.items())]
+        return "\n".join(["{", *decls, *self.code, "}"])
+
+
+def decode_word_f16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, m29: str | None = None) -> list[str]:
+    """PTX turning the 8 codes e0..e7 of ``word`` into the fp16 pairs (e_i, e_{i+4}), i = 0..3, each code
+    placed as ``sign << 15 | code << 9`` (its value times 2^-14; code 1, 0.5, is fp16's subnormal 2^-15).
+
+    Byte-wise: each byte holds two codes; the high fp16 byte ``sign << 7 | code << 1`` of the low one is
+    ``(w << 1) & 0x0E.. | (w << 4) & 0x80..``, of the high one ``((w >> 3) & 0x0E..) | w & 0x80..`` (four codes
+    per operation), and one ``prmt`` per pair puts two such bytes above zero bytes: 13 instructions per word.
+    With ``m29`` (a register holding 2^29) the shift by 3 is ``mul.hi`` of ``w & 0x70..``, on the FMA pipe
+    instead of the ALU pipe (``_mma_step.MULTIPLIERS``).  ``t``, ``u``: scratch, which may be ``pairs[2]``,
+    ``pairs[3]``.
+    """
+    p0, p1, p2, p3 = pairs
+    if m29 is None:
+        high = [f"shr.b32 {u}, {word}, 3;", f"and.b32 {u}, {u}, 0x0E0E0E0E;"]
+    else:
+        high = [f"and.b32 {u}, {word}, 0x70707070;", f"mul.hi.u32 {u}, {u}, {m29};"]
+    return [
+        f"shl.b32 {t}, {word}, 1;", f"and.b32 {t}, {t}, 0x0E0E0E0E;", f"shl.b32 {u}, {word}, 4;",
+        f"and.b32 {u}, {u}, 0x80808080;", f"or.b32 {t}, {t}, {u};",  # bytes: codes 0, 2, 4, 6
+        *high, f"and.b32 {p0}, {word}, 0x80808080;", f"or.b32 {u}, {u}, {p0};",  # bytes: codes 1, 3, 5, 7
+        f"prmt.b32 {p0}, {t}, 0, 0x2404;",  # (e0, e4)
+        f"prmt.b32 {p1}, {u}, 0, 0x2404;",  # (e1, e5)
+        f"prmt.b32 {p2}, {t}, 0, 0x3414;",  # (e2, e6)
+        f"prmt.b32 {p3}, {u}, 0, 0x3414;",  # (e3, e7)
+    ]
