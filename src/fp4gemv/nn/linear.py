@@ -44,11 +44,11 @@ ScaleKind = Literal["multiplier", "divisor"]
 ACTIVATIONS: tuple[str, ...] = ("weight-only", "w4a4")
 SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
 # Up to this many tokens every case runs through fp4gemv.gemv's GEMV kernels; more tokens run through gemv's
-# GEMM kernel (kernels/gemm.py) where it applies (``FP4Linear.fused_prefill``), else dequantize the weight.
+# GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured slower: not yet), else
+# dequantize the weight.
 DECODE_MAX_TOKENS = 16
 # What kernels/gemm.py needs that a module can tell without a call: fp16/bf16 activations, K a multiple of 32,
 # 16-byte aligned weight rows.
-_FUSED_PREFILL_DTYPES = (torch.float16, torch.bfloat16)
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
@@ -105,12 +105,11 @@ class FP4Linear(nn.Module):
     and :meth:`from_state_dict` build loaded modules.
 
     forward(x): x ``[..., in_features]`` in float16, bfloat16 or float32 on the weight's device (a bias in
-    another dtype is rounded to x's on each call: ``module.to(dtype)`` converts it once); returns ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the
-    product of x's leading dimensions), and any number where :meth:`fused_prefill` holds (weight-only fp16/bf16,
-    ``in_features`` a multiple of 32: the GEMM kernel), run through ``fp4gemv.gemv``, rounded once to x's
-    dtype, then ``+ bias`` in x's dtype.  Other prefills (fp32 activations, W4A4 beyond 16 tokens) compute
-    ``F.linear(x_q, fp4gemv.dequantize(W, x.dtype), bias)`` where ``x_q`` is x (weight-only) or its FP4 quantization
-    dequantized to x's dtype (W4A4).
+    another dtype is rounded to x's on each call: ``module.to(dtype)`` converts it once); returns
+    ``[..., out_features]`` in x's dtype.  Up to 16 tokens (the product of x's leading dimensions) run through
+    ``fp4gemv.gemv``, rounded once to x's dtype, then ``+ bias`` in x's dtype.  More tokens (prefill; see
+    :meth:`fused_prefill`) compute ``F.linear(x_q, fp4gemv.dequantize(W, x.dtype), bias)`` where ``x_q`` is x
+    (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
     """
 
     def __init__(
@@ -310,12 +309,11 @@ class FP4Linear(nn.Module):
         return F.linear(activation.to(out_dtype), dequantize(weight, out_dtype), bias)
 
     def fused_prefill(self, activation: FP4Tensor | torch.Tensor) -> bool:
-        """Whether more than 16 tokens of ``activation`` (the product's float or FP4 input) run through
-        ``fp4gemv.gemv`` (its GEMM kernel, ``kernels/gemm.py``, or on CPU tensors the exact reference) rather
-        than dequantizing the weight: fp16/bf16 activations, ``in_features`` a multiple of 32, and 16-byte
-        aligned weight rows."""
-        return (not isinstance(activation, FP4Tensor) and activation.dtype in _FUSED_PREFILL_DTYPES
-                and self.in_features % 32 == 0 and self.weight.data_ptr() % 16 == 0)
+        """Whether more than 16 tokens of ``activation`` run through ``fp4gemv.gemv`` (its GEMM kernel,
+        ``kernels/gemm.py``) rather than dequantizing the weight and calling ``F.linear``: never, for now.  On the
+        H200 the GEMM took 1.85-4.6x bf16 ``F.linear``'s time at T = 32, 512 and 2048 on the four decode shapes
+        (docs/performance.md, the prefill GEMM), where dequantizing first took 1.3-1.8x at T = 512."""
+        return False
 
     # --- state dict, dtype / device moves ---------------------------------------------------------------------
 
