@@ -47,8 +47,6 @@ SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
 # GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured slower: not yet), else
 # dequantize the weight.
 DECODE_MAX_TOKENS = 16
-# What kernels/gemm.py needs that a module can tell without a call: fp16/bf16 activations, K a multiple of 32,
-# 16-byte aligned weight rows.
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
