@@ -20,7 +20,7 @@ from triton.runtime.jit import native_specialize_impl
 
 from fp4gemv import ops
 from fp4gemv.kernels import choose_kernel
-from fp4gemv.kernels.spec import fill_sources
+from fp4gemv.kernels.spec import TritonKernelSpec, fill_sources
 from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90
 
@@ -57,6 +57,8 @@ class Sm90Launch:
         case = operands.case
         self.spec = choose_kernel(case, target, kernel)
         self.config = config if config is not None else self.spec.default_config(case, target)
+        if not isinstance(self.spec, TritonKernelSpec):
+            raise TypeError(f"kernel {self.spec.name!r} launches through its own launch(), not one TritonLaunch")
         launch = self.spec.triton_launch(case, self.config, target)
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options
         self.args = fill_sources(launch.args, operands)
