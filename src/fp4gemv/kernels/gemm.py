@@ -43,11 +43,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import _allocation
 
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
+from ._scratch import install_scratch_allocator
 from .spec import GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
 __all__ = ["GemmConfig", "Gemm", "gemm_config", "gemm_kernel", "MIN_N", "SHIPPED_CONFIGS", "scaled_weights_ptx",
@@ -174,20 +174,6 @@ class Gemm(TritonKernelSpec):
         )
         grid = (triton.cdiv(case.m, config.block_m), triton.cdiv(case.n, config.block_n), case.batch)
         return TritonLaunch(gemm_kernel, grid, args, dict(num_warps=config.num_warps))
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    # torch's caching allocator returns 256-byte aligned blocks, more than Triton asks for (128 for descriptors).
-    return torch.empty(size, dtype=torch.uint8, device="cuda")
-
-
-def install_scratch_allocator() -> None:
-    """Give Triton an allocator for the descriptors' global scratch memory, unless the calling thread has one.
-
-    Triton keeps its allocator in a context variable (a thread started later has none and its launches raise
-    Triton's "no allocator was set" error: call this there, or ``triton.set_allocator``)."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, store_rounded
 from ._decode import doubled_e2m1
+from ._scratch import install_scratch_allocator
 from .spec import ErrorModel, GemvCase, GemvOperands, KernelSpec, check_powers_of_two
 
 __all__ = ["StreamConfig", "Stream", "stream_config", "stream_gemv_kernel", "stream_reduce_kernel",
@@ -166,7 +167,8 @@ class Stream(KernelSpec):
     def launch(self, ops: GemvOperands, config: StreamConfig, target: Target) -> None:
         case = ops.case
         a = case.a
-        install_scratch_allocator(target)
+        if target.device_type == "cuda":
+            install_scratch_allocator()
         m_tiles = -(-case.m // config.block_m)
         split = config.ksplit > 1
         partial = (torch.empty((config.ksplit, case.batch, m_tiles * config.block_m, BLOCK_N), dtype=torch.float32,
@@ -189,19 +191,6 @@ class Stream(KernelSpec):
                 partial, ops.out, gsa, case.m, case.n, case.out_strides[0], case.out_strides[1], case.out_strides[2],
                 HAS_GSA=a.has_global_scale, BLOCK_M=config.block_m, KSPLIT=config.ksplit,
                 num_warps=4)
-
-
-def _torch_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.uint8, device="cuda")
-
-
-def install_scratch_allocator(target: Target) -> None:
-    """In-kernel descriptors need Triton's global scratch memory: give the calling thread a torch-backed
-    allocator unless it has one (Triton keeps it per thread)."""
-    from triton.runtime import _allocation
-
-    if target.device_type == "cuda" and isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
 
 
 # --- the kernels --------------------------------------------------------------------------------------------
