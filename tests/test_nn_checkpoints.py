@@ -148,8 +148,10 @@ def test_modelopt_multiplier_is_exact(w4a4):
     assert (module.weight_scale_kind(), module.activations) == ("multiplier", "w4a4" if w4a4 else "weight-only")
     x = (torch.randn(4, K) * 2).half()
     if w4a4:
-        # ModelOpt's activation: quantize x / input_scale, value = code * block scale * input_scale.
-        x_codes, x_scales = formats.quantize(x.double() / input_scale, formats.NVFP4)
+        # ModelOpt's activation: block scale e4m3(amax / (6 input_scale)), codes of x / (block scale * input_scale)
+        # in fp32 (formats.quantize's rule, which FP4Linear's per-call quantize follows); value = code * block
+        # scale * input_scale.
+        x_codes, x_scales = formats.quantize(x.float(), formats.NVFP4, global_scale=input_scale)
         x_values = formats.dequantize(x_codes, x_scales, formats.NVFP4, dtype=torch.float64) * input_scale
     else:
         x_values = x

@@ -25,7 +25,8 @@ the bytes as they are.  Keys are ``<prefix>.<name>``:
   and for W4A4 ``input_scale`` fp32 scalar, a multiplier too (``amax / (6 * 448)``, same file,
   ``get_activation_scaling_factor``; vllm-project/vllm ``vllm/model_executor/layers/quantization/modelopt.py``
   quantizes x times ``1 / input_scale`` and multiplies the output by ``input_scale * weight_scale_2``).
-  Here x is divided by ``input_scale`` in float64 before rounding (``fp4gemv.quantize``).
+  Here x's elements are divided in fp32 by the fp32 product of their block scale and ``input_scale``
+  (``fp4gemv.quantize``, ModelOpt's ``NVFP4QTensor`` rule).
 * gpt-oss MXFP4, one matrix (openai/gpt-oss, ``gpt_oss/torch/weights.py``, ``_get_mxfp4_tensor``): ``weight_blocks`` uint8
   ``[N, K/32, 16]`` (32 elements per 16 bytes, low nibble first: ``sub[:, 0::2] = lut[blk & 0x0F]``) and
   ``weight_scales`` uint8 ``[N, K/32]``, e8m0 with bias 127 (``ldexp(value, scales - 127)``).
