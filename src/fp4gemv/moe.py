@@ -13,7 +13,7 @@ import triton
 
 from .kernels.moe_gemv import MAX_PAIRS, moe_gemv_config, moe_gemv_kernel
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
-from .ops import ACTIVATION_DTYPES, OUT_DTYPES
+from .ops import ACTIVATION_DTYPES, OUT_DTYPES, check_out
 from .quantize import dequantize
 from .formats import round_from_float64
 from .target import Backend, resolve_target
@@ -77,14 +77,7 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
         raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
     shape = (tokens, top_k, m)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-        if tuple(out.shape) != shape:
-            raise ValueError(f"out: expected shape [T, k, M] = {shape}, got {tuple(out.shape)}")
-        if out.dtype != out_dtype:
-            raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
-        if out.device != device:
-            raise ValueError(f"out: expected device {device} like w, got {out.device}")
+        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w")
     return shape, out_dtype
 
 

@@ -32,7 +32,8 @@ from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
-           "plan_for", "gemv_operands", "check_arguments", "result_shape", "clear_cache", "direct_launch_supported",
+           "plan_for", "gemv_operands", "check_arguments", "check_out", "result_shape", "clear_cache",
+           "direct_launch_supported",
            "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,15 +75,18 @@ def result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
     return (*(() if batch is None else (batch,)), a.rows, *((n,) if len(b.shape) >= 2 else ()))
 
 
-def _check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device) -> None:
+def check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device,
+              shape_name: str = "", owner: str = "a") -> None:
+    """An ``out`` argument exactly of the result's shape (``shape_name``, e.g. ``"[T, k, M] = "``, says what it
+    is), ``out_dtype`` and the device of operand ``owner``; TypeError / ValueError naming ``out`` otherwise."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != shape:
-        raise ValueError(f"out: expected shape {shape}, got {tuple(out.shape)}")
+        raise ValueError(f"out: expected shape {shape_name}{shape}, got {tuple(out.shape)}")
     if out.dtype != out_dtype:
         raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
     if out.device != device:
-        raise ValueError(f"out: expected device {device} like a, got {out.device}")
+        raise ValueError(f"out: expected device {device} like {owner}, got {out.device}")
 
 
 def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, ...]:
@@ -95,7 +99,7 @@ def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> t
         got = f"{type(out_dtype).__name__} {out_dtype!r}" if not isinstance(out_dtype, torch.dtype) else out_dtype
         raise TypeError(f"out_dtype: expected a torch.dtype among {_names(OUT_DTYPES)}, got {got}")
     if out is not None:
-        _check_out(out, shape, out_dtype, a.device)
+        check_out(out, shape, out_dtype, a.device)
     return shape
 
 
