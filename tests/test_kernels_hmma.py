@@ -58,7 +58,7 @@ from operands import (
 from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops, task
-from fp4gemv.kernels import _ptx, hmma_gemv
+from fp4gemv.kernels import _ptx, choose_kernel, hmma_gemv
 from fp4gemv.kernels.general import GeneralConfig
 from fp4gemv.kernels.hmma_gemv import Hmma, HmmaConfig, hmma_config
 from fp4gemv.ops import gemv_operands
@@ -685,9 +685,9 @@ def test_ptx_path_is_refused_off_triton_36(monkeypatch):
     monkeypatch.setattr(hmma_gemv, "PTX_LAYOUT_VERIFIED", False)
     a = random_fp4((128, 64), "nvfp4", "swizzled", seed=1, device="cpu")
     x = torch.randn(9, 64, dtype=torch.float16)
-    case = GemvOperands.of(a, x, torch.empty(128, 9)).case
-    assert ops.choose_kernel(case, SM90).name == "weight_only"  # which leaves N > 8 to hmma where hmma runs
+    case = ops.gemv_operands(a, x, torch.empty(128, 9)).case
+    assert choose_kernel(case, SM90).name == "weight_only"  # which leaves N > 8 to hmma where hmma runs
     with pytest.raises(ValueError, match=r"kernel: 'hmma' cannot run .*: its PTX step reads operands in Triton "
                                          r"3.6's register layout \(verified for 3.6 only\)"):
-        ops.choose_kernel(case, SM90, "hmma")
-    assert ops.choose_kernel(case, dataclasses.replace(SM90, mode="triton")).name == "hmma"
+        choose_kernel(case, SM90, "hmma")
+    assert choose_kernel(case, dataclasses.replace(SM90, mode="triton")).name == "hmma"
