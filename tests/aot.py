@@ -57,9 +57,10 @@ class Sm90Launch:
         case = operands.case
         self.spec = choose_kernel(case, target, kernel)
         self.config = config if config is not None else self.spec.default_config(case, target)
-        if not isinstance(self.spec, TritonKernelSpec):
-            raise TypeError(f"kernel {self.spec.name!r} launches through its own launch(), not one TritonLaunch")
-        launch = self.spec.triton_launch(case, self.config, target)
+        launch = (self.spec.triton_launch(case, self.config, target) if isinstance(self.spec, TritonKernelSpec)
+                  else None)
+        if launch is None:
+            raise TypeError(f"kernel {self.spec.name!r} launches through its own launch() here, not one TritonLaunch")
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options
         self.args = fill_sources(launch.args, operands)
         for p in self.kernel.params:

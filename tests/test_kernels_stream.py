@@ -167,3 +167,26 @@ def test_chosen_on_the_gpu_from_nine_rows():
     a = O.random_fp4((4096, 4096), "nvfp4", "swizzled", seed=1, device="cuda")
     assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "stream"
     assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
+
+
+def test_an_unsplit_k_is_one_launch_the_op_layer_keeps():
+    case = _case(256, 1024, 12)
+    spec = Stream()
+    kept = spec.triton_launch(case, StreamConfig(64, 256, 1, 2, 4), SM90)
+    assert kept is not None and kept.grid == (4, 1, 1) and kept.options == dict(num_warps=2)
+    assert spec.triton_launch(case, StreamConfig(64, 256, 4, 2, 4), SM90) is None  # two kernels: launch() each call
+
+
+_UNSPLIT_COMPILE = textwrap.dedent("""
+    import torch
+    from aot import Sm90Launch, local_memory
+    from fp4gemv import FP4Tensor
+    a = FP4Tensor(torch.zeros(28672, 4096, dtype=torch.uint8), torch.full((28672, 512), 0x38, dtype=torch.uint8),
+                  "nvfp4", "linear").with_scale_layout("swizzled")
+    launch = Sm90Launch(a, torch.zeros(16, 8192, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
+    print(launch.spec.name, launch.config.ksplit, local_memory(launch.compile()))
+""")
+
+
+def test_the_kept_launch_compiles_as_the_jit_specializes_it(compile_for_sm90):
+    assert compile_for_sm90(_UNSPLIT_COMPILE).split() == ["stream", "1", "[]"]

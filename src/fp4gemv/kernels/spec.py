@@ -245,9 +245,10 @@ class KernelSpec:
 
 
 class TritonKernelSpec(KernelSpec):
-    """A Triton kernel: :meth:`triton_launch` describes the launch, which the op layer executes (and caches)."""
+    """A Triton kernel: :meth:`triton_launch` describes the launch, which the op layer executes (and caches);
+    None where a configuration takes more than one kernel, which :meth:`launch` then runs on every call."""
 
-    def triton_launch(self, case: GemvCase, config, target: Target) -> TritonLaunch:
+    def triton_launch(self, case: GemvCase, config, target: Target) -> TritonLaunch | None:
         raise NotImplementedError
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:

@@ -35,7 +35,8 @@ from ..target import Target
 from ._common import apply_global_scales, store_rounded
 from ._decode import doubled_e2m1
 from ._scratch import install_scratch_allocator
-from .spec import ErrorModel, GemvCase, GemvOperands, KernelSpec, check_powers_of_two
+from .spec import (ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
+                   fill_sources, global_scale_sources)
 
 __all__ = ["StreamConfig", "Stream", "stream_config", "stream_gemv_kernel", "stream_reduce_kernel",
            "SHIPPED_CONFIGS", "decode_asm", "MIN_N"]
@@ -117,7 +118,7 @@ _DECODE_ASM = {torch.bfloat16: decode_asm(torch.bfloat16), torch.float16: decode
 _CONSTRAINTS = "=r,=r,=r,=r,r,r"
 
 
-class Stream(KernelSpec):
+class Stream(TritonKernelSpec):
     """NVFP4 weights times fp16/bf16 activations, N = 1..16, on sm_90 (TMA), K a multiple of 256, weight rows and
     scale rows 16-byte aligned, activation rows contiguous along K at 16-byte aligned addresses.  Below ``MIN_N``
     rows it defers to weight_only (``kernels.DEFERRALS``)."""
@@ -164,33 +165,56 @@ class Stream(KernelSpec):
         if case is not None and (case.k // 256) % config.ksplit:
             raise ValueError(f"config: expected ksplit to divide K / 256 = {case.k // 256} steps, got {config}")
 
-    def launch(self, ops: GemvOperands, config: StreamConfig, target: Target) -> None:
-        case = ops.case
-        a = case.a
+    def triton_launch(self, case: GemvCase, config: StreamConfig, target: Target) -> TritonLaunch | None:
+        """The one launch of an unsplit K (``ksplit`` 1), which the op layer keeps and launches on addresses;
+        None for a split K (two kernels and a partial buffer per call: :meth:`launch`)."""
+        if config.ksplit > 1:
+            return None
         if target.device_type == "cuda":
             install_scratch_allocator()
-        m_tiles = -(-case.m // config.block_m)
-        split = config.ksplit > 1
-        partial = (torch.empty((config.ksplit, case.batch, m_tiles * config.block_m, BLOCK_N), dtype=torch.float32,
-                               device=ops.out.device) if split else ops.out)
-        dtype = case.b.dtype
-        swizzled = a.scale_layout == "swizzled"
-        gsa = ops.a_global_scale if a.has_global_scale else ops.a_scales
-        stream_gemv_kernel[(m_tiles, config.ksplit, case.batch)](
-            ops.a_data, ops.a_scales, ops.b_data, gsa, partial,
-            case.m, case.n, case.k,
-            a.batch_stride, a.row_stride, a.scales.batch, a.scales.row_tile if swizzled else a.scales.r32,
-            case.b.strides[0], case.b.strides[1],
-            case.out_strides[0], case.out_strides[1], case.out_strides[2],
-            DECODE=_DECODE_ASM[dtype], CONSTRAINTS=_CONSTRAINTS, BF16=dtype == torch.bfloat16, SWIZZLED=swizzled,
-            HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=split,
-            BLOCK_M=config.block_m, BLOCK_K=config.block_k, KSPLIT=config.ksplit, NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps)
-        if split:
-            stream_reduce_kernel[(m_tiles, case.batch)](
-                partial, ops.out, gsa, case.m, case.n, case.out_strides[0], case.out_strides[1], case.out_strides[2],
-                HAS_GSA=a.has_global_scale, BLOCK_M=config.block_m, KSPLIT=config.ksplit,
-                num_warps=4)
+        return TritonLaunch(stream_gemv_kernel, _grid(case, config), _kernel_args(case, config, target),
+                            dict(num_warps=config.num_warps))
+
+    def launch(self, ops: GemvOperands, config: StreamConfig, target: Target) -> None:
+        if config.ksplit == 1:
+            super().launch(ops, config, target)
+            return
+        case = ops.case
+        if target.device_type == "cuda":
+            install_scratch_allocator()
+        grid = _grid(case, config)
+        partial = torch.empty((config.ksplit, case.batch, grid[0] * config.block_m, BLOCK_N), dtype=torch.float32,
+                              device=ops.out.device)
+        args = fill_sources(_kernel_args(case, config, target), ops)
+        args["c_ptr"] = partial
+        stream_gemv_kernel[grid](**args, num_warps=config.num_warps)
+        stream_reduce_kernel[(grid[0], case.batch)](
+            partial, ops.out, args["gsa_ptr"], case.m, case.n, *case.out_strides, HAS_GSA=case.a.has_global_scale,
+            BLOCK_M=config.block_m, KSPLIT=config.ksplit, num_warps=4)
+
+
+def _grid(case: GemvCase, config: StreamConfig) -> tuple[int, int, int]:
+    return -(-case.m // config.block_m), config.ksplit, case.batch
+
+
+def _kernel_args(case: GemvCase, config: StreamConfig, target: Target) -> dict:
+    """Every argument of :func:`stream_gemv_kernel`, the operands as :class:`Src` placeholders (``c_ptr`` the
+    output; a split K's launch puts its partial buffer there)."""
+    a, dtype = case.a, case.b.dtype
+    swizzled = a.scale_layout == "swizzled"
+    gsa_ptr, _ = global_scale_sources(case)
+    return dict(
+        a_ptr=Src("a_data", torch.uint8), sfa_ptr=Src("a_scales", torch.uint8), b_ptr=Src("b_data", dtype),
+        gsa_ptr=gsa_ptr, c_ptr=Src("out", case.out_dtype),
+        M=case.m, N=case.n, K=case.k,
+        a_stride_l=a.batch_stride, a_stride_m=a.row_stride, sfa_stride_l=a.scales.batch,
+        sfa_stride_rows=a.scales.row_tile if swizzled else a.scales.r32,
+        b_stride_l=case.b.strides[0], b_stride_n=case.b.strides[1],
+        c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
+        DECODE=_DECODE_ASM[dtype], CONSTRAINTS=_CONSTRAINTS, BF16=dtype == torch.bfloat16, SWIZZLED=swizzled,
+        HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=config.ksplit > 1,
+        BLOCK_M=config.block_m, BLOCK_K=config.block_k, KSPLIT=config.ksplit, NUM_STAGES=config.num_stages,
+    )
 
 
 # --- the kernels --------------------------------------------------------------------------------------------
