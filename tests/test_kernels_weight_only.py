@@ -45,11 +45,10 @@ from operands import (
 from ptx_emulator import emulate_ptx
 
 from fp4gemv import FP4Tensor, dequantize, formats, gemv, ops
-from fp4gemv.kernels import _mma_step, _ptx
+from fp4gemv.kernels import _mma_step, _ptx, choose_kernel, hmma_gemv
 from fp4gemv.kernels.hmma_gemv import HmmaConfig
-from fp4gemv.kernels import choose_kernel
-from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_only_config
+from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90
 
 pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
@@ -287,7 +286,9 @@ DISPATCH = [
 def test_dispatch_follows_the_measurements(kind, n, k, expected):
     a, b = _kind(kind, n, k)
     case = gemv_operands(a, b, torch.empty(result_shape(a, b))).case
-    assert choose_kernel(case, SM90).name == expected
+    # hmma's PTX path runs on Triton 3.6 only (hmma_gemv.PTX_LAYOUT_VERIFIED); its twin runs everywhere.
+    on_ptx = "weight_only" if expected == "hmma" and not hmma_gemv.PTX_LAYOUT_VERIFIED else expected
+    assert choose_kernel(case, SM90).name == on_ptx
     assert ops.select_kernel(a, b, backend="triton").name == expected  # the interpreter target chooses alike
     if expected == "hmma":  # still runs them when named
         assert ops.plan_for(a, b, backend="triton", kernel="weight_only").spec.name == "weight_only"
