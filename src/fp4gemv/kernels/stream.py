@@ -11,8 +11,8 @@ activation's 16-bit type with its block scale multiplied in and multiplied on th
 
 The decode (``decode_asm``, inline PTX; the pure-Triton twin computes the same values).  The tile is duplicated
 byte by byte (``join(w, w)``: element ``2 i + p`` holds byte i, so each register pair of the MMA operand holds the
-two nibbles of one byte); prmt byte tables give the exact e2m1 values in the activation's 16-bit type, 16
-instructions per 8 weights, and one 16-bit multiply per pair applies the block scale.
+two nibbles of one byte); prmt byte tables give the exact e2m1 values in the activation's 16-bit type, 17
+instructions per 8 weights (15 for fp16), and one 16-bit multiply per pair applies the block scale.
 
 Exactness.  An e4m3 scale s (|s| in [2^-9, 448]) is exact in bf16 and fp16, and v * s has at most 6
 significant bits in [2^-10, 2688]: exact and normal in both.  The tensor cores multiply these exactly by the
@@ -96,8 +96,8 @@ def decode_asm(dtype: torch.dtype) -> str:
     One prmt gathers the word of the four bytes (element i in nibble i); prmt looks the 3-bit magnitudes up in
     the byte tables, four elements at a time; the signs come from prmt in sign-replicate mode (selector bit 3)
     on bytes whose top bit is a code's sign (w << 4 for the even elements, w for the odd ones), or-ed into the
-    high bytes; a prmt interleaves low and high bytes into each byte's pair: 16 instructions for 8 weights (14
-    for fp16, whose low bytes are zero)."""
+    high bytes; a prmt interleaves low and high bytes into each byte's pair: 17 instructions for 8 weights (15
+    for fp16, whose low bytes are zero), besides the two table words ptxas keeps across the loop."""
     (high0, high1), (low0, low1) = DECODE_TABLES[dtype]
     lines = ["{", ".reg .b32 w, m, mh, h0, h1, l0, l1, a, s0, s1, t0, t1;", f"mov.b32 t0, {high0:#010x};",
              f"mov.b32 t1, {low0:#010x};", "prmt.b32 w, $4, $5, 0x6420;",
