@@ -18,6 +18,8 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from ..nn import FP4Linear
+from ..reference import quantized_gemv_reference
 from .timing import device_time_us
 
 __all__ = ["PREFILL_SHAPES", "PREFILL_TOKENS", "prefill_benchmark", "format_prefill_table"]
@@ -32,8 +34,6 @@ REPLAYS = 10
 def _fp4_layers(out_f: int, in_f: int, fmt: str, device) -> list:
     """LAYERS FP4Linear modules with random bytes and scales (every code; NVFP4 scales 2^-4 .. 2^3, MXFP4 2^-8 ..
     2^-1), bf16."""
-    from ..nn import FP4Linear
-
     g = torch.Generator(device=device).manual_seed(0)
     low, high = (0x18, 0x58) if fmt == "nvfp4" else (119, 127)
     layers = []
@@ -48,8 +48,6 @@ def _fp4_layers(out_f: int, in_f: int, fmt: str, device) -> list:
 
 def _check(layer, x: torch.Tensor) -> float:
     """max |y - exact| / max |exact| of the layer's output against the float64 oracle."""
-    from ..reference import quantized_gemv_reference
-
     y = layer(x).double()
     exact = quantized_gemv_reference(layer.quantized_weight(), x, torch.float64).t()
     return float((y - exact).abs().max() / exact.abs().max())
