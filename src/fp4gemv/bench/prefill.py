@@ -2,7 +2,9 @@
 
 Shapes (out x in) 4096 x 4096, 14336 x 4096, 4096 x 14336, 28672 x 8192; T = 32 .. 8192 tokens; NVFP4 and MXFP4
 weights.  Per shape and T, each of
-* ``FP4Linear`` (``fp4gemv.gemv``: the GEMM kernel beyond 16 tokens), NVFP4 and MXFP4, swizzled scales;
+* ``FP4Linear``, NVFP4 and MXFP4, swizzled scales: beyond 16 tokens it dequantizes and calls ``F.linear``
+  unless ``FP4Linear.fused_prefill`` picks gemv's GEMM kernel (``benchmarks/gemm_sweep.py`` times that kernel's
+  tiles directly; this round's GEMM numbers are in docs/performance.md);
 * bf16 ``F.linear`` (cuBLAS);
 * FP8 ``torch._scaled_mm`` (e4m3 weight and activation, per-tensor fp32 scales, bf16 out; the activation's
   quantization is not timed)
