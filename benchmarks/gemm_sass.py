@@ -10,31 +10,17 @@ opcode set: the decode's prmt and lop3), and the shared-memory stores and loads 
 
 import collections
 import os
-import re
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.dirname(__file__))
-from aot import Sm90Launch, local_memory, registers, sass_listing  # noqa: E402
+from aot import Sm90Launch, local_memory, mma_loop, registers, sass_listing  # noqa: E402
 from sass_stats import ALU  # noqa: E402
 
 from fp4gemv import FP4Tensor  # noqa: E402
 from fp4gemv.kernels.gemm import SHIPPED_CONFIGS, GemmConfig  # noqa: E402
-
-
-def loop_body(ins):
-    """The backward branch's body with the most MMA instructions (the K loop), the shortest such."""
-    best = None
-    for addr, op, rest in ins:
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < addr:
-            body = [x for x in ins if int(target.group(1), 16) <= x[0] <= addr]
-            key = (sum("MMA" in x[1] for x in body), -len(body))
-            if best is None or key > best[0]:
-                best = (key, body)
-    return best[1]
 
 
 def main() -> None:
@@ -47,7 +33,7 @@ def main() -> None:
                           torch.full((4096, 4096 // block), 0x38, dtype=torch.uint8), fmt, "linear")
             compiled = Sm90Launch(a.with_scale_layout("swizzled"), torch.zeros(512, 4096, dtype=act),
                                   config=config).compile()
-            body = loop_body(sass_listing(compiled))
+            body = mma_loop(sass_listing(compiled))
             per_weight = config.block_m * config.block_k / (32 * config.num_warps)
             alu = sum(1 for _, op, _ in body if op.split(".")[0] in ALU)
             shared = collections.Counter(op for _, op, _ in body if op.startswith(("LDS", "STS")))

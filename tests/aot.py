@@ -124,6 +124,20 @@ def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     return best
 
 
+def mma_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The K loop of a ``sass_listing``: of the backward branches' bodies, the one with the most MMA instructions
+    (the shortest such), for kernels whose largest loop is not the main one (a prologue or epilogue loop)."""
+    best = None
+    for addr, op, rest in instrs:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if target and int(target.group(1), 16) < addr:
+            body = [x for x in instrs if int(target.group(1), 16) <= x[0] <= addr]
+            key = (sum("MMA" in x[1] for x in body), -len(body))
+            if best is None or key > best[0]:
+                best = (key, body)
+    return best[1]
+
+
 def registers(compiled) -> int:
     """Registers per thread of a compiled kernel (cuobjdump's resource usage)."""
     return int(re.search(r"REG:(\d+)", _cuobjdump(compiled, "-res-usage")).group(1))

@@ -214,22 +214,11 @@ def test_ptx_decode_equals_the_twin_for_every_byte(dtype):
 # --- sm_90 compile ---------------------------------------------------------------------------------------------
 
 _COMPILE_SCRIPT = r"""
-import collections, json, re, sys
+import collections, json
 import torch
-from aot import Sm90Launch, local_memory, registers, sass_listing
+from aot import Sm90Launch, local_memory, mma_loop, registers, sass_listing
 from fp4gemv import FP4Tensor
 from fp4gemv.kernels.gemm import SHIPPED_CONFIGS
-
-def loop_body(ins):
-    best = None
-    for i, (addr, op, rest) in enumerate(ins):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < addr:
-            body = [x for x in ins if int(target.group(1), 16) <= x[0] <= addr]
-            key = (sum("MMA" in x[1] for x in body), -len(body))
-            if best is None or key > best[0]:
-                best = (key, body)
-    return best[1]
 
 rows = []
 for config in SHIPPED_CONFIGS:
@@ -240,7 +229,7 @@ for config in SHIPPED_CONFIGS:
         launch = Sm90Launch(a, torch.zeros(512, 4096, dtype=act), config=config)
         compiled = launch.compile()
         ins = sass_listing(compiled)
-        body = loop_body(ins)
+        body = mma_loop(ins)
         ops = collections.Counter(op.split(".")[0] + ("." + op.split(".")[1] if op.startswith(("LDS", "STS")) and
                                                         "." in op else "") for _, op, _ in body)
         rows.append(dict(config=list(config), fmt=fmt, local=local_memory(compiled), regs=registers(compiled),
