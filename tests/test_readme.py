@@ -15,25 +15,27 @@ def _readme():
         return f.read()
 
 
-def test_api_tour_runs_as_written():
-    tour = re.search(r"## API tour.*?```python\n(.*?)```", _readme(), re.S).group(1)
+def _run_block(heading: str, cwd) -> str:
+    """Run the first python block under README heading ``heading`` (a regex) in a fresh interpreter from ``cwd``,
+    this checkout's src/ first on the path and TRITON_INTERPRET unset; its stdout, or the test fails."""
+    block = re.search(heading + r".*?```python\n(.*?)```", _readme(), re.S).group(1)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", tour], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=600, env=env,
+                          cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "True all 1024 outputs within" in done.stdout, done.stdout
+    return done.stdout
+
+
+def test_api_tour_runs_as_written():
+    stdout = _run_block("## API tour", ROOT)
+    assert "True all 1024 outputs within" in stdout, stdout
 
 
 def test_nn_block_runs_as_written(tmp_path):
     pytest.importorskip("transformers")
-    block = re.search(r"## FP4 models: `fp4gemv.nn`.*?```python\n(.*?)```", _readme(), re.S).group(1)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "src"), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=600, env=env,
-                          cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert re.search(r"tensor\(\[\[\s*1,\s*2,\s*3(,\s*\d+){4}\]\]\)", done.stdout), done.stdout
+    stdout = _run_block("## FP4 models: `fp4gemv.nn`", tmp_path)
+    assert re.search(r"tensor\(\[\[\s*1,\s*2,\s*3(,\s*\d+){4}\]\]\)", stdout), stdout
 
 
 def test_ci_runs_the_readme_test_command():

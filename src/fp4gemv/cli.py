@@ -241,19 +241,22 @@ def _run_prefill(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
     if args.model:
-
         rows = decode_benchmark(args.model, tokens)
-        with open(os.path.join(args.out, f"prefill-{args.model}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        _write_rows(args.out, f"prefill-{args.model}.json", rows)
         print(format_decode_table(rows))
         return 0
     rows = prefill_benchmark(tokens=tuple(tokens))
-    with open(os.path.join(args.out, "prefill.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+    _write_rows(args.out, "prefill.json", rows)
     print(format_prefill_table(rows))
     return 0
+
+
+def _write_rows(out_dir: str, name: str, rows) -> None:
+    """A benchmark's rows as ``out_dir/name`` (JSON)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 def _run_bench(args: argparse.Namespace) -> int:
@@ -272,18 +275,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(format_host_table(host_costs()))
         return 0
     if moe_model:
-
         rows = moe_benchmark(args.model, ns)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"moe-{args.model}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        _write_rows(args.out, f"moe-{args.model}.json", rows)
         print(format_moe_table(rows))
         return 0
     if args.model:
         rows = decode_benchmark(args.model, ns)
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"decode-{args.model}.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+        _write_rows(args.out, f"decode-{args.model}.json", rows)
         print(format_decode_table(rows))
         return 0
     bench.run(bench.SHAPE_SETS[args.shapes], args.out, fmt=args.format, act=args.act, ns=ns,
