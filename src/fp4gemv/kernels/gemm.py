@@ -47,6 +47,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, decode_scale, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1
+from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
 from ._scratch import install_scratch_allocator
 from .spec import GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 
@@ -178,49 +179,17 @@ class Gemm(TritonKernelSpec):
 
 # --- the kernel ---------------------------------------------------------------------------------------------
 
-# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as 16-bit floats, split into byte tables that prmt indexes (bytes
-# 0..3 in the first word, 4..7 in the second): bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0,
-# fp16 0x0000 0x3800 0x3C00 0x3E00 0x4000 0x4200 0x4400 0x4600 (low bytes all zero).
-_BF16_HIGH_BYTES = (0x3F3F3F00, 0x40404040)
-_BF16_LOW_BYTES = (0xC0800000, 0xC0804000)
-_FP16_HIGH_BYTES = (0x3E3C3800, 0x46444240)
-
-
 def _decode_asm(bf16: bool) -> str:
     """PTX for four packed bytes ($4, byte j = elements 2j, 2j+1) to four words of two 16-bit values times their
     scale factor ($0..$3: byte j's elements in the low and high halves, times $5+j = {f_j, f_j}); the first table
     words arrive as registers ($9, and for bf16 $13) so that prmt need not copy them: 16 (bf16) or 14 (fp16)
-    instructions for 8 weights.
-
-    prmt looks the 3-bit magnitudes up in the byte tables, four elements per instruction; the signs come from a
-    prmt in sign-replicate mode (selector bit 3) on the bytes whose top bit is a code's sign (w << 4 for the
-    even elements, w for the odd ones), or-ed into the high bytes; a prmt interleaves low and high bytes; one
-    16-bit pair multiply applies the scale (exact: module docstring)."""
-    high = _BF16_HIGH_BYTES if bf16 else _FP16_HIGH_BYTES
+    instructions for 8 weights.  The lookup is ``_ptx.e2m1_table_lookup``; one 16-bit pair multiply applies the
+    scale (exact: module docstring)."""
     mul = "mul.rn.bf16x2" if bf16 else "mul.rn.f16x2"
-    lines = [
-        "{",
-        ".reg .b32 m, mh, h0, h1, l0, l1, a, s0, s1, p;",
-        "and.b32 m, $4, 0x77777777;",
-        "shr.u32 mh, m, 16;",
-        f"prmt.b32 h0, $9, {high[1]:#010x}, m;",
-        f"prmt.b32 h1, $9, {high[1]:#010x}, mh;",
-        "shl.b32 a, $4, 4;",
-        "prmt.b32 s0, a, $4, 0xD9C8;",
-        "prmt.b32 s1, a, $4, 0xFBEA;",
-        "lop3.b32 h0, h0, s0, 0x80808080, 0xF8;",
-        "lop3.b32 h1, h1, s1, 0x80808080, 0xF8;",
-    ]
-    if bf16:
-        lines += [
-            f"prmt.b32 l0, $13, {_BF16_LOW_BYTES[1]:#010x}, m;",
-            f"prmt.b32 l1, $13, {_BF16_LOW_BYTES[1]:#010x}, mh;",
-        ]
-    else:
-        lines += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
-    for j, (low, sel) in enumerate((("l0, h0", "0x5140"), ("l0, h0", "0x7362"), ("l1, h1", "0x5140"),
-                                     ("l1, h1", "0x7362"))):
-        lines += [f"prmt.b32 p, {low}, {sel};", f"{mul} ${j}, p, ${5 + j};"]
+    lines = ["{", f".reg .b32 {E2M1_LOOKUP_REGISTERS}, p;",
+             *e2m1_table_lookup("$4", "$9", "$13" if bf16 else None, "bf16" if bf16 else "fp16")]
+    for j in range(4):
+        lines += [e2m1_pair(j, "p"), f"{mul} ${j}, p, ${5 + j};"]
     lines.append("}")
     return "\n".join(lines)
 
@@ -228,8 +197,8 @@ def _decode_asm(bf16: bool) -> str:
 DECODE_BF16_ASM = tl.constexpr(_decode_asm(True))
 DECODE_FP16_ASM = tl.constexpr(_decode_asm(False))
 # The first words of the byte tables, passed to the kernel as arguments (registers for prmt).
-DECODE_TABLE_WORDS = {torch.bfloat16: (_BF16_HIGH_BYTES[0], _BF16_LOW_BYTES[0]),
-                      torch.float16: (_FP16_HIGH_BYTES[0], 0)}
+DECODE_TABLE_WORDS = {torch.bfloat16: (E2M1_BYTE_TABLES["bf16"][0][0], E2M1_BYTE_TABLES["bf16"][1][0]),
+                      torch.float16: (E2M1_BYTE_TABLES["fp16"][0][0], 0)}
 
 
 @triton.jit

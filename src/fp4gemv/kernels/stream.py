@@ -34,6 +34,7 @@ import triton.language as tl
 from ..target import Target
 from ._common import apply_global_scales, store_rounded
 from ._decode import doubled_e2m1
+from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
 from ._scratch import install_scratch_allocator
 from .spec import (ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
                    fill_sources, global_scale_sources)
@@ -82,35 +83,19 @@ def stream_config(case: GemvCase, sm_count: int) -> StreamConfig:
     return best
 
 
-# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 as 16-bit floats, as byte tables that prmt indexes (bytes 0..3 in
-# the first word, 4..7 in the second): bf16 0x0000 0x3F00 0x3F80 0x3FC0 0x4000 0x4040 0x4080 0x40C0; fp16 0x0000
-# 0x3800 0x3C00 0x3E00 0x4000 0x4200 0x4400 0x4600 (low bytes zero).  The first words reach the asm as registers.
-DECODE_TABLES = {torch.bfloat16: ((0x3F3F3F00, 0x40404040), (0xC0800000, 0xC0804000)),
-                 torch.float16: ((0x3E3C3800, 0x46444240), (0, 0))}
-
-
 def decode_asm(dtype: torch.dtype) -> str:
     """PTX: ``$4``, ``$5`` hold bytes ``[b0, b0, b1, b1]``, ``[b2, b2, b3, b3]``; ``$0``..``$3`` the 16-bit values
     of byte j's low (low half) and high (high half) nibble, exact e2m1 values in ``dtype``.
 
-    One prmt gathers the word of the four bytes (element i in nibble i); prmt looks the 3-bit magnitudes up in
-    the byte tables, four elements at a time; the signs come from prmt in sign-replicate mode (selector bit 3)
-    on bytes whose top bit is a code's sign (w << 4 for the even elements, w for the odd ones), or-ed into the
-    high bytes; a prmt interleaves low and high bytes into each byte's pair: 17 instructions for 8 weights (15
-    for fp16, whose low bytes are zero), besides the two table words ptxas keeps across the loop."""
-    (high0, high1), (low0, low1) = DECODE_TABLES[dtype]
-    lines = ["{", ".reg .b32 w, m, mh, h0, h1, l0, l1, a, s0, s1, t0, t1;", f"mov.b32 t0, {high0:#010x};",
+    One prmt gathers the word of the four bytes (element i in nibble i), ``_ptx.e2m1_table_lookup`` looks the
+    values up, and a prmt per byte interleaves their low and high bytes into its pair: 17 instructions for 8
+    weights (15 for fp16, whose low bytes are zero), besides the two table words ptxas keeps across the loop."""
+    kind = "bf16" if dtype == torch.bfloat16 else "fp16"
+    (high0, _), (low0, _) = E2M1_BYTE_TABLES[kind]
+    lines = ["{", f".reg .b32 w, {E2M1_LOOKUP_REGISTERS}, t0, t1;", f"mov.b32 t0, {high0:#010x};",
              f"mov.b32 t1, {low0:#010x};", "prmt.b32 w, $4, $5, 0x6420;",
-             "and.b32 m, w, 0x77777777;", "shr.u32 mh, m, 16;",
-             f"prmt.b32 h0, t0, {high1:#010x}, m;", f"prmt.b32 h1, t0, {high1:#010x}, mh;",
-             "shl.b32 a, w, 4;", "prmt.b32 s0, a, w, 0xD9C8;", "prmt.b32 s1, a, w, 0xFBEA;",
-             "lop3.b32 h0, h0, s0, 0x80808080, 0xF8;", "lop3.b32 h1, h1, s1, 0x80808080, 0xF8;"]
-    if low0 or low1:
-        lines += [f"prmt.b32 l0, t1, {low1:#010x}, m;", f"prmt.b32 l1, t1, {low1:#010x}, mh;"]
-    else:
-        lines += ["mov.b32 l0, 0;", "mov.b32 l1, 0;"]
-    lines += ["prmt.b32 $0, l0, h0, 0x5140;", "prmt.b32 $1, l0, h0, 0x7362;",
-              "prmt.b32 $2, l1, h1, 0x5140;", "prmt.b32 $3, l1, h1, 0x7362;", "}"]
+             *e2m1_table_lookup("w", "t0", "t1" if kind == "bf16" else None, kind),
+             *(e2m1_pair(j, f"${j}") for j in range(4)), "}"]
     return "\n".join(lines)
 
 
