@@ -37,12 +37,12 @@ from ._decode import doubled_e2m1
 from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
 from ._scratch import install_scratch_allocator
 from .spec import (ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two,
-                   fill_sources, global_scale_sources)
+                   fill_sources, global_scale_sources, too_many_rows)
 
 __all__ = ["StreamConfig", "Stream", "stream_config", "stream_gemv_kernel", "stream_reduce_kernel",
            "SHIPPED_CONFIGS", "decode_asm", "MIN_N"]
 
-# The activation tile: 16 rows (tl.dot's smallest N); rows past N are zero and never stored.
+# The activation tile: 16 rows (tl.dot's smallest N, and spec.GEMV_MAX_N); rows past N are zero, never stored.
 BLOCK_N = 16
 # From this many rows on it is faster than the register-fed kernels (docs/performance.md, "the streaming
 # skeleton"); kernels.DEFERRALS leaves fewer to weight_only.
@@ -120,8 +120,8 @@ class Stream(TritonKernelSpec):
             return "takes NVFP4 weights (MXFP4 scales do not fold into 16-bit weights exactly)"
         if case.fp4_activation or case.b.dtype not in (torch.float16, torch.bfloat16):
             return f"needs fp16 or bf16 activations, got {case.describe()}"
-        if case.n > BLOCK_N:
-            return f"takes N <= {BLOCK_N} activation rows, got N = {case.n}"
+        if too_many_rows(case) is not None:
+            return too_many_rows(case)
         if case.k % 256:
             return f"needs K a multiple of 256 (16-byte scale rows per copy), got K = {case.k}"
         if case.a.align < 16:
