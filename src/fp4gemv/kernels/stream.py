@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..target import Target
+from ..target import SM90, Target
 from ._common import apply_global_scales, store_rounded
 from ._decode import doubled_e2m1
 from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
@@ -139,7 +139,8 @@ class Stream(TritonKernelSpec):
         return ErrorModel(tensor_cores=True, fold=0)
 
     def default_config(self, case: GemvCase, target: Target) -> StreamConfig:
-        return stream_config(case, target.sm_count or 132)
+        # The interpreter has no SMs: the H200's count, where the configurations were measured.
+        return stream_config(case, target.sm_count or SM90.sm_count)
 
     def check_config(self, config: StreamConfig, case: GemvCase | None = None) -> None:
         check_powers_of_two(config, ("ksplit", "num_warps"))
