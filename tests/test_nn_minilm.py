@@ -24,6 +24,7 @@ from fp4gemv import gemv
 from fp4gemv.nn import FP4Linear, load_quantized, save_compressed_tensors, save_modelopt, save_mxfp4
 
 pytestmark = pytest.mark.download  # the weights package, on first use
+
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "minilm_fp4.py"
 _spec = importlib.util.spec_from_file_location("minilm_fp4", _EXAMPLE)
 ex = importlib.util.module_from_spec(_spec)
