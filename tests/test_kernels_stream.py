@@ -157,9 +157,14 @@ def test_ptx_path_exact_and_equal_to_its_twin(layout, dtype, m, k, n, batch):
             continue
         out = O.poisoned((batch, m, n), torch.bfloat16, device="cuda")
         gemv(a, b, out=out, out_dtype=torch.bfloat16, backend="triton-ptx", kernel="stream", config=config)
-        twin = gemv(a, b, out_dtype=torch.bfloat16, backend="triton", kernel="stream", config=config)
-        O.assert_matches_exact(out.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=0)
-        O.assert_matches_exact(twin.cpu(), a.to("cpu"), b.cpu(), torch.bfloat16, tensor_cores=True, fold=0)
+        O.assert_matches_exact(out, a, b, torch.bfloat16, tensor_cores=True, fold=0)
+        # The compiled twin at one shape per layout and dtype (each twin is a compile of its own): the interpreter
+        # checks its indexing at every config (test_twin_matches_exact_result); what the GPU adds is that its
+        # pure-Triton code compiles and runs right, which this shape shows with tail rows, a batch, a global
+        # scale and all four K splits (K = 2048).
+        if batch > 1:
+            twin = gemv(a, b, out_dtype=torch.bfloat16, backend="triton", kernel="stream", config=config)
+            O.assert_matches_exact(twin, a, b, torch.bfloat16, tensor_cores=True, fold=0)
 
 
 @pytest.mark.gpu

@@ -51,9 +51,6 @@ def test_nvfp4_without_a_global_scale_saturates_as_documented():
     assert torch.equal(fp4gemv.dequantize(fp4gemv.quantize(small)), torch.zeros(1, 16))
     for x in (big, small):
         torch.testing.assert_close(fp4gemv.dequantize(fp4gemv.quantize(x, global_scale="auto")), x, rtol=0.1, atol=0)
-    quantize = fp4gemv.quantize
-
-    assert "2688" in quantize.__doc__ and "saturat" in quantize.__doc__
 
 
 def test_out_dtype_as_a_string_names_its_type():
