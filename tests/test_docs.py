@@ -15,9 +15,16 @@ pytestmark = pytest.mark.docs
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ci_runs_the_readme_test_command():
-    command = re.search(r"Run the tests.*?\n\n    (.*?)\n", (ROOT / "README.md").read_text(), re.S).group(1)
-    assert command in (ROOT / ".ci" / "run").read_text()
+def test_ci_runs_the_readme_commands():
+    """.ci/run reads the commands it runs from the README's "Set up and run" section (the indented lines that
+    install torch): exactly the task check and the test run, so what a new user types is what CI runs."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Set up and run"):readme.index("\n## ", readme.index("## Set up and run") + 1)]
+    commands = [line.strip() for line in section.splitlines() if line.startswith("    python -m pip install torch==")]
+    assert len(commands) == 2, commands
+    assert commands[0].endswith("fp4gemv task test") and commands[1].endswith("python -m pytest -q"), commands
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "grep -E '^    python -m pip install torch=='" in ci and "README.md" in ci
 
 
 def test_pyproject_declares_numpy_and_the_supported_triton():
@@ -45,3 +52,11 @@ def test_the_bench_reads_are_within_6_percent_of_the_fastest_measured_read():
         assert set(TRITON_READS) <= set(us) and len(us) > len(TRITON_READS), row["shape"]
         triton_best = min(us[name] for name in TRITON_READS)
         assert triton_best <= 1.06 * min(us.values()), (row["shape"], triton_best, min(us.values()))
+
+
+def test_the_readme_layout_names_every_benchmark_and_document():
+    layout = (ROOT / "README.md").read_text().split("## Layout", 1)[1].split("\n## ", 1)[0]
+    files = [p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh")]
+    files += [p.name for p in (ROOT / "docs").glob("*.md")]
+    missing = [name for name in sorted(files) if name not in layout]
+    assert not missing, f"README.md's Layout does not name {missing}"
