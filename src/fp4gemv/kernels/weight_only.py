@@ -54,7 +54,9 @@ from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKe
                    global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
-           "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
+           "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA", "PTXAS_LOADS_FIRST", "ACT_CODES", "MODE_CODES",
+           "program_lanes", "tile_rows", "weight_pointers", "fragment_rows", "twin_column_row", "k_loop",
+           "column_result"]
 
 MAX_WARPS = 16
 # split gives each n-tile 2 activation rows (4 K owners x 2 columns): N <= 4 with two n-tiles.
@@ -67,8 +69,9 @@ MAX_FLOAT_N_OVER_HMMA = 8
 PTXAS_LOADS_FIRST = "-O1"
 # Elements of K per iteration of the pure-Triton twin's loop over a warp chunk (``_step_triton``).
 TWIN_PIECE = tl.constexpr(8)
-_ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
-_MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
+# The kernels' ACT and MODE constexprs.
+ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
+MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
 
 
 class WeightOnlyConfig(NamedTuple):
@@ -242,7 +245,7 @@ class WeightOnly(TritonKernelSpec):
             **dict(zip(("sfb_stride_l", "sfb_stride_row_tile", "sfb_stride_r32", "sfb_stride_r4"), sfb)),
             c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
             **MULTIPLIERS,
-            MODE=_MODE_CODES[spec.mode], MX=case.fmt.name == "mxfp4", ACT=_ACT_CODES[spec.act], TILES=config.tiles,
+            MODE=MODE_CODES[spec.mode], MX=case.fmt.name == "mxfp4", ACT=ACT_CODES[spec.act], TILES=config.tiles,
             WARPS=config.warps, CHUNKS=config.chunks, N_TILES=spec.n_tiles, SFA_COL_TILE=spec.sfa_col_tile,
             SFB_COL_TILE=spec.sfb_col_tile, HAS_GSA=gsa, HAS_GSB=gsb,
             FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode), USE_PTX=target.mode == "ptx", PDL=pdl,
@@ -293,7 +296,7 @@ def _activation_ptr(b_ptr, pid_l, n, N, b_stride_l, b_stride_n, k_elem, ACT: tl.
 
 
 @triton.jit
-def _twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
+def twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
     """The activation row of output ``O``'s C column for thread c: column 8 (O // 2) + 2 c + O % 2, in split
     activation row O (``_mma_step``'s accumulator layout)."""
     if MODE == 2:
@@ -635,12 +638,12 @@ def weight_only_gemv_kernel(
             pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
                              sfb_stride_r4, k_first // 16, SFB_COL_TILE)
     muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
-    # The twin reads each C column's activation row at the warp chunk (``_twin_column_row``).
+    # The twin reads each C column's activation row at the warp chunk (``twin_column_row``).
     BLOCK: tl.constexpr = 32 if MX else 16
     col_ptrs = ()
     col_scale_ptrs = ()
     for o in tl.static_range(4):
-        row = _twin_column_row(o, c, MODE)
+        row = twin_column_row(o, c, MODE)
         col_ptrs = col_ptrs + (_activation_ptr(b_ptr, pid_l, row, N, b_stride_l, b_stride_n, k_warp, ACT),)
         col_scale_ptrs = col_scale_ptrs + (
             _scale_ptr(sfb_ptr, pid_l, row, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
