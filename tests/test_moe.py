@@ -303,6 +303,25 @@ def test_gpt_oss_shapes_on_gpu():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_tensor_core_step_ptx_on_gpu(fmt, layout):
+    """The PTX step against the oracle at K = 2880 (a partial last step), M = 272 (a row tail): T = 1 and 2
+    (split), 8 and 16 (k32 / fold, top-4 of 32: groups up to 16, two passes), bf16 and fp16, bias, per-expert
+    global scales for NVFP4."""
+    w = random_fp4((32, 272, 2880), fmt, layout, seed=50)
+    bias = random_activation((32, 272), torch.bfloat16, seed=51)
+    scales = (torch.rand(32, generator=torch.Generator().manual_seed(52)) + 0.5).cuda() if fmt == "nvfp4" else None
+    for tokens, act in ((1, torch.bfloat16), (2, torch.float16), (8, torch.bfloat16), (16, torch.float16)):
+        x = random_activation((tokens, 2880), act, seed=53 + tokens)
+        ids = random_ids(tokens, 4, 32, seed=54 + tokens)
+        ids[-1, 0] = ids[0, 3]
+        assert plan_of(w, x, ids, act, bias, scales, backend="auto").spec.name == "moe_weight_only"
+        got = fp4gemv.moe_gemv(w, x, ids, bias=bias, global_scales=scales)
+        assert_routed_exact(got, w, x, ids, act, bias=bias, global_scales=scales)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_with_bad_ids_stays_in_bounds():
     """Under capture the ids are not checked: replayed with ids outside [0, E) the kernel writes zeros for those
     pairs, the exact result for the others, and touches nothing else (the sync after replay would raise an
