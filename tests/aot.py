@@ -1,10 +1,11 @@
 """Compiling kernels for sm_90 without a GPU, exactly as the JIT would for a real call (imported by the scripts
 that the ``compile_for_sm90`` fixture runs in a fresh interpreter, where TRITON_INTERPRET is unset).
 
-``sm90_launch`` asks the op layer what a call would launch on an sm_90 target (the kernel spec, its
-configuration and its ``TritonLaunch``) and fills the pointer placeholders with the operands' tensors;
-``compile_launch`` specializes that launch as the JIT does (types and divisibility by 16 from Triton's own
-``native_specialize_impl``, integers equal to 1 made constants) and compiles it with Triton's bundled ptxas.
+``Sm90Launch`` (``Sm90Launch.moe`` for ``moe_gemv``) asks the op layer what a call would launch on an sm_90 target
+(the kernel spec, its configuration and its ``TritonLaunch``) and fills the pointer placeholders with the
+operands' tensors; ``compile_launch`` specializes that launch as the JIT does (types and divisibility by 16 from
+Triton's own ``native_specialize_impl``, integers equal to 1 made constants) and compiles it with Triton's bundled
+ptxas.
 """
 
 import os
@@ -18,7 +19,7 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 from triton.runtime.jit import native_specialize_impl
 
-from fp4gemv import ops
+from fp4gemv import moe, ops
 from fp4gemv.kernels import choose_kernel
 from fp4gemv.kernels.spec import TritonKernelSpec, fill_sources
 from fp4gemv.ops import gemv_operands
@@ -55,12 +56,26 @@ class Sm90Launch:
             out = torch.empty(ops.result_shape(a, b), dtype=out_dtype)
         operands = gemv_operands(a, b, out)
         case = operands.case
-        self.spec = choose_kernel(case, target, kernel)
-        self.config = config if config is not None else self.spec.default_config(case, target)
-        launch = (self.spec.triton_launch(case, self.config, target) if isinstance(self.spec, TritonKernelSpec)
-                  else None)
+        spec = choose_kernel(case, target, kernel)
+        config = config if config is not None else spec.default_config(case, target)
+        launch = spec.triton_launch(case, config, target) if isinstance(spec, TritonKernelSpec) else None
         if launch is None:
-            raise TypeError(f"kernel {self.spec.name!r} launches through its own launch() here, not one TritonLaunch")
+            raise TypeError(f"kernel {spec.name!r} launches through its own launch() here, not one TritonLaunch")
+        self._set(spec, config, launch, operands)
+
+    @classmethod
+    def moe(cls, w, x, expert_ids, *, bias=None, global_scales=None, out_dtype=torch.bfloat16, kernel=None,
+            target=SM90):
+        """What ``moe_gemv(w, x, expert_ids, ...)`` launches on sm_90 (``moe.plan_moe`` on ``target``)."""
+        out = torch.empty((*expert_ids.shape, w.shape[1]), dtype=out_dtype)
+        plan = moe.plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel)
+        self = cls.__new__(cls)
+        self._set(plan.spec, plan.config, plan.spec.triton_launch(plan.case, plan.config, target),
+                  moe.moe_operands(plan, w, x, expert_ids, bias, global_scales, out))
+        return self
+
+    def _set(self, spec, config, launch, operands):
+        self.spec, self.config = spec, config
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options
         self.args = fill_sources(launch.args, operands)
         for p in self.kernel.params:

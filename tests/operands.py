@@ -84,19 +84,35 @@ def error_bound(a, b, out_dtype, got, tensor_cores=False, fold=None):
     magnitude = gemv_reference(values(a).abs(), b_abs[None, :] if b_abs.dim() == 1 else b_abs, torch.float64)
     if b_abs.dim() == 1:
         magnitude = magnitude[..., 0]
+    f = (_fold_exponent(b) if fold is None else fold) if tensor_cores else 0
+    fp32 = accumulation_bound(magnitude, a.k, tensor_cores, f, _global_scale(a) * _global_scale(b))
+    return fp32 + oracle_bound(magnitude, a.k) + half_ulp(got, out_dtype)
+
+
+def accumulation_bound(magnitude, k, tensor_cores=False, fold=0, global_scale=1.0):
+    """The fp32 part of the bound (module docstring) of a sum of K products whose magnitudes sum to ``magnitude``
+    (global scales included): block sums, or with ``tensor_cores`` one accumulation carrying 2^-fold until the
+    global scale ``global_scale`` (a number or a tensor broadcasting with ``magnitude``) is applied."""
     if tensor_cores:
-        n = a.k + 24
-        gs = _global_scale(a) * _global_scale(b)
-        f = _fold_exponent(b) if fold is None else fold
-        fp32 = 1.01 * n * 2.0**-23 * magnitude + n * 2.0**-149 * max(1.0, 2.0**f * gs)
-    else:
-        n = a.k // 16 + 22
-        fp32 = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
-    oracle = (a.k + 3) * 2.0**-53 * magnitude
+        n = k + 24
+        underflow = n * 2.0**-149 * torch.clamp(torch.as_tensor(2.0**fold * global_scale, dtype=torch.float64),
+                                                min=1.0)
+        return 1.01 * n * 2.0**-23 * magnitude + underflow
+    n = k // 16 + 22
+    return 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149
+
+
+def oracle_bound(magnitude, k):
+    """How far the float64 oracle itself may lie from the exact sum."""
+    return (k + 3) * 2.0**-53 * magnitude
+
+
+def half_ulp(got, out_dtype):
+    """Half an ulp of each output in ``out_dtype`` (the one rounding)."""
     mantissa, exponent = torch.frexp(got.to(torch.float64).abs())
     ulp = torch.exp2((exponent - SIGNIFICAND_BITS[out_dtype]).to(torch.float64))
     ulp = torch.where(got == 0, 0.0, ulp).clamp(min=MIN_SUBNORMAL[out_dtype])
-    return fp32 + oracle + ulp / 2
+    return ulp / 2
 
 
 def _on_oracle_device(*tensors):

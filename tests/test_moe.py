@@ -1,48 +1,58 @@
-"""fp4gemv.moe_gemv against the exact oracle: routing (shared experts, one expert for all, E=128 k=4 T=1..16),
-K = 2880, tails, both id dtypes, bad ids, per-expert global scales, validation, torch.compile, sm_90 compile.
+"""fp4gemv.moe_gemv against the exact oracle: routing (shared experts, one expert for all, a token naming one
+expert twice, E = 4 / 32 / 128, top-1 / 2 / 4, T = 1..16), K = 2880, tails, both formats, layouts and id dtypes,
+bad ids, global scales per tensor and per expert, bias, validation, the kernel table, torch.compile, sm_90.
 
-The bound is the block-sum bound of tests/operands.py (depth K/16 + 22, fp32 unit roundoff) per pair, on the
-magnitudes |W_e| |x_t| times the global scale, plus one fp32 rounding for the bias addition."""
+The bound is the one of the chosen spec's error model (tests/operands.py: block sums or one tensor-core
+accumulation with its fold) per pair, on the magnitudes |W_e| |x_t| times the global scale, plus one fp32
+rounding for the bias addition."""
 
 import pytest
 import torch
 
 import fp4gemv
 from fp4gemv import FP4Tensor, moe
-from operands import DEVICE, MIN_SUBNORMAL, SIGNIFICAND_BITS, poisoned, random_activation, random_fp4
+from fp4gemv.reference import routed_gemv_reference
+from fp4gemv.target import resolve_target
+from operands import (DEVICE, accumulation_bound, half_ulp, oracle_bound, poisoned, random_activation,
+                      random_fp4)
 
-def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None):
-    """(exact float64 result [T, k, M], the largest |got - exact| a correct kernel gives) per pair."""
+
+def plan_of(w, x, expert_ids, out_dtype, bias=None, global_scales=None, backend="triton", kernel=None):
+    """What moe_gemv(..., backend=backend, kernel=kernel) runs."""
+    return moe.plan_moe(w, x, expert_ids, bias, global_scales, None, out_dtype, resolve_target(backend, w.device),
+                        kernel)
+
+
+def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None, kernel=None):
+    """(exact float64 result [T, k, M], the largest |got - exact| the spec moe_gemv runs may give) per pair."""
+    plan = plan_of(w, x, expert_ids, out_dtype, bias, global_scales, kernel=kernel)
+    model = plan.spec.error_model(plan.case, plan.config)
     experts, m, k = w.shape
     tokens, top_k = expert_ids.shape
     ids = expert_ids.reshape(-1).long().cpu()
-    values = fp4gemv.dequantize(w, torch.float64).cpu()  # [E, M, K], global scale included
+    clamped = ids.clamp(0, experts - 1)
+    exact = routed_gemv_reference(w.data.cpu(), w.scales.cpu(), w.fmt, w.scale_layout,
+                                  None if w.global_scale is None else w.global_scale.cpu(), x.cpu(),
+                                  expert_ids.cpu(), None if bias is None else bias.cpu(),
+                                  None if global_scales is None else global_scales.cpu(), torch.float64)
+    values = fp4gemv.dequantize(w, torch.float64).cpu().abs()  # [E, M, K], w's global scale included
+    gs = torch.full((experts,), 1.0 if w.global_scale is None else abs(float(w.global_scale)), dtype=torch.float64)
     if global_scales is not None:
-        values = values * global_scales.cpu().to(torch.float64)[:, None, None]
-    x64 = x.cpu().to(torch.float64)
+        per_expert = global_scales.cpu().to(torch.float64).abs()
+        values, gs = values * per_expert[:, None, None], per_expert
     token = torch.arange(tokens * top_k) // top_k
-    w_pairs = values[ids.clamp(0, experts - 1)]  # [P, M, K]
-    exact = torch.einsum("pmk,pk->pm", w_pairs, x64[token])
-    magnitude = torch.einsum("pmk,pk->pm", w_pairs.abs(), x64[token].abs())
-    bias_abs = torch.zeros_like(exact)
-    if bias is not None:
-        b = bias.cpu().to(torch.float64)[ids.clamp(0, experts - 1)]
-        exact, bias_abs = exact + b, b.abs()
+    magnitude = torch.einsum("pmk,pk->pm", values[clamped], x.cpu().to(torch.float64).abs()[token])
+    bias_abs = torch.zeros_like(magnitude) if bias is None else bias.cpu().to(torch.float64)[clamped].abs()
+    bound = (accumulation_bound(magnitude, k, model.tensor_cores, model.fold, gs[clamped][:, None])
+             + oracle_bound(magnitude, k) + 1.01 * 2.0**-24 * (magnitude + bias_abs))  # the bias addition
+    g = got.cpu().reshape(tokens * top_k, m)
     valid = ((ids >= 0) & (ids < experts))[:, None]
-    exact = torch.where(valid, exact, 0.0)
-    n = k // 16 + 22
-    bound = 1.01 * n * 2.0**-24 * magnitude + n * 2.0**-149 + (k + 3) * 2.0**-53 * magnitude
-    bound = bound + 1.01 * 2.0**-24 * (magnitude + bias_abs)  # the bias addition
-    g = got.cpu().reshape(tokens * top_k, m).to(torch.float64)
-    _, exponent = torch.frexp(g.abs())
-    ulp = torch.exp2((exponent - SIGNIFICAND_BITS[out_dtype]).to(torch.float64))
-    ulp = torch.where(g == 0, 0.0, ulp).clamp(min=MIN_SUBNORMAL[out_dtype])
-    bound = torch.where(valid, bound + ulp / 2, 0.0)
-    return exact.reshape(tokens, top_k, m), bound.reshape(tokens, top_k, m)
+    bound = torch.where(valid, bound + half_ulp(g, out_dtype), 0.0)
+    return exact, bound.reshape(tokens, top_k, m)
 
 
-def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None):
-    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales)
+def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None, kernel=None):
+    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales, kernel)
     g = got.cpu().to(torch.float64)
     ok = torch.isfinite(g) & ((g - exact).abs() <= bound)
     if not ok.all():
@@ -74,6 +84,61 @@ def test_matches_exact(fmt, layout, act, out_dtype):
     got = routed(w, x, ids, bias=bias, out_dtype=out_dtype)
     assert got.shape == (5, 2, 20) and got.dtype == out_dtype
     assert_routed_exact(got, w, x, ids, out_dtype, bias=bias)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("act", [torch.float16, torch.bfloat16])
+def test_tensor_core_step_matches_exact(fmt, layout, act):
+    """The tensor-core step (moe_weight_only) for both formats, layouts and activations: M = 24 (a row tail of a
+    16-row tile), K = 96 (a partial step), 3 tokens on 4 of 32 experts with shared ones and a token naming one
+    expert twice, bias, w's global scale (NVFP4)."""
+    w = random_fp4((32, 24, 96), fmt, layout, seed=40, global_scale=0.75 if fmt == "nvfp4" else None)
+    x = random_activation((3, 96), act, seed=41)
+    ids = torch.tensor([[7, 31, 0, 7], [31, 5, 0, 12], [12, 0, 31, 5]], dtype=torch.int32, device=DEVICE)
+    bias = random_activation((32, 24), torch.float32, seed=42)
+    assert plan_of(w, x, ids, torch.bfloat16, bias).spec.name == "moe_weight_only"
+    got = routed(w, x, ids, bias=bias, out_dtype=torch.bfloat16)
+    assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+@pytest.mark.parametrize("top_k", [1, 4])
+@pytest.mark.parametrize("experts", [4, 32])
+def test_tensor_core_step_routing(tokens, top_k, experts):
+    """T = 1, 3, 16 tokens, top-1 and top-4 of 4 and 32 experts (random distinct ids per token, one expert shared
+    by the first and last token): every group size from 1 to 16, several passes of 8 columns.  MXFP4 linear for
+    32 experts, NVFP4 swizzled for 4; fp16 activations at T = 3, bf16 otherwise."""
+    fmt, layout = ("mxfp4", "linear") if experts == 32 else ("nvfp4", "swizzled")
+    act = torch.float16 if tokens == 3 else torch.bfloat16
+    w = random_fp4((experts, 16, 64), fmt, layout, seed=43 + experts)
+    x = random_activation((tokens, 64), act, seed=44 + tokens)
+    ids = random_ids(tokens, top_k, experts, seed=45 + 10 * tokens + top_k)
+    ids[-1, 0] = ids[0, top_k - 1]
+    assert plan_of(w, x, ids, torch.float32).spec.name == "moe_weight_only"
+    got = routed(w, x, ids, out_dtype=torch.float32)
+    assert_routed_exact(got, w, x, ids, torch.float32)
+
+
+def test_kernel_table_names_why_a_kernel_cannot_run():
+    """fp16/bf16 activations run the tensor-core step, fp32 ones and more than 256 pairs the CUDA-core kernel,
+    backend='reference' the float64 oracle; a named kernel that cannot run the case is a ValueError naming
+    ``kernel`` and the reason; the CUDA-core kernel, asked for, is exact too."""
+    w = random_fp4((4, 16, 64), "mxfp4", "swizzled", seed=46)
+    x = random_activation((2, 64), torch.bfloat16, seed=47)
+    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int64, device=DEVICE)
+    assert plan_of(w, x, ids, torch.bfloat16).spec.name == "moe_weight_only"
+    assert plan_of(w, x.float(), ids, torch.bfloat16).spec.name == "moe_general"
+    assert plan_of(w, x, ids, torch.bfloat16, backend="reference").spec.name == "moe_reference"
+    many = torch.zeros((257, 1), dtype=torch.int32, device=DEVICE)
+    assert plan_of(w, random_activation((257, 64), torch.bfloat16, seed=48), many,
+                   torch.bfloat16).spec.name == "moe_general"
+    with pytest.raises(ValueError, match="kernel: 'moe_weight_only' cannot run .*needs fp16 or bf16 activations"):
+        routed(w, x.float(), ids, kernel="moe_weight_only")
+    with pytest.raises(ValueError, match="kernel: expected one of 'moe_weight_only', 'moe_general'"):
+        routed(w, x, ids, kernel="weight_only")
+    got = routed(w, x, ids, kernel="moe_general")
+    assert_routed_exact(got, w, x, ids, torch.bfloat16, kernel="moe_general")
 
 
 def test_every_token_on_one_expert():
@@ -188,37 +253,41 @@ def test_torch_compile_fullgraph():
 
 
 _SM90_SCRIPT = r"""
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from aot import jit_specialization, local_memory
-from fp4gemv import FP4Tensor, moe
-from fp4gemv.kernels.moe_gemv import moe_gemv_kernel
+import torch
+from aot import Sm90Launch, local_memory, sass_instructions, CUOBJDUMP
+from fp4gemv import FP4Tensor
+import os
 
-for fmt, layout, tokens, k, bias in [("mxfp4", "swizzled", 1, 4, True), ("mxfp4", "linear", 8, 4, True),
-                                     ("nvfp4", "swizzled", 16, 4, False), ("nvfp4", "linear", 16, 8, False)]:
-    e, m, kk = 32, 5760, 2880
+# gpt-oss-20b's gate_up (MXFP4, 5760 x 2880, bias) at T = 1 (split), 8 (k32); NVFP4 with per-expert global
+# scales at T = 2 (split) and 16 (fold); the CUDA-core fallback at T = 8.
+for fmt, layout, tokens, top_k, bias, per_expert, kernel in [
+        ("mxfp4", "swizzled", 1, 4, True, False, None), ("mxfp4", "linear", 8, 4, True, False, None),
+        ("nvfp4", "swizzled", 2, 8, False, True, None), ("nvfp4", "linear", 16, 8, False, True, None),
+        ("mxfp4", "swizzled", 8, 4, True, False, "moe_general")]:
+    e, m, k = 32, 5760, 2880
     bs = 16 if fmt == "nvfp4" else 32
-    w = FP4Tensor(torch.zeros(e, m, kk // 2, dtype=torch.uint8), torch.zeros(e, m, kk // bs, dtype=torch.uint8),
+    w = FP4Tensor(torch.zeros(e, m, k // 2, dtype=torch.uint8), torch.zeros(e, m, k // bs, dtype=torch.uint8),
                   fmt).with_scale_layout(layout)
-    x = torch.zeros(tokens, kk, dtype=torch.bfloat16)
-    ids = torch.zeros(tokens, k, dtype=torch.int32)
-    b = torch.zeros(e, m, dtype=torch.bfloat16) if bias else None
-    out = torch.empty(tokens, k, m, dtype=torch.bfloat16)
-    grid, args, kwargs = moe.kernel_launch(w, x, ids, b, None, out)
-    options = dict(num_warps=kwargs.pop("num_warps"))
-    sig, const, attrs, _ = jit_specialization(moe_gemv_kernel, args, kwargs)
-    compiled = triton.compile(ASTSource(moe_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                              options=options)
-    print(fmt, layout, tokens, k, "local:", local_memory(compiled), "ld.global.v" in compiled.asm["ptx"])
+    launch = Sm90Launch.moe(w, torch.zeros(tokens, k, dtype=torch.bfloat16),
+                            torch.zeros(tokens, top_k, dtype=torch.int32),
+                            bias=torch.zeros(e, m, dtype=torch.bfloat16) if bias else None,
+                            global_scales=torch.ones(e) if per_expert else None, kernel=kernel)
+    compiled = launch.compile()
+    hmma = sum("HMMA" in i for i in sass_instructions(compiled)) if os.path.exists(CUOBJDUMP) else -1
+    print(launch.spec.name, fmt, layout, tokens, top_k, "local:", local_memory(compiled), "hmma:", hmma)
 """
 
 
 def test_compiles_for_sm90_without_local_memory(compile_for_sm90):
+    """The routed kernels compile for sm_90 as the JIT would compile them: no local memory; the tensor-core one
+    with its mma (HMMA) in the SASS, where cuobjdump is bundled."""
     lines = compile_for_sm90(_SM90_SCRIPT).strip().splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     for line in lines:
         assert "local: []" in line, line
+        if line.startswith("moe_weight_only"):
+            assert "hmma: 0" not in line, line
+    assert [line.split()[0] for line in lines] == ["moe_weight_only"] * 4 + ["moe_general"]
 
 
 @pytest.mark.gpu
@@ -231,6 +300,25 @@ def test_gpt_oss_shapes_on_gpu():
         bias = random_activation((32, m), torch.bfloat16, seed=33)
         got = fp4gemv.moe_gemv(w, x, ids, bias=bias)
         assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_tensor_core_step_ptx_on_gpu(fmt, layout):
+    """The PTX step against the oracle at K = 2880 (a partial last step), M = 272 (a row tail): T = 1 and 2
+    (split), 8 and 16 (k32 / fold, top-4 of 32: groups up to 16, two passes), bf16 and fp16, bias, per-expert
+    global scales for NVFP4."""
+    w = random_fp4((32, 272, 2880), fmt, layout, seed=50)
+    bias = random_activation((32, 272), torch.bfloat16, seed=51)
+    scales = (torch.rand(32, generator=torch.Generator().manual_seed(52)) + 0.5).cuda() if fmt == "nvfp4" else None
+    for tokens, act in ((1, torch.bfloat16), (2, torch.float16), (8, torch.bfloat16), (16, torch.float16)):
+        x = random_activation((tokens, 2880), act, seed=53 + tokens)
+        ids = random_ids(tokens, 4, 32, seed=54 + tokens)
+        ids[-1, 0] = ids[0, 3]
+        assert plan_of(w, x, ids, act, bias, scales, backend="auto").spec.name == "moe_weight_only"
+        got = fp4gemv.moe_gemv(w, x, ids, bias=bias, global_scales=scales)
+        assert_routed_exact(got, w, x, ids, act, bias=bias, global_scales=scales)
 
 
 @pytest.mark.gpu

@@ -1,25 +1,29 @@
-"""The routed expert GEMV of a mixture-of-experts decode step: validate once, launch the routed kernel.
+"""The routed expert GEMV of a mixture-of-experts decode step: validate once, plan, launch through the kernel table.
 
 :func:`moe_gemv` computes ``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])`` for T tokens
-and their top-k experts, reading each distinct expert's weights once (``kernels/moe_gemv.py`` groups the
-pairs on the GPU).  Validation raises ``TypeError`` (type, dtype) or ``ValueError`` (shape, device, values)
-naming the argument, the expected and the actual, before anything is written.
+and their top-k experts, reading each distinct expert's weights once (the kernels group the pairs on the GPU).
+:func:`plan_moe` makes the :class:`spec.MoeCase` of the arguments and picks the first spec of
+``kernels.MOE_KERNELS`` that runs it (``moe_weight_only``: the tensor-core step of ``gemv``'s weight_only
+kernel; ``moe_general``: the CUDA-core fallback; ``moe_reference``: float64).  Validation raises ``TypeError``
+(type, dtype) or ``ValueError`` (shape, device, values) naming the argument, the expected and the actual, before
+anything is written.
 """
 
 from __future__ import annotations
 
-import torch
-import triton
+from typing import NamedTuple
 
-from .kernels.moe_gemv import MAX_PAIRS, moe_gemv_config, moe_gemv_kernel
-from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
-from .ops import ACTIVATION_DTYPES, OUT_DTYPES, check_out
-from .quantize import dequantize
-from .formats import round_from_float64
-from .target import Backend, resolve_target
+import torch
+
+from .kernels import MOE_KERNELS, choose_kernel
+from .kernels.moe_gemv import MAX_PAIRS
+from .kernels.spec import KernelSpec, MoeCase, MoeOperands
+from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands
+from .target import Backend, Target, resolve_target
 from .tensor import FP4Tensor
 
-__all__ = ["moe_gemv", "check_moe_arguments", "kernel_launch", "check_expert_ids", "ID_DTYPES", "BIAS_DTYPES"]
+__all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "plan_moe", "MoePlan", "moe_operands",
+           "ID_DTYPES", "BIAS_DTYPES"]
 
 ID_DTYPES = (torch.int32, torch.int64)
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -90,70 +94,62 @@ def check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
                          f"{tuple(where)}")
 
 
-def _reference(w, x, expert_ids, bias, global_scales, out) -> None:
-    """The float64 oracle of the routed product, rounded once into ``out`` (ids outside [0, E) give zeros)."""
-    experts = w.shape[0]
-    x64 = x.to(torch.float64)
-    result = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
-    for e in torch.unique(expert_ids).tolist():
-        if not 0 <= e < experts:
-            continue
-        tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
-        w_e = dequantize(FP4Tensor(w.data[e], w.scales[e], w.fmt, w.scale_layout, w.global_scale), torch.float64)
-        if global_scales is not None:
-            w_e = w_e * global_scales[e].to(torch.float64)
-        values = x64[tokens] @ w_e.T
-        if bias is not None:
-            values = values + bias[e].to(torch.float64)
-        result[tokens, slots] = values
-    out.copy_(round_from_float64(result, out.dtype))
+class MoePlan(NamedTuple):
+    """What :func:`moe_gemv` runs for one metadata: the kernel spec of ``kernels.MOE_KERNELS`` and its
+    configuration, the target, the case, and whether x is read from a contiguous copy."""
+
+    spec: KernelSpec
+    config: object
+    target: Target
+    case: MoeCase
+    copy_x: bool
 
 
-def _check_data_alignment(w: FP4Tensor) -> None:
-    """The kernel reads weights as int64 blocks: data rows at multiples of 8 bytes, contiguous."""
-    d = w.data
-    if not d.is_contiguous() or d.data_ptr() % 8:
-        raise ValueError(f"w: expected contiguous data at an 8-byte aligned address (int64 loads), got strides "
-                         f"{tuple(d.stride())} at address {d.data_ptr() % 8} mod 8")
-
-
-def kernel_launch(w, x, expert_ids, bias, global_scales, out) -> tuple[tuple[int, ...], list, dict]:
-    """(grid, positional arguments, keyword arguments) of the ``moe_gemv_kernel`` launch for checked operands
-    (also what tests/aot.py compiles for sm_90)."""
-    experts, m, k = w.shape
+def moe_case(w: FP4Tensor, x: torch.Tensor, expert_ids: torch.Tensor, bias, global_scales, out_dtype: torch.dtype,
+             out_strides: tuple[int, int, int]) -> MoeCase:
+    """The :class:`spec.MoeCase` of checked operands (x as the kernel reads it)."""
+    experts, m, _ = w.shape
     tokens, top_k = expert_ids.shape
-    pairs = tokens * top_k
-    config = moe_gemv_config(k, tokens)
-    if w.scale_layout == "linear":
-        sf = linear_scale_addressing(w.scales.stride(0), w.scales.stride(1))
-    else:
-        sf = swizzled_scale_addressing(w.scales.stride(0), k // w.fmt.block_size)
-    data = w.data.view(torch.int64)
+    dense = gemv_operands(w, x, torch.empty((experts, m, tokens), dtype=out_dtype, device="meta")).case
     if global_scales is not None:
-        gs, gs_stride, has_gs = global_scales, global_scales.stride(0), True
-    elif w.global_scale is not None:
-        gs, gs_stride, has_gs = w.global_scale.reshape(1), 0, True
+        kind, stride = "expert", global_scales.stride(0)
     else:
-        gs, gs_stride, has_gs = w.scales, 0, False  # never read
-    nb = k // 16
-    grid = (triton.cdiv(m, config.rows), pairs, triton.cdiv(pairs, config.cols))
-    args = [
-        data, w.scales, gs, x, expert_ids, bias if bias is not None else w.scales, out,
-        m, nb, experts, pairs, top_k,
-        w.data.stride(0) // 8, w.data.stride(1) // 8,
-        sf.batch, sf.row_tile, sf.r32, sf.r4, sf.col_tile,
-        gs_stride,
-        x.stride(0), x.stride(1),
-        expert_ids.stride(0), expert_ids.stride(1),
-        *((bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)),
-        out.stride(0), out.stride(1), out.stride(2),
-    ]
-    kwargs = dict(
-        P_PAD=triton.next_power_of_2(pairs), ROWS=config.rows, COLS=config.cols, BLOCKS=config.blocks,
-        FORMAT=w.fmt.name, HAS_GS=has_gs, HAS_BIAS=bias is not None, EVEN_K=nb % config.blocks == 0,
-        num_warps=config.num_warps,
-    )
-    return grid, args, kwargs
+        kind, stride = ("tensor" if w.global_scale is not None else None), 0
+    return MoeCase(dense=dense, experts=experts, tokens=tokens, top_k=top_k, ids_dtype=expert_ids.dtype,
+                   ids_strides=tuple(expert_ids.stride()), bias_dtype=None if bias is None else bias.dtype,
+                   bias_strides=(0, 0) if bias is None else tuple(bias.stride()), global_scales=kind,
+                   global_scales_stride=stride, out_strides=out_strides)
+
+
+def plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target: Target, kernel: str | None = None,
+             config=None) -> MoePlan:
+    """The plan of checked arguments (``check_moe_arguments``) on ``target``; ValueError naming ``kernel`` when
+    no spec (or not the one named) runs the case, TypeError / ValueError naming ``config`` for a bad config."""
+    copy_x = target.runs_triton and _needs_copy(x)
+    if copy_x:
+        x = x.contiguous()
+    tokens, top_k = expert_ids.shape
+    m = w.shape[1]
+    out_strides = tuple(out.stride()) if out is not None else (top_k * m, m, 1)
+    case = moe_case(w, x, expert_ids, bias, global_scales, out_dtype, out_strides)
+    spec = choose_kernel(case, target, kernel, MOE_KERNELS)
+    if config is None:
+        config = spec.default_config(case, target)
+    else:
+        if spec.config_type is None or not isinstance(config, spec.config_type):
+            expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
+            raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
+        spec.check_config(config, case)
+    return MoePlan(spec, config, target, case, copy_x)
+
+
+def moe_operands(plan: MoePlan, w, x, expert_ids, bias, global_scales, out) -> MoeOperands:
+    """The tensors a plan's launch reads (x copied when the plan says so)."""
+    if plan.copy_x:
+        x = x.contiguous()
+    if global_scales is None and w.global_scale is not None:
+        global_scales = w.global_scale.reshape(1)
+    return MoeOperands(plan.case, w.data, w.scales, global_scales, x, expert_ids, bias, out)
 
 
 def moe_gemv(
@@ -167,12 +163,15 @@ def moe_gemv(
     out_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
     check_ids: bool = True,
+    kernel: str | None = None,
+    config=None,
 ) -> torch.Tensor:
     """``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])``: T tokens through their k experts.
 
     w: FP4Tensor ``[E, M, K]`` (NVFP4 or MXFP4, either scale layout), data rows contiguous; its global scale,
         when it has one, is one for all experts.
-    x: ``[T, K]`` float16, bfloat16 or float32, any strides.
+    x: ``[T, K]`` float16, bfloat16 or float32, any strides (Triton kernels read a contiguous copy unless it is
+        contiguous along K with 16-byte aligned rows).
     expert_ids: ``[T, k]`` int32 or int64, any strides; 1 <= T * k <= 1024.  Each distinct expert's weights are
         read once per call when every group has at most 16 pairs (top-k ids are distinct per token, so T <= 16).
     bias: optional ``[E, M]`` float16, bfloat16 or float32, added in fp32 before the one rounding.
@@ -186,10 +185,14 @@ def moe_gemv(
         anything is written (on CUDA a sync; skipped while a CUDA graph is captured).  With False, or under
         CUDA-graph capture and ``torch.compile``, such a pair's output is zeros and no memory outside the
         operands is touched.
+    kernel: None (the first spec of ``kernels.MOE_KERNELS`` that runs the case) or a spec's name, which must run
+        it (``plan_moe(...).spec`` says which runs).
+    config: None (the spec's default) or an instance of its config class.
 
-    Arithmetic: exact weight-activation products (fp16/bf16), fp32 block sums and accumulation, the global scale
-    and the bias applied in fp32, one rounding to ``out_dtype`` (the bound of ``gemv``'s block-sum kernels, one
-    fp32 addition more for the bias).
+    Arithmetic: exact weight-activation products (fp16/bf16), accumulated in fp32 (``moe_weight_only``: every
+    product in one accumulation on the tensor cores, with weight_only's bf16 window 2^-77 <= |x| < 2^64 in its
+    k32 and split modes; ``moe_general``: fp32 block sums), the global scale and the bias applied in fp32, one
+    rounding to ``out_dtype`` (the bound of the spec's ``error_model``, one fp32 addition more for the bias).
     """
     if torch.compiler.is_compiling():
         raise RuntimeError("moe_gemv: under torch.compile call fp4gemv.moe_gemv (fp4gemv.library.moe_gemv), "
@@ -200,15 +203,9 @@ def moe_gemv(
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_ids and not capturing:
         check_expert_ids(expert_ids, w.shape[0])
-    if target.runs_triton:
-        if w.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
-            raise ValueError(f"w: NVFP4 needs e4m3 conversions (sm_89 or newer), got {target.describe()}")
-        _check_data_alignment(w)
+    plan = plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
-    if target.runs_triton:
-        grid, args, kwargs = kernel_launch(w, x, expert_ids, bias, global_scales, out)
-        moe_gemv_kernel[grid](*args, **kwargs)
-    else:
-        _reference(w, x, expert_ids, bias, global_scales, out)
+    operands = moe_operands(plan, w, x, expert_ids, bias, global_scales, out)
+    plan.spec.launch(operands, plan.config, target)
     return out

@@ -13,7 +13,7 @@ import torch
 from . import layouts
 from .formats import FP4Format, dequantize, round_from_float64
 
-__all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference"]
+__all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference"]
 
 
 def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -55,3 +55,32 @@ def quantized_gemv_reference(a, b, out_dtype: torch.dtype = torch.float16) -> to
     if b_values.dim() == 1:
         return gemv_reference(a_values, b_values[None, :], out_dtype)[..., 0]
     return gemv_reference(a_values, b_values, out_dtype)
+
+
+def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Format, scale_layout: str,
+                          global_scale: torch.Tensor | None, x: torch.Tensor, expert_ids: torch.Tensor,
+                          bias: torch.Tensor | None = None, global_scales: torch.Tensor | None = None,
+                          out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The exact result of ``fp4gemv.moe_gemv``: ``out[t, j] = W[e] @ x[t] (+ bias[e])`` for ``e = ids[t, j]``, in
+    float64, rounded once to ``out_dtype`` (``torch.float64``: the exact value); pairs with an id outside
+    ``[0, E)`` give zeros.
+
+    data, scales, fmt, scale_layout, global_scale: the experts ``[E, M, K]`` as an FP4Tensor's fields (one global
+    scale for all); global_scales: ``[E]``, one per expert; x ``[T, K]``; expert_ids ``[T, k]``; bias ``[E, M]``.
+    Only the experts named are dequantized.  Returns ``[T, k, M]``.
+    """
+    experts, rows = data.shape[0], data.shape[1]
+    x64 = x.to(torch.float64)
+    result = torch.zeros((*expert_ids.shape, rows), dtype=torch.float64, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < experts:
+            continue
+        tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
+        w_e = fp4_values(data[e], scales[e], fmt, scale_layout, global_scale)
+        if global_scales is not None:
+            w_e = w_e * global_scales[e].to(torch.float64)
+        values = x64[tokens] @ w_e.T
+        if bias is not None:
+            values = values + bias[e].to(torch.float64)
+        result[tokens, slots] = values
+    return result if out_dtype == torch.float64 else round_from_float64(result, out_dtype)

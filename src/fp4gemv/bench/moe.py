@@ -6,7 +6,8 @@ timed in one CUDA graph replayed with L2 flushed (``timing.device_time_us``; med
 
 * routed GEMVs: gate_up and down through ``fp4gemv.moe_gemv`` (down on a fixed activation), against the best
   read (``bench.stream.best_read``) of the distinct experts' bytes (packed data and scales, as the issue's
-  table counts them);
+  table counts them); the default kernel (``kernels.MOE_KERNELS``' first that runs the case) and, beside it,
+  the CUDA-core ``moe_general`` it replaced (``OLD_KERNEL``);
 * the whole layer: top-k and softmax of the logits, ``nn.FP4Experts`` (gate_up, clamped SwiGLU, down,
   weighted combine);
 * the same routed math with bf16 experts in plain torch: gather the pairs' expert weights, ``bmm``, the same
@@ -32,6 +33,8 @@ from .timing import device_time_us
 __all__ = ["MOE_MODELS", "MoeModel", "TRITON_KERNELS_US", "moe_benchmark", "format_moe_table", "expert_bytes"]
 
 COPIES = 8
+# The routed kernel timed beside the default one: the CUDA-core path moe_gemv ran before the tensor-core step.
+OLD_KERNEL = "moe_general"
 
 
 @dataclass(frozen=True)
@@ -119,24 +122,27 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
         gu_out = torch.empty(tokens, model.top_k, 2 * i, device="cuda", dtype=torch.float32)
         d_out = torch.empty(tokens * model.top_k, 1, h, device="cuda", dtype=torch.float32)
 
-        def routed_gemvs(c):
+        def routed_gemvs(c, kernel=None):
             layer, (ids, _) = layers[c], routes[c]
             gu, dn = layer.projection("gate_up0"), layer.projection("down")
-            moe_gemv(gu.weight, x, ids, bias=gu.bias, out=gu_out, out_dtype=torch.float32, check_ids=False)
+            moe_gemv(gu.weight, x, ids, bias=gu.bias, out=gu_out, out_dtype=torch.float32, check_ids=False,
+                     kernel=kernel)
             moe_gemv(dn.weight, h_in, ids.reshape(-1, 1), bias=dn.bias, out=d_out, out_dtype=torch.float32,
-                     check_ids=False)
+                     check_ids=False, kernel=kernel)
 
         def whole_layer(c):
             ids, weights = _route(logits[c], model.top_k)
             return layers[c](x, ids, weights)
 
         gemv_us = _median(device_time_us(routed_gemvs, range(copies)))
+        old_us = _median(device_time_us(lambda c: routed_gemvs(c, OLD_KERNEL), range(copies)))
         layer_us = _median(device_time_us(whole_layer, range(copies)))
         nbytes = int(statistics.mean(distinct) * expert_bytes(model))
         read_name, read_us = best_read(nbytes)
         rows.append(dict(model=name, tokens=tokens, distinct_experts=statistics.mean(distinct), mbytes=nbytes / 1e6,
                          routed_gemv_us=gemv_us, best_read_us=read_us, best_read=read_name,
-                         fraction_of_read=read_us / gemv_us, layer_us=layer_us, step_ms=layer_us * model.layers / 1e3))
+                         fraction_of_read=read_us / gemv_us, old_routed_gemv_us=old_us,
+                         old_fraction_of_read=read_us / old_us, layer_us=layer_us, step_ms=layer_us * model.layers / 1e3))
     del layers
     torch.cuda.empty_cache()
 
@@ -165,13 +171,14 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
 
 
 def format_moe_table(rows: list[dict]) -> str:
-    head = ("| model | T | experts | MB | routed GEMVs us | best read us | read/GEMVs | layer us | step ms | "
-            "bf16 torch us | triton_kernels us | vs triton_kernels |")
-    lines = [head, "|" + "---|" * 12]
+    head = ("| model | T | experts | MB | routed GEMVs us | best read us | read/GEMVs | "
+            f"{OLD_KERNEL} GEMVs us | read/{OLD_KERNEL} | layer us | step ms | bf16 torch us | triton_kernels us | "
+            "vs triton_kernels |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         tk = "-" if r["triton_kernels_us"] is None else f"{r['triton_kernels_us']:.1f}"
         speed = "-" if r["speedup_vs_triton_kernels"] is None else f"{r['speedup_vs_triton_kernels']:.2f}x"
         lines.append(f"| {r['model']} | {r['tokens']} | {r['distinct_experts']:.1f} | {r['mbytes']:.1f} | "
                      f"{r['routed_gemv_us']:.1f} | {r['best_read_us']:.1f} | {r['fraction_of_read']:.2f} | "
-                     f"{r['layer_us']:.1f} | {r['step_ms']:.2f} | {r['bf16_torch_us']:.1f} | {tk} | {speed} |")
+                     f"{r['old_routed_gemv_us']:.1f} | {r['old_fraction_of_read']:.2f} | {r['layer_us']:.1f} | {r['step_ms']:.2f} | {r['bf16_torch_us']:.1f} | {tk} | {speed} |")
     return "\n".join(lines)

@@ -1,8 +1,9 @@
-"""The GEMV kernels and their precedence: the one table the dispatcher (``fp4gemv.ops``) reads.
+"""The GEMV kernels and their precedence: the tables the dispatchers (``fp4gemv.ops``, ``fp4gemv.moe``) read.
 
 :data:`GEMV_KERNELS` lists the specs in the order they are tried; :data:`DEFERRALS` lists where a kernel that
-runs a case leaves it to a later one by default (measured faster there).  :func:`choose_kernel` takes the first
-spec that runs the case on the target and is not deferred.  No kernel module imports another: a new kernel is
+runs a case leaves it to a later one by default (measured faster there).  :data:`MOE_KERNELS` is the table of
+the routed expert GEMV (``spec.MoeCase``).  :func:`choose_kernel` takes the first spec of a table that runs the
+case on the target and is not deferred.  No kernel module imports another: a new kernel is
 its module plus one line in ``GEMV_KERNELS`` (and a deferral line, where measurements call for one).
 """
 
@@ -14,16 +15,19 @@ from ..target import Target
 from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
-from .reference import Reference
-from .spec import GemvCase, KernelSpec
+from .moe_gemv import MoeGeneral
+from .moe_weight_only import MoeWeightOnly
+from .reference import MoeReference, Reference
+from .spec import GemvCase, KernelSpec, MoeCase
 from .stream import MIN_N as STREAM_MIN_N
 from .stream import Stream
 from .w4a4 import W4A4
 from .weight_only import MAX_FLOAT_N_OVER_HMMA, WeightOnly
 
-__all__ = ["GEMV_KERNELS", "DEFERRALS", "Deferral", "kernel_by_name", "choose_kernel"]
+__all__ = ["GEMV_KERNELS", "MOE_KERNELS", "DEFERRALS", "Deferral", "kernel_by_name", "choose_kernel"]
 
 GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
+MOE_KERNELS: tuple[KernelSpec, ...] = (MoeWeightOnly(), MoeGeneral(), MoeReference())
 
 
 class Deferral(NamedTuple):
@@ -45,12 +49,12 @@ DEFERRALS: tuple[Deferral, ...] = (
 )
 
 
-def kernel_by_name(name: str) -> KernelSpec:
-    """The spec called ``name``; ValueError naming ``kernel`` with the known names otherwise."""
-    for spec in GEMV_KERNELS:
+def kernel_by_name(name: str, kernels: tuple[KernelSpec, ...] = GEMV_KERNELS) -> KernelSpec:
+    """The spec of ``kernels`` called ``name``; ValueError naming ``kernel`` with the known names otherwise."""
+    for spec in kernels:
         if spec.name == name:
             return spec
-    names = ", ".join(repr(s.name) for s in GEMV_KERNELS)
+    names = ", ".join(repr(s.name) for s in kernels)
     raise ValueError(f"kernel: expected one of {names}, got {name!r}")
 
 
@@ -62,17 +66,19 @@ def _deferred(spec: KernelSpec, case: GemvCase, target: Target) -> str | None:
     return None
 
 
-def choose_kernel(case: GemvCase, target: Target, kernel: str | None = None) -> KernelSpec:
-    """The first spec of :data:`GEMV_KERNELS` that runs the case on the target and is not deferred, or the one
-    named ``kernel`` (deferrals aside), if it runs the case; ValueError with every spec's reason otherwise."""
+def choose_kernel(case: GemvCase | MoeCase, target: Target, kernel: str | None = None,
+                  kernels: tuple[KernelSpec, ...] = GEMV_KERNELS) -> KernelSpec:
+    """The first spec of ``kernels`` (:data:`GEMV_KERNELS`, or :data:`MOE_KERNELS` for a ``MoeCase``) that runs the
+    case on the target and is not deferred, or the one named ``kernel`` (deferrals aside), if it runs the case;
+    ValueError with every spec's reason otherwise."""
     if kernel is not None:
-        spec = kernel_by_name(kernel)
+        spec = kernel_by_name(kernel, kernels)
         reason = spec.why_not(case, target)
         if reason is not None:
             raise ValueError(f"kernel: {kernel!r} cannot run {case.describe()} on {target.describe()}: {reason}")
         return spec
     reasons = []
-    for spec in GEMV_KERNELS:
+    for spec in kernels:
         reason = spec.why_not(case, target)
         if reason is None:
             reason = _deferred(spec, case, target)

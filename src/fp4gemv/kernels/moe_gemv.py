@@ -1,4 +1,5 @@
-"""Routed FP4 expert GEMV: ``out[t, j] = W[ids[t, j]] @ x[t]`` with each distinct expert's weights read once.
+"""Routed FP4 expert GEMV on the CUDA cores (the fallback of ``moe_weight_only``: fp32 activations, more pairs or
+experts, unaligned weights): ``out[t, j] = W[ids[t, j]] @ x[t]`` with each distinct expert's weights read once.
 
 The T*k (token, slot) pairs are grouped by expert inside the kernel, with no host sync and no preprocessing
 launch: the grid is static, one program per (row tile, pair, column chunk).  Every program loads the T*k
@@ -25,14 +26,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
+from ..target import Target
 from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1, unpack_block
 from .general import _load_k, _scale_cols
+from .spec import MoeCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
-__all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS"]
+__all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS",
+           "MoeGeneral"]
 
 # Pairs (T * k) per call: every program holds all ids in registers ([P_PAD] lanes).
 MAX_PAIRS = 1024
@@ -60,6 +65,59 @@ def moe_gemv_config(k: int, tokens: int) -> MoeGemvConfig:
     cols = min(MAX_COLS, pow2_at_most(2 * tokens - 1))
     blocks = _PRODUCT_ELEMENTS // (_ROWS * cols * 16)
     return MoeGemvConfig(rows=_ROWS, cols=cols, blocks=min(pow2_at_most(blocks), pow2_at_most(k // 16)), num_warps=4)
+
+
+class MoeGeneral(TritonKernelSpec):
+    """Every routed case the formats allow (fp16, bf16 or fp32 activations, any strides), untuned: weights read
+    as int64 blocks (data rows 8-byte aligned)."""
+
+    name = "moe_general"
+    config_type = MoeGemvConfig
+
+    def why_not(self, case: MoeCase, target: Target) -> str | None:
+        if not target.runs_triton:
+            return "runs Triton kernels only"
+        if case.dense.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
+            return f"needs e4m3 conversions (sm_89 or newer; this is {target.describe()})"
+        if case.dense.a.align < 8:
+            return f"w: needs data rows at multiples of 8 bytes (int64 loads), got {case.dense.a.align}-byte alignment"
+        return None
+
+    def default_config(self, case: MoeCase, target: Target) -> MoeGemvConfig:
+        return moe_gemv_config(case.dense.k, case.tokens)
+
+    def check_config(self, config: MoeGemvConfig, case: MoeCase | None = None) -> None:
+        check_powers_of_two(config, ("rows", "cols", "blocks", "num_warps"))
+        if config.cols > MAX_COLS:
+            raise ValueError(f"config: expected cols <= {MAX_COLS}, got {config}")
+
+    def triton_launch(self, case: MoeCase, config: MoeGemvConfig, target: Target) -> TritonLaunch:
+        """Weights as int64 blocks of 16 codes (strides in blocks); scales in bytes; the rest in elements."""
+        dense = case.dense
+        a, x_strides = dense.a, dense.b.strides
+        nb = dense.k // 16
+        placeholder = Src("w_scales", torch.uint8)
+        args = dict(
+            w_ptr=Src("w_data", torch.int64), sfw_ptr=placeholder,
+            gs_ptr=Src("global_scales", torch.float32) if case.global_scales else placeholder,
+            x_ptr=Src("x", dense.b.dtype), ids_ptr=Src("expert_ids", case.ids_dtype),
+            bias_ptr=Src("bias", case.bias_dtype) if case.bias_dtype is not None else placeholder,
+            out_ptr=Src("out", dense.out_dtype),
+            M=dense.m, NB=nb, E=case.experts, P=case.pairs, TOP_K=case.top_k,
+            w_stride_e=a.batch_stride // 8, w_stride_m=a.row_stride // 8,
+            sfw_stride_e=a.scales.batch, sfw_stride_row_tile=a.scales.row_tile, sfw_stride_r32=a.scales.r32,
+            sfw_stride_r4=a.scales.r4, sfw_stride_col_tile=a.scales.col_tile,
+            gs_stride_e=case.global_scales_stride,
+            x_stride_t=x_strides[1], x_stride_k=x_strides[2],
+            ids_stride_t=case.ids_strides[0], ids_stride_j=case.ids_strides[1],
+            bias_stride_e=case.bias_strides[0], bias_stride_m=case.bias_strides[1],
+            out_stride_t=case.out_strides[0], out_stride_j=case.out_strides[1], out_stride_m=case.out_strides[2],
+            P_PAD=triton.next_power_of_2(case.pairs), ROWS=config.rows, COLS=config.cols, BLOCKS=config.blocks,
+            FORMAT=dense.fmt.name, HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
+            EVEN_K=nb % config.blocks == 0,
+        )
+        grid = (triton.cdiv(dense.m, config.rows), case.pairs, triton.cdiv(case.pairs, config.cols))
+        return TritonLaunch(moe_gemv_kernel, grid, args, dict(num_warps=config.num_warps))
 
 
 @triton.jit

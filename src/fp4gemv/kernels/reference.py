@@ -3,11 +3,13 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
-from ..reference import fp4_values, gemv_reference
+from ..reference import fp4_values, gemv_reference, routed_gemv_reference
 from ..target import Target
-from .spec import GemvCase, GemvOperands, KernelSpec
+from .spec import GemvCase, GemvOperands, KernelSpec, MoeCase, MoeOperands
 
-__all__ = ["Reference"]
+__all__ = ["Reference", "MoeReference"]
+
+_ONLY_WHEN_ASKED = "the reference runs only when asked for (or off CUDA with backend 'auto')"
 
 
 class Reference(KernelSpec):
@@ -19,7 +21,7 @@ class Reference(KernelSpec):
     config_type = None
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
-        return "the reference runs only when asked for (or off CUDA with backend 'auto')" if target.runs_triton else None
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         case = ops.case
@@ -29,3 +31,21 @@ class Reference(KernelSpec):
         else:
             b = ops.b_data
         ops.out.copy_(gemv_reference(a, b, case.out_dtype))
+
+
+class MoeReference(KernelSpec):
+    """``reference.routed_gemv_reference`` of the operands, copied into the output (any device, layout and
+    alignment; no configuration)."""
+
+    name = "moe_reference"
+    config_type = None
+
+    def why_not(self, case: MoeCase, target: Target) -> str | None:
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
+
+    def launch(self, ops: MoeOperands, config, target: Target) -> None:
+        d = ops.case.dense
+        per_expert = ops.global_scales if ops.case.global_scales == "expert" else None
+        per_tensor = ops.global_scales if ops.case.global_scales == "tensor" else None
+        ops.out.copy_(routed_gemv_reference(ops.w_data, ops.w_scales, d.fmt, d.a.scale_layout, per_tensor, ops.x,
+                                            ops.expert_ids, ops.bias, per_expert, d.out_dtype))

@@ -29,7 +29,7 @@ from ..target import Target
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
            "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
            "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources", "GEMV_MAX_N",
-           "too_many_rows"]
+           "too_many_rows", "MoeCase", "MoeOperands"]
 
 # Activation rows the GEMV kernels take: they keep every row's accumulator in registers (the GEMM takes more).
 GEMV_MAX_N = 16
@@ -138,6 +138,53 @@ class GemvCase:
         return f"{self.fmt.name} {self.m}x{self.k}{batch} times {act}, N={self.n}"
 
 
+@dataclass(frozen=True)
+class MoeCase:
+    """``out[t, j] = W[ids[t, j]] @ x[t]`` (+ bias, times global scales): what a routed kernel may look at.
+
+    dense: one expert's product as a :class:`GemvCase`: a the weights ``[E, M, K/2]`` (batch = E), b the
+    activation ``x`` ``[T, K]`` (batch stride 0, N = T), out_strides unused (the routed kernels scatter into
+    ``out_strides``, ``[T, k, M]`` in elements).  global_scales: None, ``"tensor"`` (w's one) or ``"expert"``
+    (one per expert, ``global_scales_stride`` apart); bias_dtype None when there is no bias.
+    """
+
+    dense: GemvCase
+    experts: int
+    tokens: int
+    top_k: int
+    ids_dtype: torch.dtype
+    ids_strides: tuple[int, int]
+    bias_dtype: torch.dtype | None
+    bias_strides: tuple[int, int]
+    global_scales: str | None
+    global_scales_stride: int
+    out_strides: tuple[int, int, int]
+
+    @property
+    def pairs(self) -> int:
+        return self.tokens * self.top_k
+
+    def describe(self) -> str:
+        d = self.dense
+        return (f"{d.fmt.name} experts E={self.experts} {d.m}x{d.k} times "
+                f"{str(d.b.dtype).replace('torch.', '')} T={self.tokens} top-{self.top_k}")
+
+
+class MoeOperands(NamedTuple):
+    """The tensors of one routed GEMV with their case: w's data ``[E, M, K/2]`` and scales, the global scales
+    (``[E]``, or w's one as ``[1]``; None without), x ``[T, K]``, expert_ids ``[T, k]``, bias ``[E, M]`` or None,
+    out ``[T, k, M]``."""
+
+    case: MoeCase
+    w_data: torch.Tensor
+    w_scales: torch.Tensor
+    global_scales: torch.Tensor | None
+    x: torch.Tensor
+    expert_ids: torch.Tensor
+    bias: torch.Tensor | None
+    out: torch.Tensor
+
+
 class GemvOperands(NamedTuple):
     """The tensors of one GEMV in the batched form kernels read, with the case describing them.
 
@@ -157,7 +204,8 @@ class GemvOperands(NamedTuple):
 
 
 class Src(NamedTuple):
-    """A pointer argument of a launch: operand ``name`` (a field of :class:`GemvOperands`) read as ``dtype``."""
+    """A pointer argument of a launch: operand ``name`` (a field of :class:`GemvOperands` or
+    :class:`MoeOperands`) read as ``dtype``."""
 
     name: str
     dtype: torch.dtype
@@ -256,6 +304,6 @@ class TritonKernelSpec(KernelSpec):
         launch.kernel[launch.grid](**fill_sources(launch.args, ops), **launch.options)
 
 
-def fill_sources(args: dict[str, Any], ops: GemvOperands) -> dict[str, Any]:
+def fill_sources(args: dict[str, Any], ops: GemvOperands | MoeOperands) -> dict[str, Any]:
     """``args`` with every :class:`Src` replaced by the operand tensor it names, viewed as its dtype."""
     return {name: getattr(ops, v.name).view(v.dtype) if isinstance(v, Src) else v for name, v in args.items()}

@@ -54,7 +54,9 @@ from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKe
                    global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
-           "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA"]
+           "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA", "PTXAS_LOADS_FIRST", "ACT_CODES", "MODE_CODES",
+           "program_lanes", "tile_rows", "weight_pointers", "fragment_rows", "twin_column_row", "k_loop",
+           "column_result"]
 
 MAX_WARPS = 16
 # split gives each n-tile 2 activation rows (4 K owners x 2 columns): N <= 4 with two n-tiles.
@@ -67,8 +69,9 @@ MAX_FLOAT_N_OVER_HMMA = 8
 PTXAS_LOADS_FIRST = "-O1"
 # Elements of K per iteration of the pure-Triton twin's loop over a warp chunk (``_step_triton``).
 TWIN_PIECE = tl.constexpr(8)
-_ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
-_MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
+# The kernels' ACT and MODE constexprs.
+ACT_CODES = {"f16": 0, "bf16": 1, "fp4": 2}
+MODE_CODES = {"fold": 0, "k32": 1, "split": 2}
 
 
 class WeightOnlyConfig(NamedTuple):
@@ -242,7 +245,7 @@ class WeightOnly(TritonKernelSpec):
             **dict(zip(("sfb_stride_l", "sfb_stride_row_tile", "sfb_stride_r32", "sfb_stride_r4"), sfb)),
             c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
             **MULTIPLIERS,
-            MODE=_MODE_CODES[spec.mode], MX=case.fmt.name == "mxfp4", ACT=_ACT_CODES[spec.act], TILES=config.tiles,
+            MODE=MODE_CODES[spec.mode], MX=case.fmt.name == "mxfp4", ACT=ACT_CODES[spec.act], TILES=config.tiles,
             WARPS=config.warps, CHUNKS=config.chunks, N_TILES=spec.n_tiles, SFA_COL_TILE=spec.sfa_col_tile,
             SFB_COL_TILE=spec.sfb_col_tile, HAS_GSA=gsa, HAS_GSB=gsb,
             FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode), USE_PTX=target.mode == "ptx", PDL=pdl,
@@ -276,7 +279,7 @@ def _col_offset(col, COL_TILE: tl.constexpr):
 @triton.jit
 def _scale_ptr(sf_ptr, pid_l, rows, N, stride_l, stride_row_tile, stride_r32, stride_r4, col,
                COL_TILE: tl.constexpr):
-    """The scale of row ``rows`` (clamped to N - 1) and column ``col``."""
+    """The scale of row ``rows`` (clamped to N - 1) and column ``col`` of matrix ``pid_l``."""
     rows = tl.minimum(rows, N - 1)
     return (sf_ptr + pid_l * stride_l + scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4)
             + _col_offset(col, COL_TILE))
@@ -293,7 +296,7 @@ def _activation_ptr(b_ptr, pid_l, n, N, b_stride_l, b_stride_n, k_elem, ACT: tl.
 
 
 @triton.jit
-def _twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
+def twin_column_row(O: tl.constexpr, c, MODE: tl.constexpr):
     """The activation row of output ``O``'s C column for thread c: column 8 (O // 2) + 2 c + O % 2, in split
     activation row O (``_mma_step``'s accumulator layout)."""
     if MODE == 2:
@@ -461,11 +464,87 @@ def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, k
 
 
 @triton.jit
-def _store_column(acc, O: tl.constexpr, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
-                  c_stride_n, MODE: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, FOLD: tl.constexpr,
-                  USE_PTX: tl.constexpr, HAS_GSA: tl.constexpr, HAS_GSB: tl.constexpr):
-    """Sum output ``O`` over the warps (and in split over the 4 K owners c), undo the fold, apply the global
-    scales, round once, store."""
+def program_lanes(TILES: tl.constexpr, WARPS: tl.constexpr):
+    """A program's thread layout: (e ``[P, 1]`` the element index 2 t + h, warp, g, c ``[1, 32 warps]``, zero
+    ``[P, 32 warps]`` int32)."""
+    e = tl.arange(0, 2 * TILES)[:, None]
+    tid = tl.arange(0, 32 * WARPS)[None, :]
+    warp = tid // 32
+    g = (tid % 32) // 4
+    c = tid % 4
+    zero = tl.zeros([2 * TILES, 32 * WARPS], dtype=tl.int32)
+    return e, warp, g, c, zero
+
+
+@triton.jit
+def weight_pointers(a_ptr, sfa_ptr, pid_l, rows, M, a_stride_l, a_stride_m, sfa_stride_l, sfa_stride_row_tile,
+                    sfa_stride_r32, sfa_stride_r4, warp, c, MODE: tl.constexpr, MX: tl.constexpr,
+                    CHUNKS: tl.constexpr, SFA_COL_TILE: tl.constexpr):
+    """The thread's weight and weight-scale pointers ``[P, T]`` at its first chunk of matrix ``pid_l`` (a batch
+    index, or an expert), its first element of K and its first activation element:
+    (pa, ps, k_first, k_x, k_warp)."""
+    KC: tl.constexpr = 128 * CHUNKS  # elements of K per warp and step
+    BLOCK: tl.constexpr = 32 if MX else 16
+    k_warp = warp * KC
+    if MODE == 1:  # k32: word c of every block
+        k_first = k_warp
+        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_warp // 2 + 4 * c
+        k_x = k_warp + 8 * c
+    else:  # 32 consecutive elements per chunk
+        k_first = k_warp + 32 * c
+        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_first // 2
+        k_x = k_first
+    ps = _scale_ptr(sfa_ptr, pid_l, rows, M, sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
+                    k_first // BLOCK, SFA_COL_TILE)
+    return pa, ps, k_first, k_x, k_warp
+
+
+@triton.jit
+def fragment_rows(e, g, MODE: tl.constexpr):
+    """The activation row of the thread's B fragment for n-tile e: g + 8 e, or in split 2 e + g % 2 (threads with
+    g // 2 == c only)."""
+    if MODE == 2:
+        x_rows = 2 * e + g % 2
+    else:
+        x_rows = g + 8 * e
+    return x_rows
+
+
+@triton.jit
+def k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c, zero, K,
+           MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr,
+           CHUNKS: tl.constexpr, N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr,
+           USE_PTX: tl.constexpr, PDL: tl.constexpr, ASM_FULL: tl.constexpr, CONSTRAINTS_FULL: tl.constexpr,
+           ASM_TAIL: tl.constexpr, CONSTRAINTS_TAIL: tl.constexpr):
+    """Every step over K from zeroed accumulators: the four accumulators ``[P, T]`` (``_mma_step``'s layout)."""
+    P: tl.constexpr = 2 * TILES
+    STEP: tl.constexpr = WARPS * 128 * CHUNKS
+    a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    # The PTX masks only in the last, partial step (its own asm); the twin masks every step, so one loop.
+    n_full = K // STEP if USE_PTX else tl.cdiv(K, STEP)
+    for s in range(0, n_full):
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
+                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
+                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL)
+    if USE_PTX:
+        if n_full * STEP < K:
+            a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
+                                   col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
+                                   SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def column_result(acc, O: tl.constexpr, MODE: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr,
+                  FOLD: tl.constexpr, USE_PTX: tl.constexpr):
+    """Output ``O`` summed over the warps (and in split over the 4 K owners c) with the fold undone: (values,
+    e, g, their activation rows n), broadcast together (``tile_rows(pid_m, e, g)``: their rows)."""
     P: tl.constexpr = 2 * TILES
     if MODE == 2:
         out = tl.sum(tl.sum(tl.reshape(acc, [P, WARPS, 8, 4]), axis=3), axis=1)  # [e, g]
@@ -480,8 +559,23 @@ def _store_column(acc, O: tl.constexpr, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M
         n = 8 * (O // 2) + 2 * (lane % 4) + O % 2
     if USE_PTX:
         out = out * FOLD
+    return out, e, g, n
+
+
+@triton.jit
+def tile_rows(pid_m, e, g, TILES: tl.constexpr):
+    """The output rows of program row tile ``pid_m`` that element e of lane group g holds."""
+    return pid_m * (16 * TILES) + 16 * (e // 2) + 8 * (e % 2) + g
+
+
+@triton.jit
+def _store_column(acc, O: tl.constexpr, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
+                  c_stride_n, MODE: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, FOLD: tl.constexpr,
+                  USE_PTX: tl.constexpr, HAS_GSA: tl.constexpr, HAS_GSB: tl.constexpr):
+    """Apply the global scales to output ``O``, round once, store."""
+    out, e, g, n = column_result(acc, O, MODE, TILES, WARPS, FOLD, USE_PTX)
     out = apply_global_scales(out, gsa_ptr, gsb_ptr, HAS_GSA, HAS_GSB)
-    rows = pid_m * (16 * TILES) + 16 * (e // 2) + 8 * (e % 2) + g
+    rows = tile_rows(pid_m, e, g, TILES)
     ptrs = c_ptr + pid_l * c_stride_l + rows.to(tl.int64) * c_stride_m + n * c_stride_n
     store_rounded(ptrs, out, (rows < M) & (n < N))
 
@@ -516,36 +610,15 @@ def weight_only_gemv_kernel(
     CONSTRAINTS_TAIL: tl.constexpr,
 ):
     # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  m6 .. m30: _mma_step.MULTIPLIERS.
-    P: tl.constexpr = 2 * TILES
-    KC: tl.constexpr = 128 * CHUNKS  # elements of K per warp and step
-    STEP: tl.constexpr = WARPS * KC
-    BLOCK: tl.constexpr = 32 if MX else 16
     pid_m = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
-    e = tl.arange(0, P)[:, None]
-    tid = tl.arange(0, 32 * WARPS)[None, :]
-    warp = tid // 32
-    g = (tid % 32) // 4
-    c = tid % 4
-    zero = tl.zeros([P, 32 * WARPS], dtype=tl.int32)
+    e, warp, g, c, zero = program_lanes(TILES, WARPS)
     # Tail rows re-read row M - 1; only the store is masked.
-    rows = tl.minimum(pid_m * (16 * TILES) + 16 * (e // 2) + 8 * (e % 2) + g, M - 1)  # [P, T]
-    k_warp = warp * KC
-    if MODE == 1:  # k32: word c of every block
-        k_first = k_warp
-        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_warp // 2 + 4 * c
-        k_x = k_warp + 8 * c
-    else:  # 32 consecutive elements per chunk
-        k_first = k_warp + 32 * c
-        pa = a_ptr + pid_l * a_stride_l + rows.to(tl.int64) * a_stride_m + k_first // 2
-        k_x = k_first
-    ps = _scale_ptr(sfa_ptr, pid_l, rows, M, sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
-                    k_first // BLOCK, SFA_COL_TILE)
-    # The thread's B fragment row for n-tile e: g + 8 e, or in split 2 e + g % 2 (threads with g // 2 == c only).
-    if MODE == 2:
-        x_rows = 2 * e + g % 2
-    else:
-        x_rows = g + 8 * e
+    rows = tl.minimum(tile_rows(pid_m, e, g, TILES), M - 1)  # [P, T]
+    pa, ps, k_first, k_x, k_warp = weight_pointers(a_ptr, sfa_ptr, pid_l, rows, M, a_stride_l, a_stride_m,
+                                                   sfa_stride_l, sfa_stride_row_tile, sfa_stride_r32, sfa_stride_r4,
+                                                   warp, c, MODE, MX, CHUNKS, SFA_COL_TILE)
+    x_rows = fragment_rows(e, g, MODE)
     px = _activation_ptr(b_ptr, pid_l, x_rows, N, b_stride_l, b_stride_n, k_x, ACT)
     xon = ((g // 2) == c).to(tl.int32) + zero
     pxs = px
@@ -565,33 +638,19 @@ def weight_only_gemv_kernel(
             pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
                              sfb_stride_r4, k_first // 16, SFB_COL_TILE)
     muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
-    # The twin reads each C column's activation row at the warp chunk (``_twin_column_row``).
+    # The twin reads each C column's activation row at the warp chunk (``twin_column_row``).
+    BLOCK: tl.constexpr = 32 if MX else 16
     col_ptrs = ()
     col_scale_ptrs = ()
     for o in tl.static_range(4):
-        row = _twin_column_row(o, c, MODE)
+        row = twin_column_row(o, c, MODE)
         col_ptrs = col_ptrs + (_activation_ptr(b_ptr, pid_l, row, N, b_stride_l, b_stride_n, k_warp, ACT),)
         col_scale_ptrs = col_scale_ptrs + (
             _scale_ptr(sfb_ptr, pid_l, row, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
                        k_warp // BLOCK, SFB_COL_TILE),)
-    a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
-    a1 = a0
-    a2 = a0
-    a3 = a0
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    # The PTX masks only in the last, partial step (its own asm); the twin masks every step, so one loop.
-    n_full = K // STEP if USE_PTX else tl.cdiv(K, STEP)
-    for s in range(0, n_full):
-        a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
-                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
-                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL)
-    if USE_PTX:
-        if n_full * STEP < K:
-            a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
-                                   col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
-                                   SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL)
+    a0, a1, a2, a3 = k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c, zero, K,
+                            MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, USE_PTX, PDL,
+                            ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL)
     accumulators = (a0, a1, a2, a3)
     for o in tl.static_range(2 * N_TILES):
         _store_column(accumulators[o], o, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
