@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -24,6 +25,7 @@ from fp4gemv.nn import (
     save_modelopt,
     save_mxfp4,
 )
+from fp4gemv.nn.checkpoints import write_safetensors
 from fp4gemv.reference import gemv_reference
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -423,3 +425,49 @@ def test_load_with_a_key_prefix(tmp_path):
     assert torch.equal(loaded(ids), quantized(ids))
     with pytest.raises(ValueError, match="up: the modelopt config quantizes this module but the checkpoint has no FP4"):
         load_quantized(_tiny(), tmp_path)  # without the prefix no key matches
+
+
+def _file_offsets(path):
+    """Each tensor's (file offset, size in bytes) from a safetensors file's header."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    header.pop("__metadata__", None)
+    return {k: (8 + length + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items()}
+
+
+@pytest.mark.parametrize("writer", [save_compressed_tensors, save_modelopt, save_mxfp4])
+def test_writers_align_every_tensor(tmp_path, writer):
+    """Loaders (transformers, safe_open) use a mapped file's CPU tensors in place, and CPU matmuls round
+    differently on misaligned data: every tensor starts on a 64-byte boundary, or on the largest power of two
+    dividing its size when that is smaller (a 4-byte scale), so the float head here lands on 64 bytes."""
+    model = _tiny()
+    quantize_model(model, "mxfp4" if writer is save_mxfp4 else "nvfp4", skip=["head"])
+    writer(model, tmp_path, config={"model_type": "tiny"})
+    offsets = _file_offsets(tmp_path / "model.safetensors")
+    assert offsets["head.weight"][0] % 64 == 0
+    for key, (start, nbytes) in offsets.items():
+        assert start % math.gcd(64, nbytes) == 0, (key, start, nbytes)
+
+
+def test_write_safetensors_reads_back_every_dtype(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"scalar": torch.tensor(3.0), "weight": torch.randn(96, 64, generator=g), "scale": torch.tensor([2.0]),
+               "bias": torch.randn(7, generator=g), "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+               "e4m3": _e4m3_scales(1, 4, 3), "e8m0": torch.randint(0, 255, (2, 5), generator=g,
+                                                                    dtype=torch.uint8).view(torch.float8_e8m0fnu),
+               "u8": torch.randint(0, 256, (5, 3), generator=g, dtype=torch.uint8), "empty": torch.empty(0, 4),
+               "i64": torch.tensor([2, 4])}
+    tensors["view"] = tensors["weight"][1:3]  # shares memory with another tensor
+    path = write_safetensors(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    for key, (start, nbytes) in _file_offsets(path).items():
+        assert start % math.gcd(64, nbytes) == 0, (key, start, nbytes)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for key, t in tensors.items():
+            got = f.get_tensor(key)
+            assert got.dtype == t.dtype and got.shape == t.shape, key
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+    with pytest.raises(TypeError, match=r"c: expected a dtype among .*, got complex64"):
+        write_safetensors({"c": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "c.safetensors")

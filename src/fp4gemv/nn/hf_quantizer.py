@@ -39,7 +39,7 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .checkpoints import layer_keys
+from .checkpoints import SAFETENSORS_DTYPES, layer_keys
 from .linear import ACTIVATIONS, FP4Linear
 from .model import check_replacement, fp4_modules, read_quantization_config
 
@@ -48,14 +48,6 @@ __all__ = ["FP4GemvConfig", "FP4GemvHfQuantizer", "QUANT_METHOD", "TESTED_TRANSF
 QUANT_METHOD = "fp4gemv"
 # The transformers releases the tests ran with (pyproject's ``transformers`` extra pins the same range).
 TESTED_TRANSFORMERS = ("5.17", "5.18")
-
-# safetensors header dtype names -> torch dtypes, for the placeholders' meta buffers.
-_SAFETENSORS_DTYPES = {
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64,
-}
-
 
 class FP4GemvConfig(QuantizationConfigMixin):
     """What ``from_pretrained`` does with a checkpoint's FP4 layers.
@@ -87,9 +79,9 @@ class _CheckpointLayer(nn.Module):
         self.key, self.scheme = key, scheme
         for full_key in keys:
             shape, dtype_name = headers[full_key]
-            if dtype_name not in _SAFETENSORS_DTYPES:
-                raise TypeError(f"{full_key}: expected a dtype among {sorted(_SAFETENSORS_DTYPES)}, got {dtype_name}")
-            self.register_buffer(full_key[len(key) + 1:], torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype_name],
+            if dtype_name not in SAFETENSORS_DTYPES:
+                raise TypeError(f"{full_key}: expected a dtype among {sorted(SAFETENSORS_DTYPES)}, got {dtype_name}")
+            self.register_buffer(full_key[len(key) + 1:], torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype_name],
                                                                       device="meta"))
 
     def forward(self, *args, **kwargs):

@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors, write_safetensors
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
 
 __all__ = [
@@ -357,17 +356,7 @@ def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, to
 def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dict[str, dict]) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    seen, plain = set(), {}
-    for key, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory (views of one weight); such a tensor is written as a copy.
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
-        if ptr in seen:
-            t = t.clone()
-        elif ptr is not None:
-            seen.add(ptr)
-        plain[key] = t
-    save_file(plain, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     for file_name, content in configs.items():
         (directory / file_name).write_text(json.dumps(content, indent=2) + "\n")
     return directory
