@@ -303,8 +303,8 @@ def test_writers_round_trip(tmp_path, writer, fmt, activations):
         assert set(scales) == {"up", "down"}
     writer(quantized, tmp_path / "ckpt", config={"model_type": "tiny"})
     config = read_quantization_config(tmp_path / "ckpt")
-    assert config.convention == {save_compressed_tensors: "compressed-tensors", save_modelopt: "modelopt",
-                                 save_mxfp4: "gpt-oss"}[writer]
+    assert (config.method, config.fmt) == {save_compressed_tensors: ("compressed-tensors", "nvfp4"),
+                                           save_modelopt: ("modelopt", "nvfp4"), save_mxfp4: ("fp4gemv-mxfp4", "mxfp4")}[writer]
     loaded = _tiny(seed=5)
     assert load_quantized(loaded, tmp_path / "ckpt", scale_layout="swizzled") == ["up", "down"]
     assert loaded.up.activations == activations
@@ -471,3 +471,48 @@ def test_write_safetensors_reads_back_every_dtype(tmp_path):
             assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
     with pytest.raises(TypeError, match=r"c: expected a dtype among .*, got complex64"):
         write_safetensors({"c": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "c.safetensors")
+
+
+def test_mxfp4_config_reads_both_layer_namings_and_checks_the_format(tmp_path):
+    """gpt-oss's quant_method "mxfp4" with its layer names (weight_blocks) and save_mxfp4's "fp4gemv-mxfp4"
+    with FP4Linear's own load the same; NVFP4 tensors under it are refused, as MXFP4 ones under an NVFP4
+    method."""
+    quantized = _tiny()
+    quantize_model(quantized, "mxfp4", skip=["head"], scale_layout="linear")
+    ids = torch.tensor([[1, 2, 3]])
+    for method, convention in (("mxfp4", "gpt-oss"), ("fp4gemv-mxfp4", "modelopt")):
+        config = {"quantization_config": {"quant_method": method, "modules_to_not_convert": ["head"]}}
+        tensors = _float_tensors(quantized, ("up.", "down."))
+        for name in ("up", "down"):
+            tensors.update(layer_tensors(getattr(quantized, name), convention, name))
+        directory = _write_dir(tmp_path / convention, tensors, "config.json", config)
+        loaded = _tiny(seed=3)
+        assert load_quantized(loaded, directory) == ["up", "down"]
+        assert torch.equal(loaded(ids), quantized(ids)), convention
+    nvfp4 = _tiny()
+    quantize_model(nvfp4, "nvfp4", skip=["head"])
+    tensors = _float_tensors(nvfp4, ("up.", "down."))
+    for name in ("up", "down"):
+        tensors.update(layer_tensors(getattr(nvfp4, name), "modelopt", name))
+    directory = _write_dir(tmp_path / "nvfp4", tensors, "config.json", config)
+    with pytest.raises(ValueError, match="up.weight_scale: expected mxfp4 block scales as the quantization config "
+                                         "says, got nvfp4"):
+        load_quantized(_tiny(), directory)
+    save_mxfp4(quantized, tmp_path / "mx")
+    (tmp_path / "mx" / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "W4A16_NVFP4", "exclude_modules": ["head"]}}))
+    with pytest.raises(ValueError, match="up.weight_scale: expected nvfp4 block scales as the quantization config "
+                                         "says, got mxfp4"):
+        load_quantized(_tiny(), tmp_path / "mx")
+
+
+@pytest.mark.parametrize("writer,fmt", [(save_compressed_tensors, "mxfp4"), (save_modelopt, "mxfp4"),
+                                        (save_mxfp4, "nvfp4")])
+def test_writers_refuse_the_other_format(tmp_path, writer, fmt):
+    model = _tiny()
+    quantize_model(model, fmt, skip=["head"])
+    other = "save_mxfp4" if fmt == "mxfp4" else "save_compressed_tensors or save_modelopt"
+    with pytest.raises(ValueError, match=f"up: expected {'nvfp4' if fmt == 'mxfp4' else 'mxfp4'} modules in this "
+                                         f"checkpoint, got {fmt} \\({other} writes those\\)"):
+        writer(model, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()

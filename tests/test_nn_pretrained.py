@@ -191,3 +191,63 @@ def test_a_static_cache_decode_step_compiles_in_one_graph_without_recompiling(tm
                 eager = model(token, past_key_values=caches[1], cache_position=position).logits
                 assert torch.equal(compiled, eager)
                 token = eager[:, -1:].argmax(-1)
+
+
+# Loads a directory with transformers alone (fp4gemv's registration is never imported in that process).
+_PLAIN_LOAD = """
+import sys, torch, transformers
+try:  # bf16: compressed-tensors (when installed) dequantizes to bf16 whatever the model's dtype
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+except Exception as error:
+    print("REFUSED", type(error).__name__, error)
+else:
+    with torch.no_grad():
+        torch.save(model(torch.tensor([[5, 7, 9]])).logits.float(), sys.argv[2])
+    print("LOADED")
+assert "fp4gemv" not in sys.modules
+"""
+
+
+@pytest.mark.parametrize("convention", list(WRITERS))
+def test_plain_transformers_refuses_or_loads_correctly(tmp_path, convention):
+    """A checkpoint fp4gemv writes, given to AutoModelForCausalLM.from_pretrained without fp4gemv, is refused
+    (compressed-tensors: the package is needed; ModelOpt and MXFP4: the packed weight's size) or gives the
+    logits of the exactly dequantized model to bf16 rounding (compressed-tensors 0.20 installed: measured 0.0056
+    off for logits up to 1.1)."""
+    import subprocess
+    import sys
+
+    float_model = _float_model()
+    fp4_model = copy.deepcopy(float_model)
+    quantize_model(fp4_model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](fp4_model, tmp_path / "ckpt", config=float_model.config.to_dict())
+    result = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(tmp_path / "ckpt"), str(tmp_path / "logits.pt")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if result.stdout.startswith("REFUSED"):
+        assert ("compressed-tensors" in result.stdout if convention == "compressed-tensors"
+                else "ignore_mismatched_sizes" in result.stdout), result.stdout
+        return
+    assert result.stdout.startswith("LOADED"), result.stdout
+    with torch.no_grad():
+        want = _dequantized(float_model, fp4_model)(torch.tensor([[5, 7, 9]])).logits
+    got = torch.load(tmp_path / "logits.pt")
+    assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "gpt-oss"])
+def test_loads_through_fp4gemv_print_no_skipped_quantization(tmp_path, capfd, caplog, convention):
+    """transformers does not know "modelopt" nor "fp4gemv-mxfp4": a load through fp4gemv says nothing about
+    skipping an unknown quantization type; without FP4GemvConfig the load is refused, saying what to call."""
+    model = _float_model()
+    quantize_model(model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](model, tmp_path, config=model.config.to_dict())
+    capfd.readouterr()
+    loaded = [from_pretrained(tmp_path), transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), quantization_config=FP4GemvConfig())]
+    assert all(isinstance(m.model.layers[0].mlp.up_proj, FP4Linear) for m in loaded)
+    printed = "".join(capfd.readouterr()) + caplog.text
+    assert "Unknown quantization type" not in printed and "skip the quantization" not in printed, printed
+    with pytest.raises(ValueError, match=r"quantization_config: quant_method '(modelopt|fp4gemv-mxfp4)' is read by "
+                                         r"fp4gemv, not by transformers .*fp4gemv.nn.from_pretrained\(path\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))

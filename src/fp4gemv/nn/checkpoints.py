@@ -298,7 +298,9 @@ def _exact_reciprocal(value: torch.Tensor, what: str) -> torch.Tensor:
 def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """The layer's tensors under ``convention``'s key names (see this module's docstring), linear scales.
 
-    ``"compressed-tensors"`` and ``"modelopt"`` hold NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale.
+    ``"compressed-tensors"`` holds NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale, ``"modelopt"`` (the
+    ModelOpt names, FP4Linear's own) either: NVFP4 always with ``weight_scale_2``, MXFP4 with one where the
+    module has a per-tensor scale.
     A static input scale is written for W4A4; W4A4 with a per-call scale has none to write (ValueError: run
     ``fp4gemv.nn.calibrate_input_scales`` first).  Values are kept exactly (ValueError otherwise).
     """
@@ -307,9 +309,12 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
     name = prefix or "<module>"
-    want_fmt = "mxfp4" if convention == "gpt-oss" else "nvfp4"
-    if module.fmt != want_fmt:
-        raise ValueError(f"{name}: expected {want_fmt} for a {convention} checkpoint, got {module.fmt}")
+    want_fmts = {"gpt-oss": ("mxfp4",), "compressed-tensors": ("nvfp4",), "modelopt": ("nvfp4", "mxfp4")}[convention]
+    if module.fmt not in want_fmts:
+        raise ValueError(f"{name}: expected {' or '.join(want_fmts)} for a {convention} checkpoint, got {module.fmt}")
+    if module.fmt == "mxfp4" and module.activations == "w4a4":
+        # Such a module quantizes its activations with no static scale: nothing in a checkpoint says so.
+        raise ValueError(f"{name}: MXFP4 checkpoints are weight-only, got activations='w4a4'")
     if module.activations == "w4a4" and module.input_scale_kind() is None:
         raise ValueError(f"{name}: W4A4 with a per-call activation scale has no static input scale to write; "
                          f"run fp4gemv.nn.calibrate_input_scales first")
@@ -318,15 +323,14 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
     if convention == "gpt-oss":
         if module.weight_scale_kind() is not None and float(module.weight_multiplier()) != 1.0:
             raise ValueError(f"{name}: gpt-oss MXFP4 has no per-tensor scale, got {float(module.weight_multiplier())}")
-        if module.activations == "w4a4":
-            raise ValueError(f"{name}: gpt-oss MXFP4 checkpoints are weight-only, got activations='w4a4'")
         out["weight_blocks"] = module.weight.reshape(module.out_features, -1, 16)
         out["weight_scales"] = scales.view(torch.uint8)
     elif convention == "modelopt":
         out["weight"] = module.weight
-        out["weight_scale"] = scales.view(torch.float8_e4m3fn)
+        out["weight_scale"] = scales.view(formats.FORMATS[module.fmt].scale_dtype)
         multiplier = module.weight_multiplier()
-        out["weight_scale_2"] = torch.ones(()) if multiplier is None else multiplier.reshape(())
+        if multiplier is not None or module.fmt == "nvfp4":
+            out["weight_scale_2"] = torch.ones(()) if multiplier is None else multiplier.reshape(())
         if module.activations == "w4a4":
             out["input_scale"] = module.input_multiplier().reshape(())
     else:

@@ -25,6 +25,10 @@ would make transformers refuse a second config ("The model is quantized with ...
 ``AutoHfQuantizer.merge_quantization_configs``, which compares the two classes); registration therefore
 wraps that classmethod so that an :class:`FP4GemvConfig` passed by the caller is kept (fp4gemv reads the
 checkpoint's own config itself).  Every other combination goes to transformers' own method unchanged.
+The methods only fp4gemv reads (``fp4gemv.nn.model.FP4GEMV_ONLY_METHODS``: ``"modelopt"``,
+``"fp4gemv-mxfp4"``) would make transformers print that it skips an unknown quantization type, even on a
+load through fp4gemv: each is registered as a config that transformers can find, whose ``from_dict``
+refuses the load, with what to call instead, when no FP4GemvConfig is passed.
 Tested with transformers 5.17 (``TESTED_TRANSFORMERS``).
 """
 
@@ -35,13 +39,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+import transformers
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checkpoints import SAFETENSORS_DTYPES, layer_keys
 from .linear import ACTIVATIONS, FP4Linear
-from .model import check_replacement, fp4_modules, read_quantization_config
+from .model import FP4GEMV_ONLY_METHODS, check_replacement, fp4_modules, read_quantization_config
 
 __all__ = ["FP4GemvConfig", "FP4GemvHfQuantizer", "QUANT_METHOD", "TESTED_TRANSFORMERS"]
 
@@ -66,6 +71,17 @@ class FP4GemvConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.activations = activations
         self.scale_layout = scale_layout
+
+
+class _ReadByFP4Gemv(QuantizationConfigMixin):
+    """Stands for a quant_method only fp4gemv reads (module docstring): never built."""
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        method = config_dict.get("quant_method")
+        raise ValueError(f"quantization_config: quant_method {method!r} is read by fp4gemv, not by transformers "
+                         f"{transformers.__version__}: load it with fp4gemv.nn.from_pretrained(path), or pass "
+                         f"quantization_config=fp4gemv.nn.hf_quantizer.FP4GemvConfig()")
 
 
 class _CheckpointLayer(nn.Module):
@@ -136,6 +152,7 @@ class FP4GemvHfQuantizer(HfQuantizer):
             linear = model.get_submodule(name)
             _replace(model, name, _CheckpointLayer(linear, key, scheme, headers, layer_keys(headers, key)))
         self.fp4_module_names = [name for name, _, _ in found]
+        self.checkpoint_fmt = config.fmt
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -151,7 +168,7 @@ class FP4GemvHfQuantizer(HfQuantizer):
             tensors = {f"{placeholder.key}.{n}": b for n, b in placeholder.named_buffers()}
             new = FP4Linear.from_state_dict(tensors, placeholder.key, activations=activations or placeholder.scheme,
                                             scale_layout=layout)
-            check_replacement(placeholder.key, placeholder.linear, new)
+            check_replacement(placeholder.key, placeholder.linear, new, self.checkpoint_fmt)
             _replace(model, name, new)
         return model
 
@@ -179,6 +196,9 @@ def _register() -> None:
     if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not FP4GemvHfQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
         register_quantizer(QUANT_METHOD)(FP4GemvHfQuantizer)
+    for method in FP4GEMV_ONLY_METHODS:
+        if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:  # a transformers that knows it keeps its own
+            register_quantization_config(method)(_ReadByFP4Gemv)
     merge = AutoHfQuantizer.merge_quantization_configs
     if getattr(merge, "_fp4gemv_keeps_its_config", False):
         return

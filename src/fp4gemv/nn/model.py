@@ -14,7 +14,11 @@ with ``quant_method``:
   whole module name, as vllm-project/vllm's ``vllm/model_executor/layers/quantization/modelopt.py`` does;
 * ``"mxfp4"`` (gpt-oss): ``modules_to_not_convert``, each a regex matched from the start of the name, a
   dotted prefix of it, or a suffix of it (huggingface/transformers,
-  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``).
+  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``), its FP4 linear layers in
+  the gpt-oss names (``weight_blocks``, ``weight_scales``);
+* ``"fp4gemv-mxfp4"`` (:data:`MXFP4_METHOD`, what :func:`save_mxfp4` writes): ``"mxfp4"``'s rules, its
+  layers in FP4Linear's own names (``weight``, ``weight_scale`` in e8m0), a method transformers does not
+  know, so that plain transformers refuses the checkpoint (docs/checkpoints.md).
 
 Which layers are FP4 is read from the tensors' key names (``checkpoints.detect_convention``) and checked
 against the config: a disagreement is an error, never a silent float layer.
@@ -47,9 +51,17 @@ __all__ = [
     "save_compressed_tensors",
     "save_modelopt",
     "save_mxfp4",
+    "MXFP4_METHOD",
+    "FP4GEMV_ONLY_METHODS",
 ]
 
-_CONVENTION_OF_METHOD = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt", "mxfp4": "gpt-oss"}
+# The tensor naming conventions (checkpoints.CONVENTIONS) a quant_method's linear layers may use, and its format.
+MXFP4_METHOD = "fp4gemv-mxfp4"
+_CONVENTIONS_OF_METHOD = {"compressed-tensors": ("compressed-tensors",), "modelopt": ("modelopt",),
+                          "mxfp4": ("gpt-oss",), MXFP4_METHOD: ("modelopt",)}
+_FORMAT_OF_METHOD = {"compressed-tensors": "nvfp4", "modelopt": "nvfp4", "mxfp4": "mxfp4", MXFP4_METHOD: "mxfp4"}
+# The quant_methods read here that transformers 5.17 does not know (it would skip their config with a warning).
+FP4GEMV_ONLY_METHODS = ("modelopt", MXFP4_METHOD)
 
 
 # --- from a float model -----------------------------------------------------------------------------------
@@ -153,15 +165,20 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
 @dataclass(frozen=True)
 class QuantizationConfig:
     """What a checkpoint's config says: its ``method`` (``"compressed-tensors"``, ``"modelopt"``,
-    ``"mxfp4"``) and, per module, its activations (:meth:`scheme`)."""
+    ``"mxfp4"``, ``"fp4gemv-mxfp4"``) and, per module, its activations (:meth:`scheme`)."""
 
     method: str
     raw: dict
 
     @property
-    def convention(self) -> str:
-        """The tensor naming convention (``checkpoints.CONVENTIONS``) this method writes."""
-        return _CONVENTION_OF_METHOD[self.method]
+    def conventions(self) -> tuple[str, ...]:
+        """The tensor naming conventions (``checkpoints.CONVENTIONS``) its FP4 layers may use."""
+        return _CONVENTIONS_OF_METHOD[self.method]
+
+    @property
+    def fmt(self) -> str:
+        """The FP4 format of its layers: ``"nvfp4"`` or ``"mxfp4"``."""
+        return _FORMAT_OF_METHOD[self.method]
 
     def scheme(self, name: str, module: nn.Module) -> str | None:
         """``"weight-only"`` or ``"w4a4"`` for a quantized module, None for one the config leaves in float."""
@@ -171,7 +188,7 @@ class QuantizationConfig:
             if any(re.fullmatch(re.escape(p).replace(r"\*", ".*"), name) for p in excluded):
                 return None
             return "w4a4" if q["quant_algo"] == "NVFP4" else "weight-only"
-        if self.method == "mxfp4":
+        if self.method in ("mxfp4", MXFP4_METHOD):
             for p in self.raw.get("modules_to_not_convert") or []:
                 if re.match(f"{p}\\.", name) or re.match(p, name) or name.endswith(p):
                     return None
@@ -229,10 +246,10 @@ def read_quantization_config(directory: str | Path) -> QuantizationConfig:
     method = q.get("quant_method")
     if method == "modelopt":
         return _modelopt_config(config_path, q)
-    if method in ("compressed-tensors", "mxfp4"):
+    if method in ("compressed-tensors", "mxfp4", MXFP4_METHOD):
         return QuantizationConfig(method, q)
-    raise ValueError(f"{config_path}: quantization_config.quant_method: expected 'compressed-tensors', 'modelopt' "
-                     f"or 'mxfp4', got {method!r}")
+    raise ValueError(f"{config_path}: quantization_config.quant_method: expected 'compressed-tensors', 'modelopt', "
+                     f"'mxfp4' or {MXFP4_METHOD!r}, got {method!r}")
 
 
 def _modelopt_config(path: Path, q: dict) -> QuantizationConfig:
@@ -266,15 +283,19 @@ def fp4_modules(model: nn.Module, keys: Container[str], config: QuantizationConf
         if scheme is None:
             raise ValueError(f"{key}: the checkpoint has {convention} FP4 tensors but the {config.method} config "
                              f"leaves this module in float")
-        if convention != config.convention:
-            raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
-                             f"got {convention} key names")
+        if convention not in config.conventions:
+            raise ValueError(f"{key}: expected {' or '.join(config.conventions)} tensors for quant_method "
+                             f"{config.method!r}, got {convention} key names")
         found.append((name, key, scheme))
     return found
 
 
-def check_replacement(key: str, linear: nn.Linear, new: FP4Linear) -> None:
-    """Raise ValueError unless the FP4 layer read at ``key`` has the shape and bias of the Linear it replaces."""
+def check_replacement(key: str, linear: nn.Linear, new: FP4Linear, fmt: str) -> None:
+    """Raise ValueError unless the FP4 layer read at ``key`` has the shape and bias of the Linear it replaces
+    and the format ``fmt`` its config declares."""
+    if new.fmt != fmt:
+        raise ValueError(f"{key}.weight_scale: expected {fmt} block scales as the quantization config says, got "
+                         f"{new.fmt}")
     if (new.in_features, new.out_features) != (linear.in_features, linear.out_features):
         raise ValueError(f"{key}: expected [out, in] = [{linear.out_features}, {linear.in_features}] like the "
                          f"model's Linear, got [{new.out_features}, {new.in_features}]")
@@ -311,7 +332,7 @@ def load_quantized(
             module = model.get_submodule(name)
             new = FP4Linear.from_state_dict(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
                                      device=module.weight.device)
-            check_replacement(key, module, new)
+            check_replacement(key, module, new, config.fmt)
             _replace(model, name, new)
             replaced.append(name)
             consumed.update(layer_keys(tensors, key))
@@ -339,12 +360,18 @@ def load_quantized(
 # --- saving -------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
-    """All tensors of ``model`` with its FP4Linear modules in ``convention``; the float Linear names; the
-    FP4 modules' activation modes."""
+def _checkpoint_tensors(model: nn.Module, convention: str, fmt: str
+                        ) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
+    """All tensors of ``model`` with its FP4Linear modules (all ``fmt``) in ``convention``; the float Linear
+    names; the FP4 modules' activation modes."""
     fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
     if not fp4:
         raise ValueError("model: expected FP4Linear modules (quantize_model or load_quantized makes them), found none")
+    for name, module in fp4.items():
+        if module.fmt != fmt:
+            writer = "save_mxfp4" if module.fmt == "mxfp4" else "save_compressed_tensors or save_modelopt"
+            raise ValueError(f"{name}: expected {fmt} modules in this checkpoint, got {module.fmt} ({writer} writes "
+                             f"those)")
     prefixes = tuple(n + "." for n in fp4)
     tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
     for name, module in fp4.items():
@@ -373,7 +400,7 @@ def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dic
     ``config.json`` (``config``, e.g. the model's own, plus ``quantization_config``).  Float ``nn.Linear``
     modules are listed in ``ignore``.  Every FP4Linear must be NVFP4 with one activation mode, and each
     multiplier must have an exact fp32 reciprocal (ValueError otherwise)."""
-    tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors")
+    tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors", "nvfp4")
     mode = _one_mode(modes, "compressed-tensors")
     args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
             "dynamic": False, "scale_dtype": "float8_e4m3fn"}
@@ -390,7 +417,7 @@ def save_modelopt(model: nn.Module, directory: str | Path, config: dict | None =
     """Write ``model`` as an NVIDIA ModelOpt NVFP4 checkpoint: ``model.safetensors``, ``hf_quant_config.json``
     (``quant_algo`` ``"NVFP4"`` for W4A4, ``"W4A16_NVFP4"`` for weight-only; float Linear modules in
     ``exclude_modules``) and ``config.json`` (``config`` plus the same as ``quantization_config``)."""
-    tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt")
+    tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt", "nvfp4")
     algo = "NVFP4" if _one_mode(modes, "modelopt") == "w4a4" else "W4A16_NVFP4"
     quantization = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
                     "exclude_modules": float_linears}
@@ -400,10 +427,16 @@ def save_modelopt(model: nn.Module, directory: str | Path, config: dict | None =
 
 
 def save_mxfp4(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
-    """Write ``model`` with its weight-only MXFP4 FP4Linear modules in the gpt-oss layout (``weight_blocks``,
-    ``weight_scales``) and ``config.json``'s ``quantization_config`` ``{"quant_method": "mxfp4",
-    "modules_to_not_convert": [float Linear names]}``."""
-    tensors, float_linears, _ = _checkpoint_tensors(model, "gpt-oss")
+    """Write ``model`` with its weight-only MXFP4 FP4Linear modules and ``config.json``'s ``quantization_config``
+    ``{"quant_method": "fp4gemv-mxfp4", "modules_to_not_convert": [float Linear names]}`` (gpt-oss's rules).
+
+    Each layer is stored under FP4Linear's own names: ``weight`` uint8 ``[N, K/2]`` and ``weight_scale``
+    float8_e8m0fnu ``[N, K/32]``, the bytes of gpt-oss's ``weight_blocks`` / ``weight_scales``.  Under gpt-oss's
+    own ``"mxfp4"`` and names, transformers (which dequantizes them for GptOss experts only) would leave every
+    linear layer at its random initial weights; under a method it does not know, it checks the shapes and
+    refuses the packed ``weight`` (docs/checkpoints.md)."""
+    tensors, float_linears, _ = _checkpoint_tensors(model, "modelopt", "mxfp4")
     # Entries are regexes matched from the start of a name (and as dotted prefixes): anchor them.
-    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
+    quantization = {"quant_method": MXFP4_METHOD,
+                    "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
     return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
