@@ -251,3 +251,17 @@ def test_loads_through_fp4gemv_print_no_skipped_quantization(tmp_path, capfd, ca
     with pytest.raises(ValueError, match=r"quantization_config: quant_method '(modelopt|fp4gemv-mxfp4)' is read by "
                                          r"fp4gemv, not by transformers .*fp4gemv.nn.from_pretrained\(path\)"):
         transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_fp4gemv_config_refuses_unknown_keywords_and_round_trips():
+    with pytest.raises(TypeError, match=r"FP4GemvConfig: unknown keyword 'activation'; expected 'activations', "
+                                        r"'scale_layout'"):
+        FP4GemvConfig(activation="w4a4")
+    with pytest.raises(TypeError, match=r"unknown keyword 'scale_layot'"):
+        FP4GemvConfig.from_dict({"quant_method": "fp4gemv", "scale_layot": "linear"})
+    with pytest.raises(ValueError, match="quant_method: expected 'fp4gemv', got 'mxfp4'"):
+        FP4GemvConfig(quant_method="mxfp4")
+    config = FP4GemvConfig(activations="w4a4", scale_layout="linear")
+    again = FP4GemvConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict() == {"quant_method": "fp4gemv", "activations": "w4a4",
+                                                   "scale_layout": "linear"}

@@ -63,7 +63,14 @@ class FP4GemvConfig(QuantizationConfigMixin):
         None / ``"linear"`` (keeps them as stored: no copy).
     """
 
-    def __init__(self, activations: str | None = None, scale_layout: str | None = "swizzled", **kwargs) -> None:
+    def __init__(self, activations: str | None = None, scale_layout: str | None = "swizzled", *,
+                 quant_method: str = QUANT_METHOD, **unknown) -> None:
+        # quant_method: what to_dict writes and transformers' from_dict passes back (cls(**to_dict())).
+        if unknown:
+            raise TypeError(f"FP4GemvConfig: unknown keyword {', '.join(map(repr, unknown))}; expected "
+                            f"'activations', 'scale_layout' (and 'quant_method' {QUANT_METHOD!r})")
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"quant_method: expected {QUANT_METHOD!r}, got {quant_method!r}")
         if activations is not None and activations not in ACTIVATIONS:
             raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
         if scale_layout not in (None, "linear", "swizzled"):
