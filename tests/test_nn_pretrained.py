@@ -265,3 +265,19 @@ def test_fp4gemv_config_refuses_unknown_keywords_and_round_trips():
     again = FP4GemvConfig.from_dict(config.to_dict())
     assert again.to_dict() == config.to_dict() == {"quant_method": "fp4gemv", "activations": "w4a4",
                                                    "scale_layout": "linear"}
+
+
+def test_save_pretrained_refuses_and_the_writers_round_trip(tmp_path):
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_modelopt(float_model, tmp_path / "ckpt", config=float_model.config.to_dict())
+    model = from_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="save_pretrained: a model loaded by fp4gemv is written with "
+                                         "fp4gemv.nn.save_compressed_tensors"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+    save_compressed_tensors(model, tmp_path / "again", config=model.config.to_dict())
+    again = from_pretrained(tmp_path / "again")
+    prompt = _prompt()
+    with torch.no_grad():
+        assert torch.equal(again(prompt).logits, model(prompt).logits)

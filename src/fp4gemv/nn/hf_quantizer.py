@@ -182,9 +182,13 @@ class FP4GemvHfQuantizer(HfQuantizer):
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return False  # the FP4 tensors are loaded as stored; nothing is quantized while loading
 
-    @property
-    def is_serializable(self) -> bool:
-        return False  # fp4gemv.nn.save_compressed_tensors / save_modelopt / save_mxfp4 write FP4Linear models
+    def is_serializable(self, *args, **kwargs) -> bool:
+        # transformers asks only in save_pretrained, which would write FP4Linear's state dict under this
+        # quantizer's config: neither records the format nor each layer's activation mode.  Refusing here
+        # gives the reason and what to call instead (transformers' own message sends the user to the logs).
+        raise ValueError("save_pretrained: a model loaded by fp4gemv is written with fp4gemv.nn.save_compressed_tensors "
+                         "(NVFP4), save_modelopt (NVFP4) or save_mxfp4 (MXFP4), each passed config=model.config; "
+                         "transformers' save_pretrained would write a checkpoint no loader reads back")
 
     @property
     def is_trainable(self) -> bool:
