@@ -330,12 +330,12 @@ def test_compressed_tensors_checkpoint_rewrites_identically(tmp_path):
     model = _tiny()
     load_quantized(model, directory)
     assert model.up.activations == "w4a4" and model.up.input_scale_kind() == "divisor"
-    save_compressed_tensors(model, tmp_path / "again")
+    save_compressed_tensors(model, tmp_path / "again", config={})
     from safetensors.torch import load_file
     rewritten = load_file(str(tmp_path / "again" / "model.safetensors"))
     for key, value in tensors.items():
         assert torch.equal(rewritten[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
-    save_modelopt(model, tmp_path / "modelopt")
+    save_modelopt(model, tmp_path / "modelopt", config={})
     other = _tiny()
     load_quantized(other, tmp_path / "modelopt")
     assert other.up.weight_scale_kind() == "multiplier"
@@ -350,13 +350,13 @@ def test_compressed_tensors_writer_refuses_inexact_divisors(tmp_path):
     assert float(torch.reciprocal(multiplier).double() * multiplier.double()) != 1.0
     with pytest.raises(ValueError, match="up.weight_scale_2: .* has no exact fp32 reciprocal"):
         save_compressed_tensors(model, tmp_path)
-    save_modelopt(model, tmp_path)  # a multiplier is ModelOpt's own form
+    save_modelopt(model, tmp_path, config={})  # a multiplier is ModelOpt's own form
 
 
 def test_modelopt_config_forms(tmp_path):
     model = _tiny()
     quantize_model(model, skip=["head"])
-    save_modelopt(model, tmp_path / "a")
+    save_modelopt(model, tmp_path / "a", config={})
     nested = json.loads((tmp_path / "a" / "hf_quant_config.json").read_text())
     assert nested["quantization"]["quant_algo"] == "W4A16_NVFP4"
     assert nested["quantization"]["exclude_modules"] == ["head"]
@@ -417,7 +417,7 @@ def test_load_with_a_key_prefix(tmp_path):
 
     quantized = _tiny()
     quantize_model(quantized, skip=["head"])
-    save_modelopt(Wrapper(quantized), tmp_path)
+    save_modelopt(Wrapper(quantized), tmp_path, config={})
     assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"] == ["model.head"]
     loaded = _tiny(seed=4)
     assert load_quantized(loaded, tmp_path, prefix="model.") == ["up", "down"]
@@ -498,7 +498,7 @@ def test_mxfp4_config_reads_both_layer_namings_and_checks_the_format(tmp_path):
     with pytest.raises(ValueError, match="up.weight_scale: expected mxfp4 block scales as the quantization config "
                                          "says, got nvfp4"):
         load_quantized(_tiny(), directory)
-    save_mxfp4(quantized, tmp_path / "mx")
+    save_mxfp4(quantized, tmp_path / "mx", config={})
     (tmp_path / "mx" / "hf_quant_config.json").write_text(json.dumps(
         {"quantization": {"quant_algo": "W4A16_NVFP4", "exclude_modules": ["head"]}}))
     with pytest.raises(ValueError, match="up.weight_scale: expected nvfp4 block scales as the quantization config "

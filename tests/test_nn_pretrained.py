@@ -281,3 +281,24 @@ def test_save_pretrained_refuses_and_the_writers_round_trip(tmp_path):
     prompt = _prompt()
     with torch.no_grad():
         assert torch.equal(again(prompt).logits, model(prompt).logits)
+
+
+@pytest.mark.parametrize("convention", list(WRITERS))
+def test_writers_take_the_model_config_or_refuse(tmp_path, convention):
+    model = _float_model()
+    quantize_model(model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](model, tmp_path / "own")  # no config=: the model's
+    WRITERS[convention](model, tmp_path / "object", config=model.config)  # a PretrainedConfig as well as a dict
+    prompt = _prompt()
+    with torch.no_grad():
+        want = model(prompt).logits
+        for name in ("own", "object"):
+            assert torch.equal(from_pretrained(tmp_path / name)(prompt).logits, want), name
+    bare = nn.Sequential(nn.Linear(64, 64))
+    quantize_model(bare, "mxfp4" if convention == "gpt-oss" else "nvfp4")
+    with pytest.raises(ValueError, match="config: expected the model's config for config.json .* got none and model "
+                                         "has no .config"):
+        WRITERS[convention](bare, tmp_path / "bare")
+    assert not (tmp_path / "bare").exists()
+    with pytest.raises(TypeError, match="config: expected a dict or a transformers PretrainedConfig, got str"):
+        WRITERS[convention](model, tmp_path / "bad", config="llama")

@@ -389,15 +389,31 @@ def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dic
     return directory
 
 
+def _config_json(model: nn.Module, config) -> dict:
+    """config.json's content: ``config`` (a dict or a transformers config), else ``model.config``."""
+    if config is None:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("config: expected the model's config for config.json (a dict or a transformers "
+                             "PretrainedConfig), got none and model has no .config; config={} writes a checkpoint "
+                             "that load_quantized reads but from_pretrained cannot build a model from")
+    if callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise TypeError(f"config: expected a dict or a transformers PretrainedConfig, got {type(config).__name__}")
+    return config
+
+
 def _one_mode(modes: set[str], method: str) -> str:
     if len(modes) != 1:
         raise ValueError(f"model: a {method} checkpoint written here holds one activation mode, got {sorted(modes)}")
     return next(iter(modes))
 
 
-def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+def save_compressed_tensors(model: nn.Module, directory: str | Path, config=None) -> Path:
     """Write ``model`` as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint: ``model.safetensors`` and
-    ``config.json`` (``config``, e.g. the model's own, plus ``quantization_config``).  Float ``nn.Linear``
+    ``config.json`` (``config``, a dict or a transformers config, by default ``model.config``; ValueError when
+    neither is there; plus ``quantization_config``).  Float ``nn.Linear``
     modules are listed in ``ignore``.  Every FP4Linear must be NVFP4 with one activation mode, and each
     multiplier must have an exact fp32 reciprocal (ValueError otherwise)."""
     tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors", "nvfp4")
@@ -410,25 +426,29 @@ def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dic
     quantization = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
                     "quantization_status": "compressed", "config_groups": {"group_0": group},
                     "ignore": float_linears}
-    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
+    return _write(directory, tensors, {"config.json": {**_config_json(model, config),
+                                                       "quantization_config": quantization}})
 
 
-def save_modelopt(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+def save_modelopt(model: nn.Module, directory: str | Path, config=None) -> Path:
     """Write ``model`` as an NVIDIA ModelOpt NVFP4 checkpoint: ``model.safetensors``, ``hf_quant_config.json``
     (``quant_algo`` ``"NVFP4"`` for W4A4, ``"W4A16_NVFP4"`` for weight-only; float Linear modules in
-    ``exclude_modules``) and ``config.json`` (``config`` plus the same as ``quantization_config``)."""
+    ``exclude_modules``) and ``config.json`` (``config`` as :func:`save_compressed_tensors` takes it, plus the
+    same as ``quantization_config``)."""
     tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt", "nvfp4")
     algo = "NVFP4" if _one_mode(modes, "modelopt") == "w4a4" else "W4A16_NVFP4"
     quantization = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
                     "exclude_modules": float_linears}
     configs = {"hf_quant_config.json": {"producer": {"name": "fp4gemv"}, "quantization": quantization},
-               "config.json": {**(config or {}), "quantization_config": {"quant_method": "modelopt", **quantization}}}
+               "config.json": {**_config_json(model, config),
+                               "quantization_config": {"quant_method": "modelopt", **quantization}}}
     return _write(directory, tensors, configs)
 
 
-def save_mxfp4(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
-    """Write ``model`` with its weight-only MXFP4 FP4Linear modules and ``config.json``'s ``quantization_config``
-    ``{"quant_method": "fp4gemv-mxfp4", "modules_to_not_convert": [float Linear names]}`` (gpt-oss's rules).
+def save_mxfp4(model: nn.Module, directory: str | Path, config=None) -> Path:
+    """Write ``model`` with its weight-only MXFP4 FP4Linear modules and ``config.json`` (``config`` as
+    :func:`save_compressed_tensors` takes it) with ``quantization_config`` ``{"quant_method": "fp4gemv-mxfp4",
+    "modules_to_not_convert": [float Linear names]}`` (gpt-oss's rules).
 
     Each layer is stored under FP4Linear's own names: ``weight`` uint8 ``[N, K/2]`` and ``weight_scale``
     float8_e8m0fnu ``[N, K/32]``, the bytes of gpt-oss's ``weight_blocks`` / ``weight_scales``.  Under gpt-oss's
@@ -439,4 +459,5 @@ def save_mxfp4(model: nn.Module, directory: str | Path, config: dict | None = No
     # Entries are regexes matched from the start of a name (and as dotted prefixes): anchor them.
     quantization = {"quant_method": MXFP4_METHOD,
                     "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
-    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
+    return _write(directory, tensors, {"config.json": {**_config_json(model, config),
+                                                       "quantization_config": quantization}})
