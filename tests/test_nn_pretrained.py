@@ -302,3 +302,26 @@ def test_writers_take_the_model_config_or_refuse(tmp_path, convention):
     assert not (tmp_path / "bare").exists()
     with pytest.raises(TypeError, match="config: expected a dict or a transformers PretrainedConfig, got str"):
         WRITERS[convention](model, tmp_path / "bad", config="llama")
+
+
+def test_from_pretrained_refuses_unknown_and_missing_tensors_as_load_quantized_does(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_compressed_tensors(float_model, tmp_path, config=float_model.config.to_dict())
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    pattern = r"directory: checkpoint and model disagree: missing \[\], unexpected \['model.layers.0.mlp.extra.weight'\]"
+    with pytest.raises(ValueError, match=pattern):
+        load_quantized(_float_model(), tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        from_pretrained(tmp_path)
+    del tensors["model.layers.0.mlp.extra.weight"], tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    pattern = r"directory: checkpoint and model disagree: missing \['model.norm.weight'\], unexpected \[\]"
+    with pytest.raises(ValueError, match=pattern):
+        load_quantized(_float_model(), tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        from_pretrained(tmp_path)

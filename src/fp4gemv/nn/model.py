@@ -48,6 +48,7 @@ __all__ = [
     "load_quantized",
     "fp4_modules",
     "check_replacement",
+    "check_agreement",
     "save_compressed_tensors",
     "save_modelopt",
     "save_mxfp4",
@@ -350,11 +351,18 @@ def load_quantized(
     fp4_prefixes = tuple(n + "." for n in replaced)
     missing = [k for k in result.missing_keys if not k.startswith(fp4_prefixes)]
     unexpected += [prefix + k for k in result.unexpected_keys]
-    if strict and (missing or unexpected):
+    if strict:
+        check_agreement(missing, unexpected, "strict=False loads anyway")
+    return replaced
+
+
+def check_agreement(missing: Iterable[str], unexpected: Iterable[str], hint: str) -> None:
+    """Raise ValueError naming the model tensors a checkpoint lacks and the checkpoint tensors no module takes."""
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    if missing or unexpected:
         raise ValueError(f"directory: checkpoint and model disagree: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''} (strict=False loads anyway)")
-    return replaced
+                         f"{' ...' if len(unexpected) > 8 else ''} ({hint})")
 
 
 # --- saving -------------------------------------------------------------------------------------------------
