@@ -39,6 +39,7 @@ from torch import nn
 
 from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors, write_safetensors
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
+from .moe import FP4Experts, expert_kind, quantize_experts
 
 __all__ = [
     "QuantizationConfig",
@@ -96,10 +97,14 @@ def quantize_model(
     scale_layout: str = "swizzled",
     per_tensor: str = "pow2",
 ) -> list[str]:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by ``FP4Linear.from_linear``; returns their names.
+    """Replace every ``nn.Linear`` of ``model`` (in place) by ``FP4Linear.from_linear``, and every MoE experts
+    module (transformers' ``GptOssExperts``, ``Qwen3MoeExperts`` and look-alikes: ``moe.expert_kind``) by
+    ``moe.quantize_experts``' ``FP4Experts``; returns their names.
 
-    skip: module names or glob patterns (``"*.lm_head"``) left in float, with everything under them.
-    Raises ValueError naming a module whose in_features is not a multiple of the block size (skip it).
+    skip: module names or glob patterns (``"*.lm_head"``, ``"*.experts"``) left in float, with everything
+    under them.
+    Raises ValueError naming a module whose in_features (an expert's hidden or intermediate size) is not a
+    multiple of the block size, or experts with ``activations="w4a4"`` (FP4Experts run weight-only): skip it.
     W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
     """
     skip = [skip] if isinstance(skip, str) else list(skip)
@@ -108,15 +113,27 @@ def quantize_model(
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations: expected 'weight-only' or 'w4a4', got {activations!r}")
     todo = [(n, m) for n, m in _float_linears(model) if not _skipped(n, skip)]
+    experts = [(n, m) for n, m in model.named_modules() if expert_kind(m) is not None and not _skipped(n, skip)]
     block = 16 if fmt == "nvfp4" else 32
     for name, linear in todo:
         if linear.in_features % block:
             raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the {fmt} block size "
                              f"{block}; pass skip=[{name!r}]")
+    for name, module in experts:
+        if activations == "w4a4":
+            raise ValueError(f"{name}: MoE experts run weight-only (FP4Experts), got activations='w4a4'; pass "
+                             f"skip=[{name!r}] or activations='weight-only'")
+        # down_proj holds both sizes: the K of gate_up (hidden) and of down (intermediate).
+        sizes = {d for d in module.down_proj.shape[1:]}
+        if any(size % block for size in sizes):
+            raise ValueError(f"{name}: hidden and intermediate sizes {sorted(sizes)} are not multiples of the {fmt} "
+                             f"block size {block}; pass skip=[{name!r}]")
     for name, linear in todo:
         _replace(model, name, FP4Linear.from_linear(linear, fmt, activations=activations, scale_layout=scale_layout,
                                                     per_tensor=per_tensor))
-    return [name for name, _ in todo]
+    for name, module in experts:
+        _replace(model, name, quantize_experts(module, fmt, scale_layout, per_tensor=per_tensor))
+    return [name for name, _ in todo] + [name for name, _ in experts]
 
 
 @torch.no_grad()
@@ -373,6 +390,10 @@ def _checkpoint_tensors(model: nn.Module, convention: str, fmt: str
     """All tensors of ``model`` with its FP4Linear modules (all ``fmt``) in ``convention``; the float Linear
     names; the FP4 modules' activation modes."""
     fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    for name, module in model.named_modules():
+        if isinstance(module, FP4Experts):  # its buffers' names are its own, read by no loader
+            raise ValueError(f"{name}: FP4Experts are not written to checkpoints (no writer holds them yet); "
+                             f"quantize_model(..., skip=[{name!r}]) keeps the experts in float")
     if not fp4:
         raise ValueError("model: expected FP4Linear modules (quantize_model or load_quantized makes them), found none")
     for name, module in fp4.items():
