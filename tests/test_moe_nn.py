@@ -216,3 +216,70 @@ def test_fp4_experts_under_torch_compile_fullgraph():
     ids, weights = routing(3, 8, 2, seed=15)
     compiled = torch.compile(fp4, fullgraph=True)
     assert_close_relative(compiled(x, ids, weights), fp4(x, ids, weights), relative=2.0**-20)
+
+
+def test_from_pretrained_refuses_gpt_oss_experts_it_does_not_read(tmp_path):
+    """A gpt-oss checkpoint (quant_method "mxfp4", experts as blocks) through fp4gemv.nn.from_pretrained: its
+    quantizer converts linear layers only, so the experts would keep random weights; it refuses, naming them."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from fp4gemv.nn import from_pretrained
+
+    config = tiny_gpt_oss_config(num_hidden_layers=1, layer_types=["full_attention"])
+    model = transformers.GptOssForCausalLM(config)
+    tensors = {k: v for k, v in model.state_dict().items() if ".mlp.experts." not in k}
+    tensors.update(gpt_oss_checkpoint(quantize_experts(model.model.layers[0].mlp.experts, "mxfp4"),
+                                      "model.layers.0.mlp.experts"))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    saved = {**config.to_dict(), "quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"checkpoint and model disagree: missing \['model.layers.0.mlp.experts."
+                                         r"down_proj', 'model.layers.0.mlp.experts.gate_up_proj'\], unexpected "
+                                         r"\['model.layers.0.mlp.experts.down_proj_blocks'"):
+        from_pretrained(tmp_path)
+
+
+def _tiny_qwen3_moe():
+    config = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=64, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(16)
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "qwen3-moe"])
+def test_quantize_model_converts_experts_with_skip(family, tmp_path):
+    """quantize_model turns every experts module into the FP4Experts quantize_experts makes of it (same
+    outputs), and leaves the skipped ones in float; W4A4 refuses experts (they run weight-only); the
+    checkpoint writers refuse FP4Experts rather than write buffers no loader reads."""
+    from fp4gemv.nn import quantize_model, save_compressed_tensors, save_mxfp4
+
+    if family == "gpt-oss":
+        torch.manual_seed(17)
+        model = transformers.GptOssForCausalLM(tiny_gpt_oss_config()).eval()
+        fmt = "mxfp4"
+    else:
+        model = _tiny_qwen3_moe()
+        fmt = "nvfp4"
+    float_model = copy.deepcopy(model)
+    names = quantize_model(model, fmt, skip=["lm_head", "*.self_attn", "model.layers.1.mlp.experts"],
+                           scale_layout="linear")
+    assert "model.layers.0.mlp.experts" in names and "model.layers.1.mlp.experts" not in names
+    assert isinstance(model.model.layers[0].mlp.experts, FP4Experts)
+    assert type(model.model.layers[1].mlp.experts) is type(float_model.model.layers[1].mlp.experts)
+    by_hand = quantize_experts(float_model.model.layers[0].mlp.experts, fmt, "linear")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(18))
+    ids, weights = routing(3, by_hand.num_experts, 2, seed=19)
+    assert torch.equal(model.model.layers[0].mlp.experts(x, ids, weights), by_hand(x, ids, weights))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]))  # the whole model runs with FP4 experts
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: MoE experts run weight-only \(FP4Experts\), "
+                                         r"got activations='w4a4'"):
+        quantize_model(copy.deepcopy(float_model), "nvfp4", activations="w4a4", skip=["lm_head", "*.self_attn"])
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: FP4Experts are not written to checkpoints"):
+        (save_mxfp4 if fmt == "mxfp4" else save_compressed_tensors)(model, tmp_path)

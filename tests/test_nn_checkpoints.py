@@ -9,6 +9,7 @@ from fractions import Fraction
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -24,6 +25,7 @@ from fp4gemv.nn import (
     save_modelopt,
     save_mxfp4,
 )
+from fp4gemv.nn.checkpoints import write_safetensors
 from fp4gemv.reference import gemv_reference
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -301,8 +303,8 @@ def test_writers_round_trip(tmp_path, writer, fmt, activations):
         assert set(scales) == {"up", "down"}
     writer(quantized, tmp_path / "ckpt", config={"model_type": "tiny"})
     config = read_quantization_config(tmp_path / "ckpt")
-    assert config.convention == {save_compressed_tensors: "compressed-tensors", save_modelopt: "modelopt",
-                                 save_mxfp4: "gpt-oss"}[writer]
+    assert (config.method, config.fmt) == {save_compressed_tensors: ("compressed-tensors", "nvfp4"),
+                                           save_modelopt: ("modelopt", "nvfp4"), save_mxfp4: ("fp4gemv-mxfp4", "mxfp4")}[writer]
     loaded = _tiny(seed=5)
     assert load_quantized(loaded, tmp_path / "ckpt", scale_layout="swizzled") == ["up", "down"]
     assert loaded.up.activations == activations
@@ -328,12 +330,12 @@ def test_compressed_tensors_checkpoint_rewrites_identically(tmp_path):
     model = _tiny()
     load_quantized(model, directory)
     assert model.up.activations == "w4a4" and model.up.input_scale_kind() == "divisor"
-    save_compressed_tensors(model, tmp_path / "again")
+    save_compressed_tensors(model, tmp_path / "again", config={})
     from safetensors.torch import load_file
     rewritten = load_file(str(tmp_path / "again" / "model.safetensors"))
     for key, value in tensors.items():
         assert torch.equal(rewritten[key].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), key
-    save_modelopt(model, tmp_path / "modelopt")
+    save_modelopt(model, tmp_path / "modelopt", config={})
     other = _tiny()
     load_quantized(other, tmp_path / "modelopt")
     assert other.up.weight_scale_kind() == "multiplier"
@@ -348,13 +350,13 @@ def test_compressed_tensors_writer_refuses_inexact_divisors(tmp_path):
     assert float(torch.reciprocal(multiplier).double() * multiplier.double()) != 1.0
     with pytest.raises(ValueError, match="up.weight_scale_2: .* has no exact fp32 reciprocal"):
         save_compressed_tensors(model, tmp_path)
-    save_modelopt(model, tmp_path)  # a multiplier is ModelOpt's own form
+    save_modelopt(model, tmp_path, config={})  # a multiplier is ModelOpt's own form
 
 
 def test_modelopt_config_forms(tmp_path):
     model = _tiny()
     quantize_model(model, skip=["head"])
-    save_modelopt(model, tmp_path / "a")
+    save_modelopt(model, tmp_path / "a", config={})
     nested = json.loads((tmp_path / "a" / "hf_quant_config.json").read_text())
     assert nested["quantization"]["quant_algo"] == "W4A16_NVFP4"
     assert nested["quantization"]["exclude_modules"] == ["head"]
@@ -415,7 +417,7 @@ def test_load_with_a_key_prefix(tmp_path):
 
     quantized = _tiny()
     quantize_model(quantized, skip=["head"])
-    save_modelopt(Wrapper(quantized), tmp_path)
+    save_modelopt(Wrapper(quantized), tmp_path, config={})
     assert json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"] == ["model.head"]
     loaded = _tiny(seed=4)
     assert load_quantized(loaded, tmp_path, prefix="model.") == ["up", "down"]
@@ -423,3 +425,94 @@ def test_load_with_a_key_prefix(tmp_path):
     assert torch.equal(loaded(ids), quantized(ids))
     with pytest.raises(ValueError, match="up: the modelopt config quantizes this module but the checkpoint has no FP4"):
         load_quantized(_tiny(), tmp_path)  # without the prefix no key matches
+
+
+def _file_offsets(path):
+    """Each tensor's (file offset, size in bytes) from a safetensors file's header."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    header.pop("__metadata__", None)
+    return {k: (8 + length + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
+            for k, v in header.items()}
+
+
+@pytest.mark.parametrize("writer", [save_compressed_tensors, save_modelopt, save_mxfp4])
+def test_writers_align_every_tensor(tmp_path, writer):
+    """Loaders (transformers, safe_open) use a mapped file's CPU tensors in place, and CPU matmuls round
+    differently on misaligned data: every tensor starts on a 64-byte boundary, or on the largest power of two
+    dividing its size when that is smaller (a 4-byte scale), so the float head here lands on 64 bytes."""
+    model = _tiny()
+    quantize_model(model, "mxfp4" if writer is save_mxfp4 else "nvfp4", skip=["head"])
+    writer(model, tmp_path, config={"model_type": "tiny"})
+    offsets = _file_offsets(tmp_path / "model.safetensors")
+    assert offsets["head.weight"][0] % 64 == 0
+    for key, (start, nbytes) in offsets.items():
+        assert start % math.gcd(64, nbytes) == 0, (key, start, nbytes)
+
+
+def test_write_safetensors_reads_back_every_dtype(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"scalar": torch.tensor(3.0), "weight": torch.randn(96, 64, generator=g), "scale": torch.tensor([2.0]),
+               "bias": torch.randn(7, generator=g), "bf16": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+               "e4m3": _e4m3_scales(1, 4, 3), "e8m0": torch.randint(0, 255, (2, 5), generator=g,
+                                                                    dtype=torch.uint8).view(torch.float8_e8m0fnu),
+               "u8": torch.randint(0, 256, (5, 3), generator=g, dtype=torch.uint8), "empty": torch.empty(0, 4),
+               "i64": torch.tensor([2, 4])}
+    tensors["view"] = tensors["weight"][1:3]  # shares memory with another tensor
+    path = write_safetensors(tensors, tmp_path / "t.safetensors", metadata={"format": "pt"})
+    for key, (start, nbytes) in _file_offsets(path).items():
+        assert start % math.gcd(64, nbytes) == 0, (key, start, nbytes)
+    with safe_open(str(path), framework="pt") as f:
+        assert f.metadata() == {"format": "pt"} and set(f.keys()) == set(tensors)
+        for key, t in tensors.items():
+            got = f.get_tensor(key)
+            assert got.dtype == t.dtype and got.shape == t.shape, key
+            assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), key
+    with pytest.raises(TypeError, match=r"c: expected a dtype among .*, got complex64"):
+        write_safetensors({"c": torch.zeros(2, dtype=torch.complex64)}, tmp_path / "c.safetensors")
+
+
+def test_mxfp4_config_reads_both_layer_namings_and_checks_the_format(tmp_path):
+    """gpt-oss's quant_method "mxfp4" with its layer names (weight_blocks) and save_mxfp4's "fp4gemv-mxfp4"
+    with FP4Linear's own load the same; NVFP4 tensors under it are refused, as MXFP4 ones under an NVFP4
+    method."""
+    quantized = _tiny()
+    quantize_model(quantized, "mxfp4", skip=["head"], scale_layout="linear")
+    ids = torch.tensor([[1, 2, 3]])
+    for method, convention in (("mxfp4", "gpt-oss"), ("fp4gemv-mxfp4", "modelopt")):
+        config = {"quantization_config": {"quant_method": method, "modules_to_not_convert": ["head"]}}
+        tensors = _float_tensors(quantized, ("up.", "down."))
+        for name in ("up", "down"):
+            tensors.update(layer_tensors(getattr(quantized, name), convention, name))
+        directory = _write_dir(tmp_path / convention, tensors, "config.json", config)
+        loaded = _tiny(seed=3)
+        assert load_quantized(loaded, directory) == ["up", "down"]
+        assert torch.equal(loaded(ids), quantized(ids)), convention
+    nvfp4 = _tiny()
+    quantize_model(nvfp4, "nvfp4", skip=["head"])
+    tensors = _float_tensors(nvfp4, ("up.", "down."))
+    for name in ("up", "down"):
+        tensors.update(layer_tensors(getattr(nvfp4, name), "modelopt", name))
+    directory = _write_dir(tmp_path / "nvfp4", tensors, "config.json", config)
+    with pytest.raises(ValueError, match="up.weight_scale: expected mxfp4 block scales as the quantization config "
+                                         "says, got nvfp4"):
+        load_quantized(_tiny(), directory)
+    save_mxfp4(quantized, tmp_path / "mx", config={})
+    (tmp_path / "mx" / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "W4A16_NVFP4", "exclude_modules": ["head"]}}))
+    with pytest.raises(ValueError, match="up.weight_scale: expected nvfp4 block scales as the quantization config "
+                                         "says, got mxfp4"):
+        load_quantized(_tiny(), tmp_path / "mx")
+
+
+@pytest.mark.parametrize("writer,fmt", [(save_compressed_tensors, "mxfp4"), (save_modelopt, "mxfp4"),
+                                        (save_mxfp4, "nvfp4")])
+def test_writers_refuse_the_other_format(tmp_path, writer, fmt):
+    model = _tiny()
+    quantize_model(model, fmt, skip=["head"])
+    other = "save_mxfp4" if fmt == "mxfp4" else "save_compressed_tensors or save_modelopt"
+    with pytest.raises(ValueError, match=f"up: expected {'nvfp4' if fmt == 'mxfp4' else 'mxfp4'} modules in this "
+                                         f"checkpoint, got {fmt} \\({other} writes those\\)"):
+        writer(model, tmp_path)
+    assert not (tmp_path / "model.safetensors").exists()

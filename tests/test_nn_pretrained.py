@@ -191,3 +191,137 @@ def test_a_static_cache_decode_step_compiles_in_one_graph_without_recompiling(tm
                 eager = model(token, past_key_values=caches[1], cache_position=position).logits
                 assert torch.equal(compiled, eager)
                 token = eager[:, -1:].argmax(-1)
+
+
+# Loads a directory with transformers alone (fp4gemv's registration is never imported in that process).
+_PLAIN_LOAD = """
+import sys, torch, transformers
+try:  # bf16: compressed-tensors (when installed) dequantizes to bf16 whatever the model's dtype
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+except Exception as error:
+    print("REFUSED", type(error).__name__, error)
+else:
+    with torch.no_grad():
+        torch.save(model(torch.tensor([[5, 7, 9]])).logits.float(), sys.argv[2])
+    print("LOADED")
+assert "fp4gemv" not in sys.modules
+"""
+
+
+@pytest.mark.parametrize("convention", list(WRITERS))
+def test_plain_transformers_refuses_or_loads_correctly(tmp_path, convention):
+    """A checkpoint fp4gemv writes, given to AutoModelForCausalLM.from_pretrained without fp4gemv, is refused
+    (compressed-tensors: the package is needed; ModelOpt and MXFP4: the packed weight's size) or gives the
+    logits of the exactly dequantized model to bf16 rounding (compressed-tensors 0.20 installed: measured 0.0056
+    off for logits up to 1.1)."""
+    import subprocess
+    import sys
+
+    float_model = _float_model()
+    fp4_model = copy.deepcopy(float_model)
+    quantize_model(fp4_model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](fp4_model, tmp_path / "ckpt", config=float_model.config.to_dict())
+    result = subprocess.run([sys.executable, "-c", _PLAIN_LOAD, str(tmp_path / "ckpt"), str(tmp_path / "logits.pt")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if result.stdout.startswith("REFUSED"):
+        assert ("compressed-tensors" in result.stdout if convention == "compressed-tensors"
+                else "ignore_mismatched_sizes" in result.stdout), result.stdout
+        return
+    assert result.stdout.startswith("LOADED"), result.stdout
+    with torch.no_grad():
+        want = _dequantized(float_model, fp4_model)(torch.tensor([[5, 7, 9]])).logits
+    got = torch.load(tmp_path / "logits.pt")
+    assert (got - want).abs().max() <= 2.0**-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "gpt-oss"])
+def test_loads_through_fp4gemv_print_no_skipped_quantization(tmp_path, capfd, caplog, convention):
+    """transformers does not know "modelopt" nor "fp4gemv-mxfp4": a load through fp4gemv says nothing about
+    skipping an unknown quantization type; without FP4GemvConfig the load is refused, saying what to call."""
+    model = _float_model()
+    quantize_model(model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](model, tmp_path, config=model.config.to_dict())
+    capfd.readouterr()
+    loaded = [from_pretrained(tmp_path), transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), quantization_config=FP4GemvConfig())]
+    assert all(isinstance(m.model.layers[0].mlp.up_proj, FP4Linear) for m in loaded)
+    printed = "".join(capfd.readouterr()) + caplog.text
+    assert "Unknown quantization type" not in printed and "skip the quantization" not in printed, printed
+    with pytest.raises(ValueError, match=r"quantization_config: quant_method '(modelopt|fp4gemv-mxfp4)' is read by "
+                                         r"fp4gemv, not by transformers .*fp4gemv.nn.from_pretrained\(path\)"):
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+
+
+def test_fp4gemv_config_refuses_unknown_keywords_and_round_trips():
+    with pytest.raises(TypeError, match=r"FP4GemvConfig: unknown keyword 'activation'; expected 'activations', "
+                                        r"'scale_layout'"):
+        FP4GemvConfig(activation="w4a4")
+    with pytest.raises(TypeError, match=r"unknown keyword 'scale_layot'"):
+        FP4GemvConfig.from_dict({"quant_method": "fp4gemv", "scale_layot": "linear"})
+    with pytest.raises(ValueError, match="quant_method: expected 'fp4gemv', got 'mxfp4'"):
+        FP4GemvConfig(quant_method="mxfp4")
+    config = FP4GemvConfig(activations="w4a4", scale_layout="linear")
+    again = FP4GemvConfig.from_dict(config.to_dict())
+    assert again.to_dict() == config.to_dict() == {"quant_method": "fp4gemv", "activations": "w4a4",
+                                                   "scale_layout": "linear"}
+
+
+def test_save_pretrained_refuses_and_the_writers_round_trip(tmp_path):
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_modelopt(float_model, tmp_path / "ckpt", config=float_model.config.to_dict())
+    model = from_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="save_pretrained: a model loaded by fp4gemv is written with "
+                                         "fp4gemv.nn.save_compressed_tensors"):
+        model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+    save_compressed_tensors(model, tmp_path / "again", config=model.config.to_dict())
+    again = from_pretrained(tmp_path / "again")
+    prompt = _prompt()
+    with torch.no_grad():
+        assert torch.equal(again(prompt).logits, model(prompt).logits)
+
+
+@pytest.mark.parametrize("convention", list(WRITERS))
+def test_writers_take_the_model_config_or_refuse(tmp_path, convention):
+    model = _float_model()
+    quantize_model(model, "mxfp4" if convention == "gpt-oss" else "nvfp4", skip=["lm_head"])
+    WRITERS[convention](model, tmp_path / "own")  # no config=: the model's
+    WRITERS[convention](model, tmp_path / "object", config=model.config)  # a PretrainedConfig as well as a dict
+    prompt = _prompt()
+    with torch.no_grad():
+        want = model(prompt).logits
+        for name in ("own", "object"):
+            assert torch.equal(from_pretrained(tmp_path / name)(prompt).logits, want), name
+    bare = nn.Sequential(nn.Linear(64, 64))
+    quantize_model(bare, "mxfp4" if convention == "gpt-oss" else "nvfp4")
+    with pytest.raises(ValueError, match="config: expected the model's config for config.json .* got none and model "
+                                         "has no .config"):
+        WRITERS[convention](bare, tmp_path / "bare")
+    assert not (tmp_path / "bare").exists()
+    with pytest.raises(TypeError, match="config: expected a dict or a transformers PretrainedConfig, got str"):
+        WRITERS[convention](model, tmp_path / "bad", config="llama")
+
+
+def test_from_pretrained_refuses_unknown_and_missing_tensors_as_load_quantized_does(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    float_model = _float_model()
+    quantize_model(float_model, skip=["lm_head"])
+    save_compressed_tensors(float_model, tmp_path, config=float_model.config.to_dict())
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(4)
+    save_file(tensors, tmp_path / "model.safetensors")
+    pattern = r"directory: checkpoint and model disagree: missing \[\], unexpected \['model.layers.0.mlp.extra.weight'\]"
+    with pytest.raises(ValueError, match=pattern):
+        load_quantized(_float_model(), tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        from_pretrained(tmp_path)
+    del tensors["model.layers.0.mlp.extra.weight"], tensors["model.norm.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    pattern = r"directory: checkpoint and model disagree: missing \['model.norm.weight'\], unexpected \[\]"
+    with pytest.raises(ValueError, match=pattern):
+        load_quantized(_float_model(), tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        from_pretrained(tmp_path)

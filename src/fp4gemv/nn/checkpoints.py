@@ -41,6 +41,8 @@ picks by default); the writer refuses otherwise rather than change the values.
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
@@ -54,12 +56,14 @@ __all__ = [
     "CONVENTIONS",
     "LAYER_KEYS",
     "CheckpointLayer",
+    "SAFETENSORS_DTYPES",
     "SafetensorsDirectory",
     "checkpoint_key",
     "detect_convention",
     "layer_keys",
     "read_layer",
     "layer_tensors",
+    "write_safetensors",
 ]
 
 CONVENTIONS: tuple[str, ...] = ("compressed-tensors", "modelopt", "gpt-oss")
@@ -71,6 +75,18 @@ LAYER_KEYS = {
     "gpt-oss": ("weight_blocks", "weight_scales", "bias"),
 }
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# safetensors header dtype names (huggingface/safetensors, the format's "dtype" field) and their torch dtypes.
+SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64,
+}
+# Where a tensor starts in a file fp4gemv writes: loaders (transformers, safe_open) map the file and use CPU
+# tensors in place, and MKL's sgemm rounds differently on data that is not 16-byte aligned (measured with
+# torch 2.13: F.linear of one token by a [96, 64] fp32 weight differs in the last bit at offsets 4..12 mod 16),
+# so a model would compute differently from the same weights loaded into its own (aligned) memory.
+ALIGNMENT = 64
 
 
 def checkpoint_key(prefix: str, name: str) -> str:
@@ -282,7 +298,9 @@ def _exact_reciprocal(value: torch.Tensor, what: str) -> torch.Tensor:
 def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """The layer's tensors under ``convention``'s key names (see this module's docstring), linear scales.
 
-    ``"compressed-tensors"`` and ``"modelopt"`` hold NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale.
+    ``"compressed-tensors"`` holds NVFP4, ``"gpt-oss"`` MXFP4 without a per-tensor scale, ``"modelopt"`` (the
+    ModelOpt names, FP4Linear's own) either: NVFP4 always with ``weight_scale_2``, MXFP4 with one where the
+    module has a per-tensor scale.
     A static input scale is written for W4A4; W4A4 with a per-call scale has none to write (ValueError: run
     ``fp4gemv.nn.calibrate_input_scales`` first).  Values are kept exactly (ValueError otherwise).
     """
@@ -291,9 +309,12 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
     if convention not in CONVENTIONS:
         raise ValueError(f"convention: expected one of {CONVENTIONS}, got {convention!r}")
     name = prefix or "<module>"
-    want_fmt = "mxfp4" if convention == "gpt-oss" else "nvfp4"
-    if module.fmt != want_fmt:
-        raise ValueError(f"{name}: expected {want_fmt} for a {convention} checkpoint, got {module.fmt}")
+    want_fmts = {"gpt-oss": ("mxfp4",), "compressed-tensors": ("nvfp4",), "modelopt": ("nvfp4", "mxfp4")}[convention]
+    if module.fmt not in want_fmts:
+        raise ValueError(f"{name}: expected {' or '.join(want_fmts)} for a {convention} checkpoint, got {module.fmt}")
+    if module.fmt == "mxfp4" and module.activations == "w4a4":
+        # Such a module quantizes its activations with no static scale: nothing in a checkpoint says so.
+        raise ValueError(f"{name}: MXFP4 checkpoints are weight-only, got activations='w4a4'")
     if module.activations == "w4a4" and module.input_scale_kind() is None:
         raise ValueError(f"{name}: W4A4 with a per-call activation scale has no static input scale to write; "
                          f"run fp4gemv.nn.calibrate_input_scales first")
@@ -302,15 +323,14 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
     if convention == "gpt-oss":
         if module.weight_scale_kind() is not None and float(module.weight_multiplier()) != 1.0:
             raise ValueError(f"{name}: gpt-oss MXFP4 has no per-tensor scale, got {float(module.weight_multiplier())}")
-        if module.activations == "w4a4":
-            raise ValueError(f"{name}: gpt-oss MXFP4 checkpoints are weight-only, got activations='w4a4'")
         out["weight_blocks"] = module.weight.reshape(module.out_features, -1, 16)
         out["weight_scales"] = scales.view(torch.uint8)
     elif convention == "modelopt":
         out["weight"] = module.weight
-        out["weight_scale"] = scales.view(torch.float8_e4m3fn)
+        out["weight_scale"] = scales.view(formats.FORMATS[module.fmt].scale_dtype)
         multiplier = module.weight_multiplier()
-        out["weight_scale_2"] = torch.ones(()) if multiplier is None else multiplier.reshape(())
+        if multiplier is not None or module.fmt == "nvfp4":
+            out["weight_scale_2"] = torch.ones(()) if multiplier is None else multiplier.reshape(())
         if module.activations == "w4a4":
             out["input_scale"] = module.input_multiplier().reshape(())
     else:
@@ -333,6 +353,55 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
         out["bias"] = module.bias.detach()
     return {checkpoint_key(prefix, k): v.detach().to(torch.float32) if v.dtype == torch.float64 else v.detach()
             for k, v in out.items()}
+
+
+def _alignment_of(nbytes: int) -> int:
+    """The largest power of two up to ALIGNMENT dividing ``nbytes`` (ALIGNMENT for 0)."""
+    return ALIGNMENT if nbytes % ALIGNMENT == 0 else nbytes & -nbytes
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | Path,
+                      metadata: Mapping[str, str] | None = None) -> Path:
+    """Write ``tensors`` as one safetensors file with every tensor at a file offset that is a multiple of
+    ``ALIGNMENT`` (64 bytes) or of the largest power of two dividing its size, whichever is smaller.
+
+    The format allows no gaps between tensors, so alignment comes from the order alone: the header is padded
+    with spaces (as the format allows) to end on a 64-byte boundary, and tensors are laid out by decreasing
+    alignment of their size (then by key), so that every tensor whose size is a multiple of 64 bytes, which
+    includes every weight of a real model, starts on a 64-byte boundary.  Tensors sharing memory are written
+    as separate copies.
+    """
+    if sys.byteorder != "little":
+        raise RuntimeError(f"write_safetensors: safetensors stores little-endian data, this machine is "
+                           f"{sys.byteorder}-endian")
+    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+    data = {}
+    for key, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{key}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in names:
+            raise TypeError(f"{key}: expected a dtype among {sorted(_dtype_name(d) for d in names)}, got "
+                            f"{_dtype_name(t.dtype)}")
+        data[key] = t.detach().to("cpu").contiguous()
+    order = sorted(data, key=lambda k: (-_alignment_of(data[k].numel() * data[k].element_size()), k))
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for key in order:
+        t = data[key]
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-(8 + len(encoded)) % ALIGNMENT)
+    path = Path(path)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for key in order:
+            t = data[key]
+            if t.numel():
+                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return path
 
 
 class SafetensorsDirectory(Mapping):

@@ -25,6 +25,10 @@ would make transformers refuse a second config ("The model is quantized with ...
 ``AutoHfQuantizer.merge_quantization_configs``, which compares the two classes); registration therefore
 wraps that classmethod so that an :class:`FP4GemvConfig` passed by the caller is kept (fp4gemv reads the
 checkpoint's own config itself).  Every other combination goes to transformers' own method unchanged.
+The methods only fp4gemv reads (``fp4gemv.nn.model.FP4GEMV_ONLY_METHODS``: ``"modelopt"``,
+``"fp4gemv-mxfp4"``) would make transformers print that it skips an unknown quantization type, even on a
+load through fp4gemv: each is registered as a config that transformers can find, whose ``from_dict``
+refuses the load, with what to call instead, when no FP4GemvConfig is passed.
 Tested with transformers 5.17 (``TESTED_TRANSFORMERS``).
 """
 
@@ -35,27 +39,20 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+import transformers
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoHfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .checkpoints import layer_keys
+from .checkpoints import SAFETENSORS_DTYPES, layer_keys
 from .linear import ACTIVATIONS, FP4Linear
-from .model import check_replacement, fp4_modules, read_quantization_config
+from .model import FP4GEMV_ONLY_METHODS, check_replacement, fp4_modules, read_quantization_config
 
 __all__ = ["FP4GemvConfig", "FP4GemvHfQuantizer", "QUANT_METHOD", "TESTED_TRANSFORMERS"]
 
 QUANT_METHOD = "fp4gemv"
 # The transformers releases the tests ran with (pyproject's ``transformers`` extra pins the same range).
 TESTED_TRANSFORMERS = ("5.17", "5.18")
-
-# safetensors header dtype names -> torch dtypes, for the placeholders' meta buffers.
-_SAFETENSORS_DTYPES = {
-    "U8": torch.uint8, "I8": torch.int8, "I32": torch.int32, "I64": torch.int64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E8M0": torch.float8_e8m0fnu, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64,
-}
-
 
 class FP4GemvConfig(QuantizationConfigMixin):
     """What ``from_pretrained`` does with a checkpoint's FP4 layers.
@@ -66,7 +63,14 @@ class FP4GemvConfig(QuantizationConfigMixin):
         None / ``"linear"`` (keeps them as stored: no copy).
     """
 
-    def __init__(self, activations: str | None = None, scale_layout: str | None = "swizzled", **kwargs) -> None:
+    def __init__(self, activations: str | None = None, scale_layout: str | None = "swizzled", *,
+                 quant_method: str = QUANT_METHOD, **unknown) -> None:
+        # quant_method: what to_dict writes and transformers' from_dict passes back (cls(**to_dict())).
+        if unknown:
+            raise TypeError(f"FP4GemvConfig: unknown keyword {', '.join(map(repr, unknown))}; expected "
+                            f"'activations', 'scale_layout' (and 'quant_method' {QUANT_METHOD!r})")
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"quant_method: expected {QUANT_METHOD!r}, got {quant_method!r}")
         if activations is not None and activations not in ACTIVATIONS:
             raise ValueError(f"activations: expected None, 'weight-only' or 'w4a4', got {activations!r}")
         if scale_layout not in (None, "linear", "swizzled"):
@@ -74,6 +78,17 @@ class FP4GemvConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.activations = activations
         self.scale_layout = scale_layout
+
+
+class _ReadByFP4Gemv(QuantizationConfigMixin):
+    """Stands for a quant_method only fp4gemv reads (module docstring): never built."""
+
+    @classmethod
+    def from_dict(cls, config_dict, return_unused_kwargs=False, **kwargs):
+        method = config_dict.get("quant_method")
+        raise ValueError(f"quantization_config: quant_method {method!r} is read by fp4gemv, not by transformers "
+                         f"{transformers.__version__}: load it with fp4gemv.nn.from_pretrained(path), or pass "
+                         f"quantization_config=fp4gemv.nn.hf_quantizer.FP4GemvConfig()")
 
 
 class _CheckpointLayer(nn.Module):
@@ -87,9 +102,9 @@ class _CheckpointLayer(nn.Module):
         self.key, self.scheme = key, scheme
         for full_key in keys:
             shape, dtype_name = headers[full_key]
-            if dtype_name not in _SAFETENSORS_DTYPES:
-                raise TypeError(f"{full_key}: expected a dtype among {sorted(_SAFETENSORS_DTYPES)}, got {dtype_name}")
-            self.register_buffer(full_key[len(key) + 1:], torch.empty(shape, dtype=_SAFETENSORS_DTYPES[dtype_name],
+            if dtype_name not in SAFETENSORS_DTYPES:
+                raise TypeError(f"{full_key}: expected a dtype among {sorted(SAFETENSORS_DTYPES)}, got {dtype_name}")
+            self.register_buffer(full_key[len(key) + 1:], torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype_name],
                                                                       device="meta"))
 
     def forward(self, *args, **kwargs):
@@ -144,6 +159,7 @@ class FP4GemvHfQuantizer(HfQuantizer):
             linear = model.get_submodule(name)
             _replace(model, name, _CheckpointLayer(linear, key, scheme, headers, layer_keys(headers, key)))
         self.fp4_module_names = [name for name, _, _ in found]
+        self.checkpoint_fmt = config.fmt
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -159,16 +175,20 @@ class FP4GemvHfQuantizer(HfQuantizer):
             tensors = {f"{placeholder.key}.{n}": b for n, b in placeholder.named_buffers()}
             new = FP4Linear.from_state_dict(tensors, placeholder.key, activations=activations or placeholder.scheme,
                                             scale_layout=layout)
-            check_replacement(placeholder.key, placeholder.linear, new)
+            check_replacement(placeholder.key, placeholder.linear, new, self.checkpoint_fmt)
             _replace(model, name, new)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return False  # the FP4 tensors are loaded as stored; nothing is quantized while loading
 
-    @property
-    def is_serializable(self) -> bool:
-        return False  # fp4gemv.nn.save_compressed_tensors / save_modelopt / save_mxfp4 write FP4Linear models
+    def is_serializable(self, *args, **kwargs) -> bool:
+        # transformers asks only in save_pretrained, which would write FP4Linear's state dict under this
+        # quantizer's config: neither records the format nor each layer's activation mode.  Refusing here
+        # gives the reason and what to call instead (transformers' own message sends the user to the logs).
+        raise ValueError("save_pretrained: a model loaded by fp4gemv is written with fp4gemv.nn.save_compressed_tensors "
+                         "(NVFP4), save_modelopt (NVFP4) or save_mxfp4 (MXFP4), each passed config=model.config; "
+                         "transformers' save_pretrained would write a checkpoint no loader reads back")
 
     @property
     def is_trainable(self) -> bool:
@@ -187,6 +207,9 @@ def _register() -> None:
     if AUTO_QUANTIZER_MAPPING.get(QUANT_METHOD) is not FP4GemvHfQuantizer:
         AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
         register_quantizer(QUANT_METHOD)(FP4GemvHfQuantizer)
+    for method in FP4GEMV_ONLY_METHODS:
+        if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:  # a transformers that knows it keeps its own
+            register_quantization_config(method)(_ReadByFP4Gemv)
     merge = AutoHfQuantizer.merge_quantization_configs
     if getattr(merge, "_fp4gemv_keeps_its_config", False):
         return

@@ -14,7 +14,11 @@ with ``quant_method``:
   whole module name, as vllm-project/vllm's ``vllm/model_executor/layers/quantization/modelopt.py`` does;
 * ``"mxfp4"`` (gpt-oss): ``modules_to_not_convert``, each a regex matched from the start of the name, a
   dotted prefix of it, or a suffix of it (huggingface/transformers,
-  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``).
+  ``src/transformers/quantizers/quantizers_utils.py``, ``should_convert_module``), its FP4 linear layers in
+  the gpt-oss names (``weight_blocks``, ``weight_scales``);
+* ``"fp4gemv-mxfp4"`` (:data:`MXFP4_METHOD`, what :func:`save_mxfp4` writes): ``"mxfp4"``'s rules, its
+  layers in FP4Linear's own names (``weight``, ``weight_scale`` in e8m0), a method transformers does not
+  know, so that plain transformers refuses the checkpoint (docs/checkpoints.md).
 
 Which layers are FP4 is read from the tensors' key names (``checkpoints.detect_convention``) and checked
 against the config: a disagreement is an error, never a silent float layer.
@@ -31,11 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors
+from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors, write_safetensors
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
+from .moe import FP4Experts, expert_kind, quantize_experts
 
 __all__ = [
     "QuantizationConfig",
@@ -45,12 +49,21 @@ __all__ = [
     "load_quantized",
     "fp4_modules",
     "check_replacement",
+    "check_agreement",
     "save_compressed_tensors",
     "save_modelopt",
     "save_mxfp4",
+    "MXFP4_METHOD",
+    "FP4GEMV_ONLY_METHODS",
 ]
 
-_CONVENTION_OF_METHOD = {"compressed-tensors": "compressed-tensors", "modelopt": "modelopt", "mxfp4": "gpt-oss"}
+# The tensor naming conventions (checkpoints.CONVENTIONS) a quant_method's linear layers may use, and its format.
+MXFP4_METHOD = "fp4gemv-mxfp4"
+_CONVENTIONS_OF_METHOD = {"compressed-tensors": ("compressed-tensors",), "modelopt": ("modelopt",),
+                          "mxfp4": ("gpt-oss",), MXFP4_METHOD: ("modelopt",)}
+_FORMAT_OF_METHOD = {"compressed-tensors": "nvfp4", "modelopt": "nvfp4", "mxfp4": "mxfp4", MXFP4_METHOD: "mxfp4"}
+# The quant_methods read here that transformers 5.17 does not know (it would skip their config with a warning).
+FP4GEMV_ONLY_METHODS = ("modelopt", MXFP4_METHOD)
 
 
 # --- from a float model -----------------------------------------------------------------------------------
@@ -84,10 +97,14 @@ def quantize_model(
     scale_layout: str = "swizzled",
     per_tensor: str = "pow2",
 ) -> list[str]:
-    """Replace every ``nn.Linear`` of ``model`` (in place) by ``FP4Linear.from_linear``; returns their names.
+    """Replace every ``nn.Linear`` of ``model`` (in place) by ``FP4Linear.from_linear``, and every MoE experts
+    module (transformers' ``GptOssExperts``, ``Qwen3MoeExperts`` and look-alikes: ``moe.expert_kind``) by
+    ``moe.quantize_experts``' ``FP4Experts``; returns their names.
 
-    skip: module names or glob patterns (``"*.lm_head"``) left in float, with everything under them.
-    Raises ValueError naming a module whose in_features is not a multiple of the block size (skip it).
+    skip: module names or glob patterns (``"*.lm_head"``, ``"*.experts"``) left in float, with everything
+    under them.
+    Raises ValueError naming a module whose in_features (an expert's hidden or intermediate size) is not a
+    multiple of the block size, or experts with ``activations="w4a4"`` (FP4Experts run weight-only): skip it.
     W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
     """
     skip = [skip] if isinstance(skip, str) else list(skip)
@@ -96,15 +113,27 @@ def quantize_model(
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations: expected 'weight-only' or 'w4a4', got {activations!r}")
     todo = [(n, m) for n, m in _float_linears(model) if not _skipped(n, skip)]
+    experts = [(n, m) for n, m in model.named_modules() if expert_kind(m) is not None and not _skipped(n, skip)]
     block = 16 if fmt == "nvfp4" else 32
     for name, linear in todo:
         if linear.in_features % block:
             raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the {fmt} block size "
                              f"{block}; pass skip=[{name!r}]")
+    for name, module in experts:
+        if activations == "w4a4":
+            raise ValueError(f"{name}: MoE experts run weight-only (FP4Experts), got activations='w4a4'; pass "
+                             f"skip=[{name!r}] or activations='weight-only'")
+        # down_proj holds both sizes: the K of gate_up (hidden) and of down (intermediate).
+        sizes = {d for d in module.down_proj.shape[1:]}
+        if any(size % block for size in sizes):
+            raise ValueError(f"{name}: hidden and intermediate sizes {sorted(sizes)} are not multiples of the {fmt} "
+                             f"block size {block}; pass skip=[{name!r}]")
     for name, linear in todo:
         _replace(model, name, FP4Linear.from_linear(linear, fmt, activations=activations, scale_layout=scale_layout,
                                                     per_tensor=per_tensor))
-    return [name for name, _ in todo]
+    for name, module in experts:
+        _replace(model, name, quantize_experts(module, fmt, scale_layout, per_tensor=per_tensor))
+    return [name for name, _ in todo] + [name for name, _ in experts]
 
 
 @torch.no_grad()
@@ -154,15 +183,20 @@ def calibrate_input_scales(model: nn.Module, run: Callable[[], Any], per_tensor:
 @dataclass(frozen=True)
 class QuantizationConfig:
     """What a checkpoint's config says: its ``method`` (``"compressed-tensors"``, ``"modelopt"``,
-    ``"mxfp4"``) and, per module, its activations (:meth:`scheme`)."""
+    ``"mxfp4"``, ``"fp4gemv-mxfp4"``) and, per module, its activations (:meth:`scheme`)."""
 
     method: str
     raw: dict
 
     @property
-    def convention(self) -> str:
-        """The tensor naming convention (``checkpoints.CONVENTIONS``) this method writes."""
-        return _CONVENTION_OF_METHOD[self.method]
+    def conventions(self) -> tuple[str, ...]:
+        """The tensor naming conventions (``checkpoints.CONVENTIONS``) its FP4 layers may use."""
+        return _CONVENTIONS_OF_METHOD[self.method]
+
+    @property
+    def fmt(self) -> str:
+        """The FP4 format of its layers: ``"nvfp4"`` or ``"mxfp4"``."""
+        return _FORMAT_OF_METHOD[self.method]
 
     def scheme(self, name: str, module: nn.Module) -> str | None:
         """``"weight-only"`` or ``"w4a4"`` for a quantized module, None for one the config leaves in float."""
@@ -172,7 +206,7 @@ class QuantizationConfig:
             if any(re.fullmatch(re.escape(p).replace(r"\*", ".*"), name) for p in excluded):
                 return None
             return "w4a4" if q["quant_algo"] == "NVFP4" else "weight-only"
-        if self.method == "mxfp4":
+        if self.method in ("mxfp4", MXFP4_METHOD):
             for p in self.raw.get("modules_to_not_convert") or []:
                 if re.match(f"{p}\\.", name) or re.match(p, name) or name.endswith(p):
                     return None
@@ -230,10 +264,10 @@ def read_quantization_config(directory: str | Path) -> QuantizationConfig:
     method = q.get("quant_method")
     if method == "modelopt":
         return _modelopt_config(config_path, q)
-    if method in ("compressed-tensors", "mxfp4"):
+    if method in ("compressed-tensors", "mxfp4", MXFP4_METHOD):
         return QuantizationConfig(method, q)
-    raise ValueError(f"{config_path}: quantization_config.quant_method: expected 'compressed-tensors', 'modelopt' "
-                     f"or 'mxfp4', got {method!r}")
+    raise ValueError(f"{config_path}: quantization_config.quant_method: expected 'compressed-tensors', 'modelopt', "
+                     f"'mxfp4' or {MXFP4_METHOD!r}, got {method!r}")
 
 
 def _modelopt_config(path: Path, q: dict) -> QuantizationConfig:
@@ -267,15 +301,19 @@ def fp4_modules(model: nn.Module, keys: Container[str], config: QuantizationConf
         if scheme is None:
             raise ValueError(f"{key}: the checkpoint has {convention} FP4 tensors but the {config.method} config "
                              f"leaves this module in float")
-        if convention != config.convention:
-            raise ValueError(f"{key}: expected {config.convention} tensors for quant_method {config.method!r}, "
-                             f"got {convention} key names")
+        if convention not in config.conventions:
+            raise ValueError(f"{key}: expected {' or '.join(config.conventions)} tensors for quant_method "
+                             f"{config.method!r}, got {convention} key names")
         found.append((name, key, scheme))
     return found
 
 
-def check_replacement(key: str, linear: nn.Linear, new: FP4Linear) -> None:
-    """Raise ValueError unless the FP4 layer read at ``key`` has the shape and bias of the Linear it replaces."""
+def check_replacement(key: str, linear: nn.Linear, new: FP4Linear, fmt: str) -> None:
+    """Raise ValueError unless the FP4 layer read at ``key`` has the shape and bias of the Linear it replaces
+    and the format ``fmt`` its config declares."""
+    if new.fmt != fmt:
+        raise ValueError(f"{key}.weight_scale: expected {fmt} block scales as the quantization config says, got "
+                         f"{new.fmt}")
     if (new.in_features, new.out_features) != (linear.in_features, linear.out_features):
         raise ValueError(f"{key}: expected [out, in] = [{linear.out_features}, {linear.in_features}] like the "
                          f"model's Linear, got [{new.out_features}, {new.in_features}]")
@@ -312,7 +350,7 @@ def load_quantized(
             module = model.get_submodule(name)
             new = FP4Linear.from_state_dict(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
                                      device=module.weight.device)
-            check_replacement(key, module, new)
+            check_replacement(key, module, new, config.fmt)
             _replace(model, name, new)
             replaced.append(name)
             consumed.update(layer_keys(tensors, key))
@@ -330,22 +368,39 @@ def load_quantized(
     fp4_prefixes = tuple(n + "." for n in replaced)
     missing = [k for k in result.missing_keys if not k.startswith(fp4_prefixes)]
     unexpected += [prefix + k for k in result.unexpected_keys]
-    if strict and (missing or unexpected):
+    if strict:
+        check_agreement(missing, unexpected, "strict=False loads anyway")
+    return replaced
+
+
+def check_agreement(missing: Iterable[str], unexpected: Iterable[str], hint: str) -> None:
+    """Raise ValueError naming the model tensors a checkpoint lacks and the checkpoint tensors no module takes."""
+    missing, unexpected = sorted(missing), sorted(unexpected)
+    if missing or unexpected:
         raise ValueError(f"directory: checkpoint and model disagree: missing {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''}, unexpected {unexpected[:8]}"
-                         f"{' ...' if len(unexpected) > 8 else ''} (strict=False loads anyway)")
-    return replaced
+                         f"{' ...' if len(unexpected) > 8 else ''} ({hint})")
 
 
 # --- saving -------------------------------------------------------------------------------------------------
 
 
-def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
-    """All tensors of ``model`` with its FP4Linear modules in ``convention``; the float Linear names; the
-    FP4 modules' activation modes."""
+def _checkpoint_tensors(model: nn.Module, convention: str, fmt: str
+                        ) -> tuple[dict[str, torch.Tensor], list[str], set[str]]:
+    """All tensors of ``model`` with its FP4Linear modules (all ``fmt``) in ``convention``; the float Linear
+    names; the FP4 modules' activation modes."""
     fp4 = {n: m for n, m in model.named_modules() if isinstance(m, FP4Linear)}
+    for name, module in model.named_modules():
+        if isinstance(module, FP4Experts):  # its buffers' names are its own, read by no loader
+            raise ValueError(f"{name}: FP4Experts are not written to checkpoints (no writer holds them yet); "
+                             f"quantize_model(..., skip=[{name!r}]) keeps the experts in float")
     if not fp4:
         raise ValueError("model: expected FP4Linear modules (quantize_model or load_quantized makes them), found none")
+    for name, module in fp4.items():
+        if module.fmt != fmt:
+            writer = "save_mxfp4" if module.fmt == "mxfp4" else "save_compressed_tensors or save_modelopt"
+            raise ValueError(f"{name}: expected {fmt} modules in this checkpoint, got {module.fmt} ({writer} writes "
+                             f"those)")
     prefixes = tuple(n + "." for n in fp4)
     tensors = {k: v for k, v in model.state_dict().items() if not k.startswith(prefixes)}
     for name, module in fp4.items():
@@ -357,20 +412,25 @@ def _checkpoint_tensors(model: nn.Module, convention: str) -> tuple[dict[str, to
 def _write(directory: str | Path, tensors: dict[str, torch.Tensor], configs: dict[str, dict]) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    seen, plain = set(), {}
-    for key, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors sharing memory (views of one weight); such a tensor is written as a copy.
-        ptr = (t.untyped_storage().data_ptr(), t.storage_offset()) if t.numel() else None
-        if ptr in seen:
-            t = t.clone()
-        elif ptr is not None:
-            seen.add(ptr)
-        plain[key] = t
-    save_file(plain, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     for file_name, content in configs.items():
         (directory / file_name).write_text(json.dumps(content, indent=2) + "\n")
     return directory
+
+
+def _config_json(model: nn.Module, config) -> dict:
+    """config.json's content: ``config`` (a dict or a transformers config), else ``model.config``."""
+    if config is None:
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError("config: expected the model's config for config.json (a dict or a transformers "
+                             "PretrainedConfig), got none and model has no .config; config={} writes a checkpoint "
+                             "that load_quantized reads but from_pretrained cannot build a model from")
+    if callable(getattr(config, "to_dict", None)):
+        config = config.to_dict()
+    if not isinstance(config, dict):
+        raise TypeError(f"config: expected a dict or a transformers PretrainedConfig, got {type(config).__name__}")
+    return config
 
 
 def _one_mode(modes: set[str], method: str) -> str:
@@ -379,12 +439,13 @@ def _one_mode(modes: set[str], method: str) -> str:
     return next(iter(modes))
 
 
-def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+def save_compressed_tensors(model: nn.Module, directory: str | Path, config=None) -> Path:
     """Write ``model`` as a compressed-tensors ``nvfp4-pack-quantized`` checkpoint: ``model.safetensors`` and
-    ``config.json`` (``config``, e.g. the model's own, plus ``quantization_config``).  Float ``nn.Linear``
+    ``config.json`` (``config``, a dict or a transformers config, by default ``model.config``; ValueError when
+    neither is there; plus ``quantization_config``).  Float ``nn.Linear``
     modules are listed in ``ignore``.  Every FP4Linear must be NVFP4 with one activation mode, and each
     multiplier must have an exact fp32 reciprocal (ValueError otherwise)."""
-    tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors")
+    tensors, float_linears, modes = _checkpoint_tensors(model, "compressed-tensors", "nvfp4")
     mode = _one_mode(modes, "compressed-tensors")
     args = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group", "group_size": 16,
             "dynamic": False, "scale_dtype": "float8_e4m3fn"}
@@ -394,27 +455,38 @@ def save_compressed_tensors(model: nn.Module, directory: str | Path, config: dic
     quantization = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
                     "quantization_status": "compressed", "config_groups": {"group_0": group},
                     "ignore": float_linears}
-    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
+    return _write(directory, tensors, {"config.json": {**_config_json(model, config),
+                                                       "quantization_config": quantization}})
 
 
-def save_modelopt(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
+def save_modelopt(model: nn.Module, directory: str | Path, config=None) -> Path:
     """Write ``model`` as an NVIDIA ModelOpt NVFP4 checkpoint: ``model.safetensors``, ``hf_quant_config.json``
     (``quant_algo`` ``"NVFP4"`` for W4A4, ``"W4A16_NVFP4"`` for weight-only; float Linear modules in
-    ``exclude_modules``) and ``config.json`` (``config`` plus the same as ``quantization_config``)."""
-    tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt")
+    ``exclude_modules``) and ``config.json`` (``config`` as :func:`save_compressed_tensors` takes it, plus the
+    same as ``quantization_config``)."""
+    tensors, float_linears, modes = _checkpoint_tensors(model, "modelopt", "nvfp4")
     algo = "NVFP4" if _one_mode(modes, "modelopt") == "w4a4" else "W4A16_NVFP4"
     quantization = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": 16,
                     "exclude_modules": float_linears}
     configs = {"hf_quant_config.json": {"producer": {"name": "fp4gemv"}, "quantization": quantization},
-               "config.json": {**(config or {}), "quantization_config": {"quant_method": "modelopt", **quantization}}}
+               "config.json": {**_config_json(model, config),
+                               "quantization_config": {"quant_method": "modelopt", **quantization}}}
     return _write(directory, tensors, configs)
 
 
-def save_mxfp4(model: nn.Module, directory: str | Path, config: dict | None = None) -> Path:
-    """Write ``model`` with its weight-only MXFP4 FP4Linear modules in the gpt-oss layout (``weight_blocks``,
-    ``weight_scales``) and ``config.json``'s ``quantization_config`` ``{"quant_method": "mxfp4",
-    "modules_to_not_convert": [float Linear names]}``."""
-    tensors, float_linears, _ = _checkpoint_tensors(model, "gpt-oss")
+def save_mxfp4(model: nn.Module, directory: str | Path, config=None) -> Path:
+    """Write ``model`` with its weight-only MXFP4 FP4Linear modules and ``config.json`` (``config`` as
+    :func:`save_compressed_tensors` takes it) with ``quantization_config`` ``{"quant_method": "fp4gemv-mxfp4",
+    "modules_to_not_convert": [float Linear names]}`` (gpt-oss's rules).
+
+    Each layer is stored under FP4Linear's own names: ``weight`` uint8 ``[N, K/2]`` and ``weight_scale``
+    float8_e8m0fnu ``[N, K/32]``, the bytes of gpt-oss's ``weight_blocks`` / ``weight_scales``.  Under gpt-oss's
+    own ``"mxfp4"`` and names, transformers (which dequantizes them for GptOss experts only) would leave every
+    linear layer at its random initial weights; under a method it does not know, it checks the shapes and
+    refuses the packed ``weight`` (docs/checkpoints.md)."""
+    tensors, float_linears, _ = _checkpoint_tensors(model, "modelopt", "mxfp4")
     # Entries are regexes matched from the start of a name (and as dotted prefixes): anchor them.
-    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
-    return _write(directory, tensors, {"config.json": {**(config or {}), "quantization_config": quantization}})
+    quantization = {"quant_method": MXFP4_METHOD,
+                    "modules_to_not_convert": [re.escape(n) + "$" for n in float_linears]}
+    return _write(directory, tensors, {"config.json": {**_config_json(model, config),
+                                                       "quantization_config": quantization}})

@@ -42,9 +42,9 @@ from torch import nn
 
 from .. import library
 from ..tensor import FP4Tensor
-from .linear import FP4Linear
+from .linear import FP4Linear, per_tensor_scale
 
-__all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "quantize_experts",
+__all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "quantize_experts", "expert_kind",
            "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
 Activation = Literal["gpt-oss", "silu"]
@@ -164,14 +164,12 @@ class FP4Experts(nn.Module):
 # --- from float modules ------------------------------------------------------------------------------------------
 
 
-def _quantized(weight: torch.Tensor, bias, fmt: str, scale_layout: str) -> ExpertWeights:
-    """``weight`` ``[E, rows, K]`` quantized (NVFP4: per-expert power-of-two global scales from each amax)."""
+def _quantized(weight: torch.Tensor, bias, fmt: str, scale_layout: str, per_tensor: str = "pow2") -> ExpertWeights:
+    """``weight`` ``[E, rows, K]`` quantized (NVFP4: per-expert global scales, ``per_tensor_scale`` of each amax)."""
     weight = weight.detach().contiguous()
     global_scales = None
     if fmt == "nvfp4":
-        # 448 * 6 is the largest NVFP4 magnitude; a power of two keeps the scale exact in every convention.
-        amax = weight.abs().amax(dim=(1, 2)).to(torch.float32).clamp(min=2.0**-100)
-        global_scales = torch.exp2(torch.ceil(torch.log2(amax / (448 * 6))))
+        global_scales = per_tensor_scale(weight.abs().amax(dim=(1, 2)), per_tensor)
         scaled = weight.to(torch.float64) / global_scales.to(torch.float64)[:, None, None]
         w = library.quantize(scaled.to(torch.float32), fmt, scale_layout)
     else:
@@ -179,24 +177,35 @@ def _quantized(weight: torch.Tensor, bias, fmt: str, scale_layout: str) -> Exper
     return ExpertWeights(w, None if bias is None else bias.detach(), global_scales)
 
 
+def expert_kind(module: nn.Module) -> Activation | None:
+    """``"gpt-oss"`` for transformers 5's ``GptOssExperts`` (gate_up_proj ``[E, H, 2I]``, down_proj ``[E, I, H]``,
+    both transposed, with biases), ``"silu"`` for ``Qwen3MoeExperts`` and its look-alikes (gate_up_proj
+    ``[E, 2I, H]``, down_proj ``[E, H, I]``, no bias), None for any other module: by the 3-D expert parameters."""
+    params = dict(module.named_parameters(recurse=False))
+    if not all(n in params and params[n].dim() == 3 for n in ("gate_up_proj", "down_proj")):
+        return None
+    return "gpt-oss" if "gate_up_proj_bias" in params else "silu"
+
+
 def quantize_experts(module: nn.Module, fmt: str = "mxfp4", scale_layout: str = "linear",
-                     backend: str = "auto") -> FP4Experts:
-    """An FP4Experts holding ``module``'s quantized weights: transformers 5's ``GptOssExperts`` (gate_up_proj
-    ``[E, H, 2I]``, down_proj ``[E, I, H]``, both transposed, with biases) or ``Qwen3MoeExperts`` (and its
-    look-alikes: gate_up_proj ``[E, 2I, H]``, down_proj ``[E, H, I]``, no bias, SiLU)."""
-    if hasattr(module, "gate_up_proj_bias"):
-        gate_up = _quantized(module.gate_up_proj.transpose(1, 2), module.gate_up_proj_bias, fmt, scale_layout)
-        down = _quantized(module.down_proj.transpose(1, 2), module.down_proj_bias, fmt, scale_layout)
+                     backend: str = "auto", per_tensor: str = "pow2") -> FP4Experts:
+    """An FP4Experts holding ``module``'s quantized weights (:func:`expert_kind` says which modules);
+    ``per_tensor``: how NVFP4's per-expert global scales are picked (``per_tensor_scale``'s rounding)."""
+    kind = expert_kind(module)
+    if kind == "gpt-oss":
+        gate_up = _quantized(module.gate_up_proj.transpose(1, 2), module.gate_up_proj_bias, fmt, scale_layout,
+                             per_tensor)
+        down = _quantized(module.down_proj.transpose(1, 2), module.down_proj_bias, fmt, scale_layout, per_tensor)
         return FP4Experts(gate_up, down, activation="gpt-oss", alpha=float(module.alpha), limit=float(module.limit),
                           backend=backend)
-    if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj"):
+    if kind == "silu":
         act = getattr(module, "act_fn", None)
         # transformers' ACT2FN["silu"] is its own SiLUActivation class, not nn.SiLU.
         if act is not None and not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
             raise ValueError(f"module: expected SiLU experts (act_fn nn.SiLU or SiLUActivation), got "
                              f"{type(act).__name__}")
-        gate_up = _quantized(module.gate_up_proj, None, fmt, scale_layout)
-        down = _quantized(module.down_proj, None, fmt, scale_layout)
+        gate_up = _quantized(module.gate_up_proj, None, fmt, scale_layout, per_tensor)
+        down = _quantized(module.down_proj, None, fmt, scale_layout, per_tensor)
         return FP4Experts(gate_up, down, activation="silu", backend=backend)
     raise TypeError(f"module: expected a transformers GptOssExperts or Qwen3MoeExperts, got {type(module).__name__}")
 

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .model import check_agreement
+
 __all__ = ["from_pretrained"]
 
 
@@ -32,6 +34,9 @@ def from_pretrained(
     dtype: the float tensors' dtype (embeddings, norms, lm_head, biases); None: the checkpoint's.
     activations, scale_layout: ``fp4gemv.nn.hf_quantizer.FP4GemvConfig``'s.
     kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
+
+    Raises ValueError naming the checkpoint tensors no module takes and the model tensors the checkpoint lacks
+    (as ``load_quantized`` does), which transformers would report and load anyway.
 
     The model is built on the meta device and each FP4 tensor is read from safetensors straight into its
     FP4Linear buffer on ``device``; no float copy of an FP4 layer is made, so peak memory is about the
@@ -58,5 +63,12 @@ def from_pretrained(
     if dtype is not None:
         kwargs["dtype"] = dtype
     config = FP4GemvConfig(activations=activations, scale_layout=scale_layout)
-    model = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config, **kwargs)
-    return model if move_to is None else model.to(move_to)
+    wants_info = kwargs.pop("output_loading_info", False)
+    model, info = AutoModelForCausalLM.from_pretrained(str(path), quantization_config=config,
+                                                       output_loading_info=True, **kwargs)
+    # transformers reports these and goes on (a missing tensor keeps its random initial value); load_quantized
+    # refuses them, and so does this.
+    check_agreement(info["missing_keys"], info["unexpected_keys"], "transformers' load report above lists them")
+    if move_to is not None:
+        model = model.to(move_to)
+    return (model, info) if wants_info else model
