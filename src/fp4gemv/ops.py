@@ -486,8 +486,8 @@ def gemv(
 
     Range: with bf16 activations the weight-only kernel (the default for N <= 8, and for MXFP4 weights at any N)
     multiplies the activation by 2^64 when it runs MXFP4 weights or the split mode (N <= 2), which is exact only
-    for 2^-77 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
-    2^-77 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
+    for 2^-70 <= |x| < 2^64: an activation of magnitude 2^64 or more gives inf or NaN, and nonzero ones below
+    2^-70 may lose precision (``kernels/weight_only.py``).  fp16, fp32 and FP4 activations have no such limit;
     ``kernel="hmma"`` or ``kernel="general"`` avoid it for NVFP4 (and general for MXFP4) weights.
     The GEMM kernel (N > 16) is exact for NVFP4; for MXFP4 while the block scales stay within 2^-125 .. 2^125
     (bf16 activations) or 2^-23 .. 2^13 (fp16), beyond which weights overflow or round (``kernels/gemm.py``).

@@ -30,8 +30,9 @@ The fold (2^-f per ``_mma_step.fold_exponent``) is undone in the epilogue with t
 
 Range restriction (bf16 activations in k32 and split: MXFP4 weights, and NVFP4 weights with ``split``, the
 default for N <= 2).  The activation is multiplied by 2^64 in bf16 (``_mma_step.BF16_ACTIVATION_BIAS``), which
-is exact only for 2^-77 <= |x| < 2^64: a value of 2^64 or more becomes infinity (the result is inf or NaN), and
-a nonzero value below 2^-77 may lose its product's low bits in fp32.  fp16 and FP4 activations, and NVFP4 x bf16
+keeps products exact only for 2^-70 <= |x| < 2^64 (measured on the H200, ``_mma_step.BF16_ACTIVATION_BIAS``):
+a value of 2^64 or more becomes infinity (the result is inf or NaN), and a nonzero value below 2^-70 may lose
+its product's low bits (a subnormal product in fp32, which the tensor cores do not keep exactly).  fp16 and FP4 activations, and NVFP4 x bf16
 in ``fold``, have no such restriction.  On the pure-Triton path (``backend="triton"``) there is no bias.
 
 ``default_config`` and the dispatch range (``MAX_FLOAT_N_OVER_HMMA``, a rule of ``kernels/__init__.py``'s
@@ -164,7 +165,7 @@ class WeightOnly(TritonKernelSpec):
     (N = 2..16; N = 1 is w4a4's) on the tensor cores, K a multiple of 32.  Every row it loads aligned to its load
     width: packed rows of weights and FP4 activations 16 bytes (MXFP4 outside split: 4), NVFP4 scale rows 2
     bytes (two blocks' scales per load), float activation rows 16 bytes and contiguous along K.  bf16 activations
-    in k32 and split must lie in 2^-77 <= |x| < 2^64 (module docstring)."""
+    in k32 and split must lie in 2^-70 <= |x| < 2^64 (module docstring)."""
 
     name = "weight_only"
     config_type = WeightOnlyConfig
