@@ -170,6 +170,22 @@ def test_validation_names_the_argument():
             routed(a, b, c, **args)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_out_sharing_memory_is_refused(backend):
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    buf = random_activation((2, 64), torch.bfloat16, seed=20)
+    x, out = buf, buf.view(-1)[:32].view(2, 2, 8)  # out is the first half of x's first row
+    before = buf.clone()
+    with pytest.raises(ValueError, match="out: expected memory apart from every input .* shares memory with x"):
+        fp4gemv.moe_gemv(w, x, ids, out=out, backend=backend)
+    stride0 = torch.zeros(2, 2, 1, dtype=torch.bfloat16, device=DEVICE).expand(2, 2, 8)
+    with pytest.raises(ValueError, match=r"out: expected a tensor whose elements do not share memory, got strides "
+                                         r"\(2, 1, 0\)"):
+        fp4gemv.moe_gemv(w, x, ids, out=stride0, backend=backend)
+    assert torch.equal(buf, before) and (stride0 == 0).all()
+
+
 def test_torch_compile_fullgraph():
     w = random_fp4((6, 8, 64), "mxfp4", "swizzled", seed=21)
     x = random_activation((3, 64), torch.bfloat16, seed=22)

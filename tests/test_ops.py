@@ -152,6 +152,86 @@ def test_kernel_needs_8_byte_aligned_rows():
     assert gemv(misaligned, _x(3, 64)).abs().max() == 0
 
 
+# --- out must not share memory with an input or with itself ----------------------------------------------
+
+
+def _expect_overlap(words, a, b, out, **kwargs):
+    """ValueError naming out and ``words``; neither out nor any input written."""
+    inputs = [t for t in (a.data, a.scales, out) + ((b.data, b.scales) if isinstance(b, FP4Tensor) else (b,))]
+    before = [t.clone() for t in inputs]
+    with pytest.raises(ValueError) as info:
+        gemv(a, b, out=out, **kwargs)
+    for w in ["out:", *words]:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+    assert all(torch.equal(t, s) for t, s in zip(inputs, before)), "written"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_sharing_memory_with_an_input_is_refused(backend):
+    a = _fp4(16, 16, global_scale=0.5)
+    x = _x(16, 16)  # [N, K] = [16, 16]: the result [M, N] has x's shape
+    _expect_overlap(["shares memory with b"], a, x, x, backend=backend)
+    buf = torch.zeros(2, 16, 16, dtype=torch.float16)  # the same bytes seen through another view
+    _expect_overlap(["shares memory with b"], a, buf[0], buf[0].t(), backend=backend)
+    # Each part of an FP4Tensor: its bytes inside a float16 / float32 buffer that is also out.
+    owner = torch.zeros(16, 16, dtype=torch.float16)
+    in_data = FP4Tensor(owner.view(torch.uint8)[:, :8], a.scales, "nvfp4")
+    _expect_overlap(["shares memory with a.data"], in_data, x, owner, backend=backend)
+    in_scales = FP4Tensor(a.data, owner.view(torch.uint8)[:, 8:9], "nvfp4")
+    _expect_overlap(["shares memory with a.scales"], in_scales, x, owner, backend=backend)
+    g = torch.ones(16, 16, dtype=torch.float32)
+    in_global = FP4Tensor(a.data, a.scales, "nvfp4", "linear", g[3, 5])
+    _expect_overlap(["shares memory with a.global_scale"], in_global, x.float(), g, out_dtype=torch.float32,
+                    backend=backend)
+    fp4_b = FP4Tensor(owner.view(torch.uint8)[:, :8], owner.view(torch.uint8)[:, 8:9], "nvfp4")
+    _expect_overlap(["shares memory with b.data"], a, fp4_b, owner, backend=backend)
+
+
+def test_out_interleaved_with_an_input_without_sharing_bytes_is_accepted():
+    a = _fp4(16, 16)
+    buf = torch.zeros(16, 32, dtype=torch.float16)
+    x, out = buf[:, 0::2], buf[:, 1::2].t()  # address ranges meet, no element does
+    x.copy_(_x(16, 16))
+    want = gemv(a, x.clone())
+    assert gemv(a, x, out=out) is out and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_whose_elements_alias_is_refused(backend):
+    a, x = _fp4(64, 64), _x(4, 64)
+    _expect_overlap(["strides (1, 0)", "(64, 4)"], a, x, torch.zeros(64, 1, dtype=torch.float16).expand(64, 4),
+                    backend=backend)
+    _expect_overlap(["strides (1, 1)"], a, x, torch.zeros(80, dtype=torch.float16).as_strided((64, 4), (1, 1)),
+                    backend=backend)
+
+
+def test_a_cached_call_still_refuses_an_overlapping_out():
+    a = _fp4(16, 16)
+    x, out = _x(16, 16), torch.zeros(16, 16, dtype=torch.float16)
+    gemv(a, x, out=out)  # the plan of this metadata is kept
+    x2 = _x(16, 16, seed=4)
+    _expect_overlap(["shares memory with b"], a, x2, x2)
+    call = ops.prepare_gemv(a, x, out=out)
+    with pytest.raises(ValueError, match="out: .*shares memory with b"):
+        call(a, x2, x2)
+
+
+def test_compiled_gemv_refuses_an_overlapping_out():
+    """Strides are checked while tracing; addresses by the custom op when it runs."""
+    a, x = _fp4(64, 64), _x(4, 64)
+
+    def f(a, x, out):
+        return gemv(a, x, out=out)
+
+    with pytest.raises(Exception, match=r"out: .*strides \(1, 0\)"):
+        torch.compile(f, fullgraph=True)(a, x, torch.zeros(64, 1, dtype=torch.float16).expand(64, 4))
+    square, x = _fp4(16, 16), _x(16, 16)
+    before = x.clone()
+    with pytest.raises(ValueError, match="out: .*shares memory with b"):
+        torch.compile(f, fullgraph=True)(square, x, x)
+    assert torch.equal(x, before)
+
+
 # --- which kernel runs where ----------------------------------------------------------------------------
 
 

@@ -77,7 +77,9 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
         raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
     shape = (tokens, top_k, m)
     if out is not None:
-        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w")
+        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w",
+                  inputs=(("w.data", w.data), ("w.scales", w.scales), ("w.global_scale", w.global_scale), ("x", x),
+                          ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales)))
     return shape, out_dtype
 
 
@@ -178,7 +180,8 @@ def moe_gemv(
     bias: optional ``[E, M]`` float16, bfloat16 or float32, added in fp32 before the one rounding.
     global_scales: optional ``[E]`` float32, one global scale per expert (NVFP4 MoE checkpoints); not together
         with w's own global scale.
-    out: written and returned when given: ``[T, k, M]``, ``out_dtype``, w's device, any strides.
+    out: written and returned when given: ``[T, k, M]``, ``out_dtype``, w's device, any strides that give each
+        element memory of its own, sharing none with an input.
     out_dtype: float16, bfloat16 or float32; None: x's dtype.
     backend: as :func:`fp4gemv.gemv` (``"auto"``: the Triton kernel on CUDA, the float64 reference elsewhere;
         ``"triton"`` runs the kernel in the interpreter on CPU tensors).
