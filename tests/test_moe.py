@@ -132,6 +132,40 @@ def test_per_expert_global_scales():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5, float("inf"), 2.0**-127])
+def test_bad_global_scales_are_refused_when_values_are_checked(backend, value):
+    """The check FP4Tensor and quantize make of a global scale, on each of moe_gemv's per-expert scales; like
+    theirs for a tensor, it reads the values (a sync) only when asked."""
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15)
+    x = random_activation((2, 64), torch.bfloat16, seed=16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    scales = torch.tensor([0.5, 3.0, value, 1.0], dtype=torch.float32, device=DEVICE)
+    out = poisoned((2, 2, 8), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"global_scales: expected a positive normal float32 \(2\^-126 or more, "
+                                         rf"finite\), got {value} at \(2,\)"):
+        fp4gemv.moe_gemv(w, x, ids, global_scales=scales, out=out, backend=backend, check_values=True)
+    assert torch.isnan(out).all()  # nothing written
+    with pytest.raises(ValueError, match=r"global_scale: expected a positive normal float32 \(2\^-126 or more, "
+                                         rf"finite\), got {value}"):
+        FP4Tensor(w.data[2], w.scales[2], "nvfp4", "linear", scales[2], check_values=True)
+
+
+def test_global_scales_are_checked_when_asked_under_torch_compile():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15)
+    x = random_activation((2, 64), torch.bfloat16, seed=16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+
+    def step(x, scales):
+        return fp4gemv.moe_gemv(w, x, ids, global_scales=scales, check_values=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    good = torch.tensor([0.5, 3.0, 2.0, 1.0], device=DEVICE)
+    assert torch.equal(compiled(x, good), step(x, good))
+    with pytest.raises(ValueError, match="global_scales: expected a positive normal float32"):
+        compiled(x, torch.tensor([0.5, -3.0, 2.0, 1.0], device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_bad_ids(backend):
     w = random_fp4((4, 8, 64), "mxfp4", "linear", seed=17)
     x = random_activation((2, 64), torch.bfloat16, seed=18)

@@ -85,7 +85,8 @@ def _scales():
         (dict(global_scale=torch.tensor(2.0, dtype=torch.float64)), TypeError, ["global_scale:", "float32", "float64"]),
         (dict(global_scale=torch.ones(2)), ValueError, ["global_scale:", "one value", "(2,)"]),
         (dict(global_scale=torch.ones((), device="meta")), ValueError, ["global_scale:", "device cpu", "meta"]),
-        (dict(global_scale="2"), TypeError, ["global_scale:", "str"]),
+        (dict(global_scale="2"), TypeError, ["global_scale:", "None, a number or a float32 tensor", "str"]),
+        (dict(global_scale=True), TypeError, ["global_scale:", "None, a number or a float32 tensor", "bool"]),
     ],
 )
 def test_constructor_names_the_bad_argument(kwargs, exc, words):

@@ -147,29 +147,32 @@ def _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, 
 def _moe_gemv_op(
     w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
     expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
-    scale_layout: str, out_dtype: torch.dtype, backend: str,
+    scale_layout: str, out_dtype: torch.dtype, backend: str, check_values: bool,
 ) -> torch.Tensor:
     w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
-    # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).
+    # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).  Global
+    # scales are read when asked, as eagerly (a sync where the op runs).
     return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
-                        backend=backend, check_ids=False)
+                        backend=backend, check_ids=False, check_values=check_values)
 
 
 @_moe_gemv_op.register_fake
-def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend):
+def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend,
+      check_values):
     return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], w_data.shape[1]), dtype=out_dtype)
 
 
 def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_dtype=None, backend="auto",
-             check_ids=True) -> torch.Tensor:
+             check_ids=True, check_values=False) -> torch.Tensor:
     """:func:`fp4gemv.moe.moe_gemv` (its docstring has the arguments), also under ``torch.compile``, where it is
-    the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``)."""
+    the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``;
+    ``check_values`` reads the global scales when the op runs)."""
     if not torch.compiler.is_compiling():
         return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
-                            backend=backend, check_ids=check_ids)
+                            backend=backend, check_ids=check_ids, check_values=check_values)
     _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
-                                        w.fmt.name, w.scale_layout, out_dtype, backend)
+                                        w.fmt.name, w.scale_layout, out_dtype, backend, check_values)
     if out is None:
         return result
     out.copy_(result)

@@ -15,6 +15,7 @@ from .kernels.moe_gemv import MAX_PAIRS, moe_gemv_config, moe_gemv_kernel
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
 from .ops import ACTIVATION_DTYPES, OUT_DTYPES, check_out
 from .quantize import dequantize
+from . import formats
 from .formats import round_from_float64
 from .target import Backend, resolve_target
 from .tensor import FP4Tensor
@@ -169,6 +170,7 @@ def moe_gemv(
     out_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
     check_ids: bool = True,
+    check_values: bool = False,
 ) -> torch.Tensor:
     """``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])``: T tokens through their k experts.
 
@@ -189,6 +191,11 @@ def moe_gemv(
         anything is written (on CUDA a sync; skipped while a CUDA graph is captured).  With False, or under
         CUDA-graph capture and ``torch.compile``, such a pair's output is zeros and no memory outside the
         operands is touched.
+    check_values: read ``global_scales`` and raise ValueError naming it unless each is a positive normal float32
+        (``formats.check_global_scales``, the check of ``FP4Tensor`` and ``quantize``), before anything is
+        written.  Off by default, like ``FP4Tensor``'s check of a tensor global scale: reading the values
+        synchronises the device, and per-expert scales are weights, best checked once when loaded.  Unchecked,
+        a 0, negative, NaN or infinite scale multiplies that expert's outputs as it is.
 
     Arithmetic: exact weight-activation products (fp16/bf16), fp32 block sums and accumulation, the global scale
     and the bias applied in fp32, one rounding to ``out_dtype`` (the bound of ``gemv``'s block-sum kernels, one
@@ -203,6 +210,8 @@ def moe_gemv(
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_ids and not capturing:
         check_expert_ids(expert_ids, w.shape[0])
+    if check_values and global_scales is not None:
+        formats.check_global_scales(global_scales, "global_scales")
     if target.runs_triton:
         if w.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
             raise ValueError(f"w: NVFP4 needs e4m3 conversions (sm_89 or newer), got {target.describe()}")
