@@ -373,9 +373,13 @@ def test_custom_ops_pass_opcheck():
     b = _fp4(2, 1, 64, seed=2, layout="swizzled")
     float_args = (w.data, w.scales, w.global_scale, x, None, None, "nvfp4", "linear", "")
     fp4_args = (w.data, w.scales, w.global_scale, b.data, b.scales, None, "nvfp4", "linear", "swizzled")
-    for args in (float_args, fp4_args):
+    grad_args = (w.data, w.scales, w.global_scale, x.clone().requires_grad_(), None, None, "nvfp4", "linear", "")
+    for args in (float_args, fp4_args, grad_args):
         result = opcheck(torch.ops.fp4gemv.gemv.default, (*args, torch.float32, "auto", None, None))
         assert set(result.values()) == {"SUCCESS"}, result
+    result = opcheck(torch.ops.fp4gemv.dequantize.default, (b.data, b.scales, None, "nvfp4", "swizzled",
+                                                            torch.bfloat16))
+    assert set(result.values()) == {"SUCCESS"}, result
     out = torch.empty(2, 128, 3, dtype=torch.float16)
     result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))
     assert set(result.values()) == {"SUCCESS"}, result
@@ -383,6 +387,80 @@ def test_custom_ops_pass_opcheck():
         result = opcheck(torch.ops.fp4gemv.quantize.default, (_x(3, 130, 64, dtype=torch.float32), fmt, layout, g,
                                                               "auto", True))
         assert set(result.values()) == {"SUCCESS"}, result
+
+
+# --- autograd: a gradient for the float activation, none for the FP4 weight -----------------------------------
+
+
+def _exact_activation_grad(a, x, dy):
+    """(the float64 gradient of the dequantized product with respect to x, its bound for a correct fp32
+    backward): autograd of ``dequantize(a) @ x^T`` in float64, and of the magnitudes for the bound."""
+    w64 = dequantize(a, torch.float64)
+
+    def grad(w, upstream):
+        x64 = torch.zeros(x.shape, dtype=torch.float64, requires_grad=True)
+        product = w @ x64.transpose(-1, -2) if x64.dim() > 1 else w @ x64
+        product.backward(upstream)
+        return x64.grad
+
+    exact = grad(w64, dy.double())
+    magnitude = grad(w64.abs(), dy.double().abs())
+    depth = a.rows * (a.shape[0] if a.ndim == 3 else 1) + 2  # fp32 sums over M (and L) terms
+    size = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[x.dtype]
+    bound = 1.01 * depth * 2.0**-24 * magnitude + size * exact.abs() + 2.0**-126
+    return exact, bound
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("a_shape, x_shape", [((48, 64), (3, 64)), ((48, 64), (64,)), ((2, 48, 64), (3, 64)),
+                                              ((48, 64), (2, 3, 64)), ((2, 48, 64), (2, 9, 64))])
+def test_gemv_is_differentiable_in_the_float_activation(backend, a_shape, x_shape):
+    """One behaviour on every backend: the result carries a grad_fn (torch.ops.fp4gemv.gemv's autograd), the
+    values are those of the plain call, and dx = dy @ W agrees with the float64 dequantized product."""
+    a = _fp4(*a_shape, global_scale=0.75)
+    x = _x(*x_shape).requires_grad_()
+    y = gemv(a, x, out_dtype=torch.float32, backend=backend)
+    assert y.grad_fn is not None
+    assert torch.equal(y.detach(), gemv(a, x.detach(), out_dtype=torch.float32, backend=backend))
+    dy = _x(*y.shape, dtype=torch.float32, seed=7)
+    y.backward(dy)
+    assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
+    exact, bound = _exact_activation_grad(a, x, dy)
+    assert ((x.grad.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gemv_into_out_is_differentiable_and_the_weight_gets_no_grad(backend):
+    g = torch.tensor(0.75, requires_grad=True)
+    base = _fp4(48, 64)
+    a = FP4Tensor(base.data, base.scales, "nvfp4", "linear", g)
+    x = _x(3, 64).requires_grad_()
+    out = torch.empty(3, 48, dtype=torch.float16).t()
+    assert gemv(a, x, out=out, backend=backend) is out and out.grad_fn is not None
+    assert torch.equal(out.detach(), gemv(a, x.detach(), backend=backend))
+    out.sum().backward()
+    exact, bound = _exact_activation_grad(FP4Tensor(base.data, base.scales, "nvfp4", "linear", 0.75), x,
+                                          torch.ones(48, 3))
+    assert ((x.grad.double() - exact).abs() <= bound).all()
+    assert g.grad is None  # the FP4 weight, global scale included, is frozen
+    # Nothing to differentiate (no_grad, or an FP4 activation): a plain result.
+    with torch.no_grad():
+        assert gemv(a, x, backend=backend).grad_fn is None
+    assert not gemv(a, _fp4(2, 64, seed=3), backend=backend).requires_grad
+
+
+def test_compiled_gemv_backward_matches_eager():
+    a = _fp4(48, 64, layout="swizzled", global_scale=0.5)
+
+    def f(x):
+        return gemv(a, x, out_dtype=torch.float32).square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        x = _x(3, 64, dtype=torch.bfloat16).requires_grad_()
+        fn(x).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 # --- GPU: graphs and compiled code ---------------------------------------------------------------------------
@@ -456,3 +534,18 @@ def test_cached_launches_on_gpu_match_the_first_call():
         gemv(a, x, out=out)
         ops.clear_cache()
         assert torch.equal(out, gemv(a, x, out=torch.empty_like(out)))
+
+
+@pytest.mark.gpu
+def test_gemv_backward_on_gpu_matches_the_float64_gradient():
+    from operands import random_activation, random_fp4
+
+    a = random_fp4((512, 1024), "nvfp4", "swizzled", seed=3, global_scale=0.5, device="cuda")
+    for n in (1, 5, 16, 40):
+        x = random_activation((n, 1024), torch.bfloat16, seed=4 + n, device="cuda").requires_grad_()
+        y = gemv(a, x, out_dtype=torch.float32)
+        assert y.grad_fn is not None
+        dy = random_activation(tuple(y.shape), torch.float32, seed=5, device="cuda")
+        y.backward(dy)
+        exact, bound = _exact_activation_grad(a.to("cpu"), x.detach().cpu(), dy.cpu())
+        assert ((x.grad.cpu().double() - exact).abs() <= bound).all()

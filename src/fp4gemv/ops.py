@@ -423,7 +423,10 @@ class PreparedGemv:
             return out
         ops = gemv_operands(a, b, out)
         if self._template is None:
-            plan.spec.launch(ops, plan.config, plan.target)
+            # The reference computes with torch ops: no autograd graph here, as none for a kernel; gradients are
+            # the custom op's (library.py), the same on every backend.
+            with torch.no_grad():
+                plan.spec.launch(ops, plan.config, plan.target)
             return out
         t = self._template
         compiled = t.kernel[t.grid](**fill_sources(t.args, ops), **t.options)
