@@ -220,6 +220,25 @@ def test_out_sharing_memory_is_refused(backend):
     assert torch.equal(buf, before) and (stride0 == 0).all()
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_backward_on_any_backend_says_so(backend):
+    """moe_gemv has no backward: a gradient asked for is refused the same way on every backend (the float64
+    reference used to record one and the kernel none)."""
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
+    x = random_activation((2, 64), torch.bfloat16, seed=20)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x: expected a tensor that does not require grad \(moe_gemv has no "
+                                         r"backward\).*torch.no_grad\(\)"):
+        fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, backend=backend)
+    bias = torch.zeros(4, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="bias: expected a tensor that does not require grad"):
+        fp4gemv.moe_gemv(w, x, ids, bias=bias, backend=backend)
+    with torch.no_grad():
+        y = fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, bias=bias, backend=backend)
+    assert not y.requires_grad
+    assert_routed_exact(y, w, x, ids, torch.bfloat16, bias=bias.detach())
+
+
 def test_torch_compile_fullgraph():
     w = random_fp4((6, 8, 64), "mxfp4", "swizzled", seed=21)
     x = random_activation((3, 64), torch.bfloat16, seed=22)

@@ -72,6 +72,11 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
                              f"{tuple(global_scales.shape)}")
         if w.global_scale is not None:
             raise ValueError("global_scales: expected None when w has a global scale (one or the other), got both")
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad (moe_gemv has no backward), "
+                                 f"got one that does: call it under torch.no_grad() or pass {name}.detach()")
     if out_dtype is None:
         out_dtype = x.dtype
     if out_dtype not in OUT_DTYPES:
@@ -197,6 +202,9 @@ def moe_gemv(
         synchronises the device, and per-expert scales are weights, best checked once when loaded.  Unchecked,
         a 0, negative, NaN or infinite scale multiplies that expert's outputs as it is.
 
+    Inference only: no backward; ValueError naming ``x``, ``bias`` or ``global_scales`` when one requires grad
+    in grad mode (on every backend and under ``torch.compile``).
+
     Arithmetic: exact weight-activation products (fp16/bf16), fp32 block sums and accumulation, the global scale
     and the bias applied in fp32, one rounding to ``out_dtype`` (the bound of ``gemv``'s block-sum kernels, one
     fp32 addition more for the bias).
@@ -222,5 +230,6 @@ def moe_gemv(
         grid, args, kwargs = kernel_launch(w, x, expert_ids, bias, global_scales, out)
         moe_gemv_kernel[grid](*args, **kwargs)
     else:
-        _reference(w, x, expert_ids, bias, global_scales, out)
+        with torch.no_grad():  # torch ops, but no autograd graph: as for the kernel
+            _reference(w, x, expert_ids, bias, global_scales, out)
     return out
