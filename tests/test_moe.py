@@ -239,6 +239,15 @@ def test_no_backward_on_any_backend_says_so(backend):
     assert_routed_exact(y, w, x, ids, torch.bfloat16, bias=bias.detach())
 
 
+def test_meta_tensors_are_refused_naming_w():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19, device="cpu").to("meta")
+    x = torch.ones(2, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    for check_ids in (True, False):
+        with pytest.raises(ValueError, match="w: expected a tensor with values, on cpu or cuda, got device meta"):
+            fp4gemv.moe_gemv(w, x, ids, check_ids=check_ids)
+
+
 def test_torch_compile_fullgraph():
     w = random_fp4((6, 8, 64), "mxfp4", "swizzled", seed=21)
     x = random_activation((3, 64), torch.bfloat16, seed=22)

@@ -210,6 +210,12 @@ def test_global_scale_device_and_unchecked_tensor():
     assert q.global_scale.item() == 0.5
 
 
+@pytest.mark.parametrize("check_values", [True, False])
+def test_a_meta_tensor_is_refused_naming_x(check_values):
+    with pytest.raises(ValueError, match="x: expected a tensor with values, on cpu or cuda, got device meta"):
+        quantize(torch.ones(4, 32, device="meta"), check_values=check_values)
+
+
 @pytest.mark.parametrize(
     "x, kwargs, exc, message",
     [

@@ -144,6 +144,11 @@ def test_to_moves_every_part():
     moved = t.to("meta")
     assert moved.device.type == "meta" and moved.scales.device.type == "meta"
     assert moved.global_scale.device.type == "meta" and moved.shape == t.shape and moved.fmt is t.fmt
+    assert repr(moved) == ("FP4Tensor(shape=(2, 200, 128), fmt='nvfp4', scale_layout='linear', global_scale=(meta), "
+                           "device=meta)")
+    with pytest.raises(ValueError, match=r"global_scale: expected values to check, got a meta tensor \(it has "
+                                         r"none\): pass check_values=False"):
+        FP4Tensor(moved.data, moved.scales, global_scale=moved.global_scale, check_values=True)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,7 @@ from .quantize import dequantize
 from . import formats
 from .formats import round_from_float64
 from .target import Backend, resolve_target
-from .tensor import FP4Tensor
+from .tensor import FP4Tensor, check_device_with_values
 
 __all__ = ["moe_gemv", "check_moe_arguments", "kernel_launch", "check_expert_ids", "ID_DTYPES", "BIAS_DTYPES"]
 
@@ -51,6 +51,7 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
         raise ValueError(f"w: expected an FP4Tensor [E, M, K] (one matrix per expert), got shape {tuple(w.shape)}")
     experts, m, k = w.shape
     device = w.device
+    check_device_with_values("w", device)
     _check_tensor("x", x, ACTIVATION_DTYPES, 2, device)
     if x.shape[1] != k:
         raise ValueError(f"x: expected [T, K] with K = {k} like w, got shape {tuple(x.shape)}")

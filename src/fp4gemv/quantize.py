@@ -19,7 +19,7 @@ from . import formats, layouts
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
 from .target import resolve_target
 from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
-from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, checked_global_scale
+from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, check_device_with_values, checked_global_scale
 
 __all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
            "QuantizeBackend", "QUANTIZE_BACKENDS"]
@@ -142,6 +142,7 @@ def check_quantize_arguments(x, fmt, scale_layout: str, backend: str, config) ->
         raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"x: expected sizes >= 1, got shape {tuple(x.shape)}")
+    check_device_with_values("x", x.device)
     fmt = formats.resolve_format(fmt)
     if x.shape[-1] % fmt.block_size:
         raise ValueError(

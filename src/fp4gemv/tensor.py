@@ -21,7 +21,7 @@ import torch
 
 from . import formats, layouts
 
-__all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS", "checked_global_scale"]
+__all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS", "checked_global_scale", "check_device_with_values"]
 
 ScaleLayout = Literal["linear", "swizzled"]
 SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled")
@@ -38,6 +38,13 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None
     if t.dtype not in dtypes:
         names = " or ".join(_dtype_name(d) for d in dtypes)
         raise TypeError(f"{name}: expected dtype {names}, got {_dtype_name(t.dtype)}")
+
+
+def check_device_with_values(name: str, device: torch.device) -> None:
+    """ValueError naming ``name`` unless ``device`` is one whose tensors the ops compute on and read back: the
+    CPU or CUDA (a meta tensor has no values; other devices have no kernels and no float64 reference)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a tensor with values, on cpu or cuda, got device {device}")
 
 
 def checked_global_scale(global_scale: float | torch.Tensor | None, device: torch.device, check_values: bool,
@@ -170,7 +177,8 @@ class FP4Tensor:
         return (FP4Tensor, (self.data, self.scales, self.fmt.name, self.scale_layout, self.global_scale))
 
     def __repr__(self) -> str:
-        gs = "None" if self.global_scale is None else f"{self.global_scale.item():g}"
+        g = self.global_scale
+        gs = "None" if g is None else "(meta)" if g.device.type == "meta" else f"{g.item():g}"
         return (
             f"FP4Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name!r}, scale_layout={self.scale_layout!r}, "
             f"global_scale={gs}, device={self.device})"
