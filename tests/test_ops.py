@@ -109,6 +109,9 @@ def test_b_shape_against_a():
     _expect_error(ValueError, ["b:", "K = 64 like a", "K = 32"], b=_x(2, 3, 32))
     _expect_error(ValueError, ["b:", "at least N = 1 row", "N = 0"], b=_x(2, 0, 64))
     _expect_error(ValueError, ["b:", "L = 2 like a", "L = 3"], b=_x(3, 3, 64))
+    for backend in ("reference", "triton"):  # an empty batch: refused like N = 0, not a division by zero
+        _expect_error(ValueError, ["b:", "batch size L >= 1", "L = 0"], a=_fp4(128, 64), b=_x(0, 3, 64),
+                      out=torch.zeros(0, 128, 3, dtype=torch.float16), backend=backend)
     _expect_error(ValueError, ["b:", "format 'nvfp4' like a", "'mxfp4'"], b=_fp4(2, 3, 64, fmt="mxfp4"))
     _expect_error(ValueError, ["b:", "device cpu like a", "meta"], b=_x(2, 3, 64).to("meta"))
 
@@ -443,6 +446,9 @@ def test_gemv_into_out_is_differentiable_and_the_weight_gets_no_grad(backend):
                                           torch.ones(48, 3))
     assert ((x.grad.double() - exact).abs() <= bound).all()
     assert g.grad is None  # the FP4 weight, global scale included, is frozen
+    # An out that is a leaf requiring grad cannot be written in place, on any backend (PyTorch's rule).
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        gemv(a, x.detach(), out=torch.zeros(3, 48, dtype=torch.float16, requires_grad=True).t(), backend=backend)
     # Nothing to differentiate (no_grad, or an FP4 activation): a plain result.
     with torch.no_grad():
         assert gemv(a, x, backend=backend).grad_fn is None

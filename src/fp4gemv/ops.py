@@ -70,6 +70,8 @@ def result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
     if n < 1:
         raise ValueError(f"b: expected at least N = 1 row, got N = {n}")
     batch_a, batch_b = _batch(a), _batch(b)
+    if batch_b == 0:
+        raise ValueError(f"b: expected batch size L >= 1, got L = 0 (shape {tuple(b.shape)})")
     if batch_a is not None and batch_b is not None and batch_a != batch_b:
         raise ValueError(f"b: expected batch size L = {batch_a} like a, got L = {batch_b}")
     batch = batch_a if batch_a is not None else batch_b
