@@ -151,6 +151,19 @@ def test_to_moves_every_part():
         FP4Tensor(moved.data, moved.scales, global_scale=moved.global_scale, check_values=True)
 
 
+def test_to_names_a_device_it_cannot_reach(monkeypatch):
+    t = _tensor()
+    with pytest.raises(TypeError, match="device: expected a device .*fp4gemv.dequantize.*, got torch.float16"):
+        t.to(torch.float16)
+    with pytest.raises(ValueError, match="device: expected a torch.device or a name such as 'cpu' or 'cuda', got "
+                                         "'cud'"):
+        t.to("cud")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device: expected a device this machine has, got cuda "
+                                         r"\(torch.cuda.is_available\(\) is False\)"):
+        t.to("cuda")
+
+
 @pytest.mark.gpu
 def test_to_cuda_and_back_keeps_bytes():
     t = _tensor("mxfp4", "swizzled", global_scale=0.5)

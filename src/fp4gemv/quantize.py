@@ -230,7 +230,7 @@ def dequantize(
     ``backend="auto"`` runs the Triton kernel on CUDA (for prefill: dequantize, then ``F.linear``) and
     ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``formats.round_from_float64``).
     ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
-    picks one).  Returns a new contiguous tensor.
+    picks one).  Returns a new contiguous tensor, outside autograd on every backend (an FP4 tensor is frozen).
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
@@ -239,7 +239,8 @@ def dequantize(
     resolved = _resolve_backend(backend, t.device)
     _check_config(config)
     if resolved == "reference" or dtype == torch.float64:
-        return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
+        with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
+            return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
     cols = t.k // t.fmt.block_size
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     o3, d3 = _as_3d(_pairs(out)), _as_3d(t.data)

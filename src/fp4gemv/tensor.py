@@ -202,8 +202,19 @@ class FP4Tensor:
         return FP4Tensor(self.data, scales, self.fmt, scale_layout, self.global_scale)
 
     def to(self, device: str | torch.device) -> FP4Tensor:
-        """A copy on ``device`` (or this tensor when already there); bytes are copied as they are."""
-        device = torch.device(device)
+        """A copy on ``device`` (or this tensor when already there); bytes are copied as they are.  ValueError /
+        TypeError naming ``device`` for a device this machine lacks or a dtype (``fp4gemv.dequantize`` gives
+        floats)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"device: expected a device (the bytes move as they are; fp4gemv.dequantize(t, dtype) "
+                            f"gives floats), got {device}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: expected a device this machine has, got {device} "
+                             f"(torch.cuda.is_available() is False)")
         if device == self.device:
             return self
         gs = None if self.global_scale is None else self.global_scale.to(device)
