@@ -474,7 +474,8 @@ class PreparedGemv:
         self._compiled = compiled
 
     def launch_at(self, addresses: GemvAddresses) -> None:
-        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`."""
+        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`.
+        Nothing is checked, not even that ``out`` shares no memory with an input: the caller vouches for it."""
         if not self.launches_by_address:
             raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
                                "call it with the operands)")
