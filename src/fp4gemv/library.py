@@ -10,6 +10,10 @@ device: kernels on CUDA, the reference or the interpreter on CPU); their fake im
 and dtypes only.  Everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens
 inside the op, at run time.  ``torch.ops.fp4gemv.moe_gemv`` is the routed expert GEMV
 (:func:`moe_gemv`).
+
+Autograd: ``torch.ops.fp4gemv.gemv`` has a backward for a float activation (``register_autograd``; the weight
+is frozen), which eager calls that need a gradient also go through, so every backend and ``torch.compile``
+agree; it dequantizes through ``torch.ops.fp4gemv.dequantize``, so a compiled backward traces it as one op.
 """
 
 from __future__ import annotations
@@ -18,8 +22,7 @@ import torch
 
 from . import formats, layouts, moe, ops
 from .kernels import kernel_by_name
-from .quantize import check_quantize_arguments, global_scale_tensor
-from .quantize import dequantize
+from .quantize import check_quantize_arguments, dequantize, global_scale_tensor
 from .quantize import quantize as eager_quantize
 from .tensor import FP4Tensor
 
@@ -157,7 +160,7 @@ def _(data, scales, global_scale, fmt, scale_layout, dtype):
 
 
 def _gemv_setup_context(ctx, inputs, output) -> None:
-    a_data, a_scales, a_global_scale, b, b_scales = inputs[:5]
+    a_data, a_scales, a_global_scale, b = inputs[:4]
     fmt, a_layout = inputs[6], inputs[7]
     ctx.save_for_backward(a_data, a_scales, a_global_scale)
     ctx.weight_format = (fmt, a_layout)
