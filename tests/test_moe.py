@@ -197,6 +197,40 @@ def test_per_expert_global_scales():
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -0.5, float("inf"), 2.0**-127])
+def test_bad_global_scales_are_refused_when_values_are_checked(backend, value):
+    """The check FP4Tensor and quantize make of a global scale, on each of moe_gemv's per-expert scales; like
+    theirs for a tensor, it reads the values (a sync) only when asked."""
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15)
+    x = random_activation((2, 64), torch.bfloat16, seed=16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    scales = torch.tensor([0.5, 3.0, value, 1.0], dtype=torch.float32, device=DEVICE)
+    out = poisoned((2, 2, 8), torch.bfloat16)
+    with pytest.raises(ValueError, match=r"global_scales: expected a positive normal float32 \(2\^-126 or more, "
+                                         rf"finite\), got {value} at \(2,\)"):
+        fp4gemv.moe_gemv(w, x, ids, global_scales=scales, out=out, backend=backend, check_values=True)
+    assert torch.isnan(out).all()  # nothing written
+    with pytest.raises(ValueError, match=r"global_scale: expected a positive normal float32 \(2\^-126 or more, "
+                                         rf"finite\), got {value}"):
+        FP4Tensor(w.data[2], w.scales[2], "nvfp4", "linear", scales[2], check_values=True)
+
+
+def test_global_scales_are_checked_when_asked_under_torch_compile():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=15)
+    x = random_activation((2, 64), torch.bfloat16, seed=16)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+
+    def step(x, scales):
+        return fp4gemv.moe_gemv(w, x, ids, global_scales=scales, check_values=True)
+
+    compiled = torch.compile(step, fullgraph=True)
+    good = torch.tensor([0.5, 3.0, 2.0, 1.0], device=DEVICE)
+    assert torch.equal(compiled(x, good), step(x, good))
+    with pytest.raises(ValueError, match="global_scales: expected a positive normal float32"):
+        compiled(x, torch.tensor([0.5, -3.0, 2.0, 1.0], device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_bad_ids(backend):
     w = random_fp4((4, 8, 64), "mxfp4", "linear", seed=17)
     x = random_activation((2, 64), torch.bfloat16, seed=18)
@@ -233,6 +267,50 @@ def test_validation_names_the_argument():
         a, b, c = args.pop("w"), args.pop("x"), args.pop("expert_ids")
         with pytest.raises(error, match=message):
             routed(a, b, c, **args)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_out_sharing_memory_is_refused(backend):
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    buf = random_activation((2, 64), torch.bfloat16, seed=20)
+    x, out = buf, buf.view(-1)[:32].view(2, 2, 8)  # out is the first half of x's first row
+    before = buf.clone()
+    with pytest.raises(ValueError, match="out: expected memory apart from every input .* shares memory with x"):
+        fp4gemv.moe_gemv(w, x, ids, out=out, backend=backend)
+    stride0 = torch.zeros(2, 2, 1, dtype=torch.bfloat16, device=DEVICE).expand(2, 2, 8)
+    with pytest.raises(ValueError, match=r"out: expected a tensor whose elements do not share memory, got strides "
+                                         r"\(2, 1, 0\)"):
+        fp4gemv.moe_gemv(w, x, ids, out=stride0, backend=backend)
+    assert torch.equal(buf, before) and (stride0 == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_no_backward_on_any_backend_says_so(backend):
+    """moe_gemv has no backward: a gradient asked for is refused the same way on every backend (the float64
+    reference used to record one and the kernel none)."""
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
+    x = random_activation((2, 64), torch.bfloat16, seed=20)
+    ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"x: expected a tensor that does not require grad \(moe_gemv has no "
+                                         r"backward\).*torch.no_grad\(\)"):
+        fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, backend=backend)
+    bias = torch.zeros(4, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="bias: expected a tensor that does not require grad"):
+        fp4gemv.moe_gemv(w, x, ids, bias=bias, backend=backend)
+    with torch.no_grad():
+        y = fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, bias=bias, backend=backend)
+    assert not y.requires_grad
+    assert_routed_exact(y, w, x, ids, torch.bfloat16, bias=bias.detach())
+
+
+def test_meta_tensors_are_refused_naming_w():
+    w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19, device="cpu").to("meta")
+    x = torch.ones(2, 64, dtype=torch.bfloat16, device="meta")
+    ids = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    for check_ids in (True, False):
+        with pytest.raises(ValueError, match="w: expected a tensor with values, on cpu or cuda, got device meta"):
+            fp4gemv.moe_gemv(w, x, ids, check_ids=check_ids)
 
 
 def test_torch_compile_fullgraph():

@@ -85,3 +85,35 @@ def test_interpreter_switched_on_after_import_says_so():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("backend: 'triton' on device cpu needs TRITON_INTERPRET=1 set before fp4gemv is "
                                   "imported"), done.stdout
+
+
+def _adapter_step(device):
+    """An adapter trained on a frozen FP4 base, as a fine-tuning user writes it: the gradient reaches the adapter
+    through FP4Linear (x @ W^T of the dequantized weight), the base gets none."""
+    from fp4gemv.nn import FP4Linear
+
+    torch.manual_seed(0)
+    base = FP4Linear.from_linear(nn.Linear(64, 32).to(device), "nvfp4")
+    adapter = nn.Linear(64, 64, bias=False).to(device=device, dtype=torch.bfloat16)
+    x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)
+    y = base(adapter(x))
+    assert y.grad_fn is not None
+    y.float().square().sum().backward()
+    # float64: the same step with the dequantized weight.
+    h = adapter(x).detach().double().requires_grad_()
+    w = fp4gemv.dequantize(base.quantized_weight(), torch.float64)
+    (h @ w.T + base.bias.double()).square().sum().backward()
+    want = h.grad.T @ x.double()
+    # bf16 roundings on the way (y, dy, db, the adapter's own product): a few bf16 ulps of the largest entry.
+    torch.testing.assert_close(adapter.weight.grad.double().cpu(), want.cpu(), rtol=2**-6,
+                               atol=2**-6 * want.abs().max().item())
+    assert all(p.grad is None for p in base.parameters())
+
+
+def test_an_adapter_trains_on_a_frozen_fp4_base():
+    _adapter_step("cpu")
+
+
+@pytest.mark.gpu
+def test_an_adapter_trains_on_a_frozen_fp4_base_on_gpu():
+    _adapter_step("cuda")

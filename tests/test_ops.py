@@ -109,6 +109,9 @@ def test_b_shape_against_a():
     _expect_error(ValueError, ["b:", "K = 64 like a", "K = 32"], b=_x(2, 3, 32))
     _expect_error(ValueError, ["b:", "at least N = 1 row", "N = 0"], b=_x(2, 0, 64))
     _expect_error(ValueError, ["b:", "L = 2 like a", "L = 3"], b=_x(3, 3, 64))
+    for backend in ("reference", "triton"):  # an empty batch: refused like N = 0, not a division by zero
+        _expect_error(ValueError, ["b:", "batch size L >= 1", "L = 0"], a=_fp4(128, 64), b=_x(0, 3, 64),
+                      out=torch.zeros(0, 128, 3, dtype=torch.float16), backend=backend)
     _expect_error(ValueError, ["b:", "format 'nvfp4' like a", "'mxfp4'"], b=_fp4(2, 3, 64, fmt="mxfp4"))
     _expect_error(ValueError, ["b:", "device cpu like a", "meta"], b=_x(2, 3, 64).to("meta"))
 
@@ -150,6 +153,86 @@ def test_kernel_needs_8_byte_aligned_rows():
                   a=misaligned, b=_x(3, 64), out=torch.zeros(128, 3, dtype=torch.float16), backend="triton")
     # The reference reads any layout.
     assert gemv(misaligned, _x(3, 64)).abs().max() == 0
+
+
+# --- out must not share memory with an input or with itself ----------------------------------------------
+
+
+def _expect_overlap(words, a, b, out, **kwargs):
+    """ValueError naming out and ``words``; neither out nor any input written."""
+    inputs = [t for t in (a.data, a.scales, out) + ((b.data, b.scales) if isinstance(b, FP4Tensor) else (b,))]
+    before = [t.clone() for t in inputs]
+    with pytest.raises(ValueError) as info:
+        gemv(a, b, out=out, **kwargs)
+    for w in ["out:", *words]:
+        assert w in str(info.value), f"{w!r} not in {info.value}"
+    assert all(torch.equal(t, s) for t, s in zip(inputs, before)), "written"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_sharing_memory_with_an_input_is_refused(backend):
+    a = _fp4(16, 16, global_scale=0.5)
+    x = _x(16, 16)  # [N, K] = [16, 16]: the result [M, N] has x's shape
+    _expect_overlap(["shares memory with b"], a, x, x, backend=backend)
+    buf = torch.zeros(2, 16, 16, dtype=torch.float16)  # the same bytes seen through another view
+    _expect_overlap(["shares memory with b"], a, buf[0], buf[0].t(), backend=backend)
+    # Each part of an FP4Tensor: its bytes inside a float16 / float32 buffer that is also out.
+    owner = torch.zeros(16, 16, dtype=torch.float16)
+    in_data = FP4Tensor(owner.view(torch.uint8)[:, :8], a.scales, "nvfp4")
+    _expect_overlap(["shares memory with a.data"], in_data, x, owner, backend=backend)
+    in_scales = FP4Tensor(a.data, owner.view(torch.uint8)[:, 8:9], "nvfp4")
+    _expect_overlap(["shares memory with a.scales"], in_scales, x, owner, backend=backend)
+    g = torch.ones(16, 16, dtype=torch.float32)
+    in_global = FP4Tensor(a.data, a.scales, "nvfp4", "linear", g[3, 5])
+    _expect_overlap(["shares memory with a.global_scale"], in_global, x.float(), g, out_dtype=torch.float32,
+                    backend=backend)
+    fp4_b = FP4Tensor(owner.view(torch.uint8)[:, :8], owner.view(torch.uint8)[:, 8:9], "nvfp4")
+    _expect_overlap(["shares memory with b.data"], a, fp4_b, owner, backend=backend)
+
+
+def test_out_interleaved_with_an_input_without_sharing_bytes_is_accepted():
+    a = _fp4(16, 16)
+    buf = torch.zeros(16, 32, dtype=torch.float16)
+    x, out = buf[:, 0::2], buf[:, 1::2].t()  # address ranges meet, no element does
+    x.copy_(_x(16, 16))
+    want = gemv(a, x.clone())
+    assert gemv(a, x, out=out) is out and torch.equal(out, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_whose_elements_alias_is_refused(backend):
+    a, x = _fp4(64, 64), _x(4, 64)
+    _expect_overlap(["strides (1, 0)", "(64, 4)"], a, x, torch.zeros(64, 1, dtype=torch.float16).expand(64, 4),
+                    backend=backend)
+    _expect_overlap(["strides (1, 1)"], a, x, torch.zeros(80, dtype=torch.float16).as_strided((64, 4), (1, 1)),
+                    backend=backend)
+
+
+def test_a_cached_call_still_refuses_an_overlapping_out():
+    a = _fp4(16, 16)
+    x, out = _x(16, 16), torch.zeros(16, 16, dtype=torch.float16)
+    gemv(a, x, out=out)  # the plan of this metadata is kept
+    x2 = _x(16, 16, seed=4)
+    _expect_overlap(["shares memory with b"], a, x2, x2)
+    call = ops.prepare_gemv(a, x, out=out)
+    with pytest.raises(ValueError, match="out: .*shares memory with b"):
+        call(a, x2, x2)
+
+
+def test_compiled_gemv_refuses_an_overlapping_out():
+    """Strides are checked while tracing; addresses by the custom op when it runs."""
+    a, x = _fp4(64, 64), _x(4, 64)
+
+    def f(a, x, out):
+        return gemv(a, x, out=out)
+
+    with pytest.raises(Exception, match=r"out: .*strides \(1, 0\)"):
+        torch.compile(f, fullgraph=True)(a, x, torch.zeros(64, 1, dtype=torch.float16).expand(64, 4))
+    square, x = _fp4(16, 16), _x(16, 16)
+    before = x.clone()
+    with pytest.raises(ValueError, match="out: .*shares memory with b"):
+        torch.compile(f, fullgraph=True)(square, x, x)
+    assert torch.equal(x, before)
 
 
 # --- which kernel runs where ----------------------------------------------------------------------------
@@ -293,9 +376,13 @@ def test_custom_ops_pass_opcheck():
     b = _fp4(2, 1, 64, seed=2, layout="swizzled")
     float_args = (w.data, w.scales, w.global_scale, x, None, None, "nvfp4", "linear", "")
     fp4_args = (w.data, w.scales, w.global_scale, b.data, b.scales, None, "nvfp4", "linear", "swizzled")
-    for args in (float_args, fp4_args):
+    grad_args = (w.data, w.scales, w.global_scale, x.clone().requires_grad_(), None, None, "nvfp4", "linear", "")
+    for args in (float_args, fp4_args, grad_args):
         result = opcheck(torch.ops.fp4gemv.gemv.default, (*args, torch.float32, "auto", None, None))
         assert set(result.values()) == {"SUCCESS"}, result
+    result = opcheck(torch.ops.fp4gemv.dequantize.default, (b.data, b.scales, None, "nvfp4", "swizzled",
+                                                            torch.bfloat16))
+    assert set(result.values()) == {"SUCCESS"}, result
     out = torch.empty(2, 128, 3, dtype=torch.float16)
     result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))
     assert set(result.values()) == {"SUCCESS"}, result
@@ -303,6 +390,83 @@ def test_custom_ops_pass_opcheck():
         result = opcheck(torch.ops.fp4gemv.quantize.default, (_x(3, 130, 64, dtype=torch.float32), fmt, layout, g,
                                                               "auto", True))
         assert set(result.values()) == {"SUCCESS"}, result
+
+
+# --- autograd: a gradient for the float activation, none for the FP4 weight -----------------------------------
+
+
+def _exact_activation_grad(a, x, dy):
+    """(the float64 gradient of the dequantized product with respect to x, its bound for a correct fp32
+    backward): autograd of ``dequantize(a) @ x^T`` in float64, and of the magnitudes for the bound."""
+    w64 = dequantize(a, torch.float64)
+
+    def grad(w, upstream):
+        x64 = torch.zeros(x.shape, dtype=torch.float64, requires_grad=True)
+        product = w @ x64.transpose(-1, -2) if x64.dim() > 1 else w @ x64
+        product.backward(upstream)
+        return x64.grad
+
+    exact = grad(w64, dy.double())
+    magnitude = grad(w64.abs(), dy.double().abs())
+    depth = a.rows * (a.shape[0] if a.ndim == 3 else 1) + 2  # fp32 sums over M (and L) terms
+    size = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}[x.dtype]
+    bound = 1.01 * depth * 2.0**-24 * magnitude + size * exact.abs() + 2.0**-126
+    return exact, bound
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("a_shape, x_shape", [((48, 64), (3, 64)), ((48, 64), (64,)), ((2, 48, 64), (3, 64)),
+                                              ((48, 64), (2, 3, 64)), ((2, 48, 64), (2, 9, 64))])
+def test_gemv_is_differentiable_in_the_float_activation(backend, a_shape, x_shape):
+    """One behaviour on every backend: the result carries a grad_fn (torch.ops.fp4gemv.gemv's autograd), the
+    values are those of the plain call, and dx = dy @ W agrees with the float64 dequantized product."""
+    a = _fp4(*a_shape, global_scale=0.75)
+    x = _x(*x_shape).requires_grad_()
+    y = gemv(a, x, out_dtype=torch.float32, backend=backend)
+    assert y.grad_fn is not None
+    assert torch.equal(y.detach(), gemv(a, x.detach(), out_dtype=torch.float32, backend=backend))
+    dy = _x(*y.shape, dtype=torch.float32, seed=7)
+    y.backward(dy)
+    assert x.grad.dtype == x.dtype and x.grad.shape == x.shape
+    exact, bound = _exact_activation_grad(a, x, dy)
+    assert ((x.grad.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gemv_into_out_is_differentiable_and_the_weight_gets_no_grad(backend):
+    g = torch.tensor(0.75, requires_grad=True)
+    base = _fp4(48, 64)
+    a = FP4Tensor(base.data, base.scales, "nvfp4", "linear", g)
+    x = _x(3, 64).requires_grad_()
+    out = torch.empty(3, 48, dtype=torch.float16).t()
+    assert gemv(a, x, out=out, backend=backend) is out and out.grad_fn is not None
+    assert torch.equal(out.detach(), gemv(a, x.detach(), backend=backend))
+    out.sum().backward()
+    exact, bound = _exact_activation_grad(FP4Tensor(base.data, base.scales, "nvfp4", "linear", 0.75), x,
+                                          torch.ones(48, 3))
+    assert ((x.grad.double() - exact).abs() <= bound).all()
+    assert g.grad is None  # the FP4 weight, global scale included, is frozen
+    # An out that is a leaf requiring grad cannot be written in place, on any backend (PyTorch's rule).
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        gemv(a, x.detach(), out=torch.zeros(3, 48, dtype=torch.float16, requires_grad=True).t(), backend=backend)
+    # Nothing to differentiate (no_grad, or an FP4 activation): a plain result.
+    with torch.no_grad():
+        assert gemv(a, x, backend=backend).grad_fn is None
+    assert not gemv(a, _fp4(2, 64, seed=3), backend=backend).requires_grad
+
+
+def test_compiled_gemv_backward_matches_eager():
+    a = _fp4(48, 64, layout="swizzled", global_scale=0.5)
+
+    def f(x):
+        return gemv(a, x, out_dtype=torch.float32).square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        x = _x(3, 64, dtype=torch.bfloat16).requires_grad_()
+        fn(x).backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
 
 
 # --- GPU: graphs and compiled code ---------------------------------------------------------------------------
@@ -376,3 +540,18 @@ def test_cached_launches_on_gpu_match_the_first_call():
         gemv(a, x, out=out)
         ops.clear_cache()
         assert torch.equal(out, gemv(a, x, out=torch.empty_like(out)))
+
+
+@pytest.mark.gpu
+def test_gemv_backward_on_gpu_matches_the_float64_gradient():
+    from operands import random_activation, random_fp4
+
+    a = random_fp4((512, 1024), "nvfp4", "swizzled", seed=3, global_scale=0.5, device="cuda")
+    for n in (1, 5, 16, 40):
+        x = random_activation((n, 1024), torch.bfloat16, seed=4 + n, device="cuda").requires_grad_()
+        y = gemv(a, x, out_dtype=torch.float32)
+        assert y.grad_fn is not None
+        dy = random_activation(tuple(y.shape), torch.float32, seed=5, device="cuda")
+        y.backward(dy)
+        exact, bound = _exact_activation_grad(a.to("cpu"), x.detach().cpu(), dy.cpu())
+        assert ((x.grad.cpu().double() - exact).abs() <= bound).all()

@@ -210,6 +210,24 @@ def test_global_scale_device_and_unchecked_tensor():
     assert q.global_scale.item() == 0.5
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_dequantize_is_outside_autograd_on_every_backend(backend):
+    """An FP4 tensor is a frozen weight: its global scale gets no gradient through dequantize on any backend."""
+    t = quantize(torch.randn(4, 32))
+    g = torch.tensor(0.5, requires_grad=True)
+    frozen = FP4Tensor(t.data, t.scales, "nvfp4", "linear", g)
+    for dtype in (torch.float32, torch.float64):
+        values = dequantize(frozen, dtype, backend=backend)
+        assert not values.requires_grad
+        assert torch.equal(values, dequantize(t, dtype) * 0.5)
+
+
+@pytest.mark.parametrize("check_values", [True, False])
+def test_a_meta_tensor_is_refused_naming_x(check_values):
+    with pytest.raises(ValueError, match="x: expected a tensor with values, on cpu or cuda, got device meta"):
+        quantize(torch.ones(4, 32, device="meta"), check_values=check_values)
+
+
 @pytest.mark.parametrize(
     "x, kwargs, exc, message",
     [

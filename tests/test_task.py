@@ -146,6 +146,18 @@ def test_default_device_is_cuda_only_when_present():
     assert task.generate_input(128, 256, 1, seed=0)[0].device.type == task.resolve_device(None).type
 
 
+@pytest.mark.parametrize("generate", GENERATORS)
+def test_generators_name_a_device_this_machine_lacks(generate, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device: expected 'cpu', or 'cuda' on a machine with a CUDA GPU, got "
+                                         r"'cuda' \(torch.cuda.is_available\(\) is False\)"):
+        generate(128, 256, 1, seed=0, device="cuda")
+    with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda', got 'cud'"):
+        generate(128, 256, 1, seed=0, device="cud")
+    with pytest.raises(ValueError, match="device: expected 'cpu' or 'cuda', got 'meta'"):
+        generate(128, 256, 1, seed=0, device="meta")
+
+
 # --- reference and check ----------------------------------------------------------------------------------
 
 

@@ -85,7 +85,8 @@ def _scales():
         (dict(global_scale=torch.tensor(2.0, dtype=torch.float64)), TypeError, ["global_scale:", "float32", "float64"]),
         (dict(global_scale=torch.ones(2)), ValueError, ["global_scale:", "one value", "(2,)"]),
         (dict(global_scale=torch.ones((), device="meta")), ValueError, ["global_scale:", "device cpu", "meta"]),
-        (dict(global_scale="2"), TypeError, ["global_scale:", "str"]),
+        (dict(global_scale="2"), TypeError, ["global_scale:", "None, a number or a float32 tensor", "str"]),
+        (dict(global_scale=True), TypeError, ["global_scale:", "None, a number or a float32 tensor", "bool"]),
     ],
 )
 def test_constructor_names_the_bad_argument(kwargs, exc, words):
@@ -143,6 +144,24 @@ def test_to_moves_every_part():
     moved = t.to("meta")
     assert moved.device.type == "meta" and moved.scales.device.type == "meta"
     assert moved.global_scale.device.type == "meta" and moved.shape == t.shape and moved.fmt is t.fmt
+    assert repr(moved) == ("FP4Tensor(shape=(2, 200, 128), fmt='nvfp4', scale_layout='linear', global_scale=(meta), "
+                           "device=meta)")
+    with pytest.raises(ValueError, match=r"global_scale: expected values to check, got a meta tensor \(it has "
+                                         r"none\): pass check_values=False"):
+        FP4Tensor(moved.data, moved.scales, global_scale=moved.global_scale, check_values=True)
+
+
+def test_to_names_a_device_it_cannot_reach(monkeypatch):
+    t = _tensor()
+    with pytest.raises(TypeError, match="device: expected a device .*fp4gemv.dequantize.*, got torch.float16"):
+        t.to(torch.float16)
+    with pytest.raises(ValueError, match="device: expected a torch.device or a name such as 'cpu' or 'cuda', got "
+                                         "'cud'"):
+        t.to("cud")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device: expected a device this machine has, got cuda "
+                                         r"\(torch.cuda.is_available\(\) is False\)"):
+        t.to("cuda")
 
 
 @pytest.mark.gpu

@@ -35,6 +35,8 @@ __all__ = [
     "mx_shared_exponents",
     "quantize",
     "round_from_float64",
+    "F32_SMALLEST_NORMAL",
+    "check_global_scales",
 ]
 
 # e2m1 codes 0..7 (bit 3 is the sign): 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit.
@@ -199,6 +201,25 @@ def round_from_float64(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     truncated = torch.where(rounded_away, torch.nextafter(f32, torch.zeros_like(f32)), f32)
     to_odd = (truncated.view(torch.int32) | 1).view(torch.float32)
     return torch.where(inexact, to_odd, f32).to(dtype)
+
+
+F32_SMALLEST_NORMAL = 2.0**-126
+
+
+def check_global_scales(values: torch.Tensor, name: str = "global_scale") -> None:
+    """ValueError naming ``name`` unless every value of the float32 tensor ``values`` is a usable global scale:
+    a positive normal float32 (0 zeroes every product, NaN and infinity poison them, a negative one flips their
+    sign, a subnormal one may be flushed to zero by the kernels' fp32 arithmetic).  Reads the values: on CUDA a
+    device synchronisation, so callers check a tensor only when asked (``check_values``)."""
+    if values.device.type == "meta":
+        raise ValueError(f"{name}: expected values to check, got a meta tensor (it has none): pass "
+                         f"check_values=False")
+    bad = ~((values >= F32_SMALLEST_NORMAL) & (values < float("inf")))  # NaN compares False
+    if bool(bad.any()):
+        where = tuple(bad.nonzero()[0].tolist())
+        at = f" at {where}" if where else ""
+        raise ValueError(f"{name}: expected a positive normal float32 (2^-126 or more, finite), got "
+                         f"{values[where].item()}{at}")
 
 
 # Scale bytes of a block that holds a NaN or an infinity: each scale format's NaN.

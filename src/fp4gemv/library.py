@@ -10,6 +10,10 @@ device: kernels on CUDA, the reference or the interpreter on CPU); their fake im
 and dtypes only.  Everything that looks at data or addresses (alignment, kernel choice, the NaN check) happens
 inside the op, at run time.  ``torch.ops.fp4gemv.moe_gemv`` is the routed expert GEMV
 (:func:`moe_gemv`).
+
+Autograd: ``torch.ops.fp4gemv.gemv`` has a backward for a float activation (``register_autograd``; the weight
+is frozen), which eager calls that need a gradient also go through, so every backend and ``torch.compile``
+agree; it dequantizes through ``torch.ops.fp4gemv.dequantize``, so a compiled backward traces it as one op.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 
 from . import formats, layouts, moe, ops
 from .kernels import kernel_by_name
-from .quantize import check_quantize_arguments, global_scale_tensor
+from .quantize import check_quantize_arguments, dequantize, global_scale_tensor
 from .quantize import quantize as eager_quantize
 from .tensor import FP4Tensor
 
@@ -28,6 +32,9 @@ __all__ = ["gemv", "quantize", "moe_gemv"]
 def gemv(a, b, *, out=None, out_dtype=torch.float16, backend="auto", kernel=None, config=None) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _traced_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
+    if _grad_flows(b, out):
+        return _differentiable_gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel,
+                                    config=config)
     return ops.gemv(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel, config=config)
 
 
@@ -39,8 +46,15 @@ def quantize(x, fmt="nvfp4", scale_layout="linear", global_scale=None, *, backen
                                 config=config)
 
 
-# One docstring per function: the eager one's, which documents every argument.
-gemv.__doc__ = ops.gemv.__doc__
+# One docstring per function: the eager one's, which documents every argument, and what autograd does.
+gemv.__doc__ = ops.gemv.__doc__ + """
+    Autograd: when ``b`` is a float tensor that requires grad (and grad mode is on), the result is differentiable
+    in ``b`` on every backend and under ``torch.compile``: ``torch.ops.fp4gemv.gemv``'s backward computes
+    ``db = dy^T @ W`` in float32 with ``W = dequantize(a, float32)`` (the exact value rounded once), rounded to
+    b's dtype.  ``a`` (data, scales and global scale) is a frozen weight and gets no gradient, nor does an FP4
+    ``b``.  With ``out``, the result is computed first and then copied into ``out`` (differentiable as
+    ``Tensor.copy_``).
+"""
 quantize.__doc__ = eager_quantize.__doc__
 
 
@@ -96,19 +110,82 @@ def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layo
     return None
 
 
-def _traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
-    """:func:`gemv` under ``torch.compile``: the metadata checks, then the custom op."""
-    ops.check_arguments(a, b, out, out_dtype)
-    if config is not None and kernel is None:
-        raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
+def _grad_flows(b, out) -> bool:
+    """Whether autograd records this call: grad mode on, and a float b or out that requires grad (an FP4Tensor
+    has no requires_grad)."""
+    return torch.is_grad_enabled() and (getattr(b, "requires_grad", False) or getattr(out, "requires_grad", False))
+
+
+def _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config) -> torch.Tensor:
+    """The custom op for checked arguments: ``fp4gemv::gemv`` (then copied into ``out``, so that autograd sees
+    the copy) when there is no out or a gradient is to flow, else ``fp4gemv::gemv_out``."""
     fp4 = isinstance(b, FP4Tensor)
     args = (a.data, a.scales, a.global_scale, b.data if fp4 else b, b.scales if fp4 else None,
             b.global_scale if fp4 else None, a.fmt.name, a.scale_layout, b.scale_layout if fp4 else "")
     options = (backend, kernel, None if config is None else [int(v) for v in config])
     if out is None:
         return torch.ops.fp4gemv.gemv(*args, out_dtype, *options)
+    if _grad_flows(b, out):
+        return out.copy_(torch.ops.fp4gemv.gemv(*args, out_dtype, *options))
     torch.ops.fp4gemv.gemv_out(*args, out, *options)
     return out
+
+
+def _traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
+    """:func:`gemv` under ``torch.compile``: the metadata checks, then the custom op."""
+    ops.check_arguments(a, b, out, out_dtype)
+    if config is not None and kernel is None:
+        raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
+    return _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config)
+
+
+def _differentiable_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
+    """:func:`gemv` eagerly when a gradient is to flow: the checks, then the custom op, whose autograd formula
+    is the one ``torch.compile`` traces."""
+    ops.check_arguments(a, b, out, out_dtype)
+    if config is not None and kernel is None:
+        kernel = ops.select_kernel(a, b, out=out, out_dtype=out_dtype, backend=backend).name  # the op needs both
+    return _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config)
+
+
+@torch.library.custom_op("fp4gemv::dequantize", mutates_args=())
+def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
+                   scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(FP4Tensor(data, scales, fmt, scale_layout, global_scale), dtype)
+
+
+@_dequantize_op.register_fake
+def _(data, scales, global_scale, fmt, scale_layout, dtype):
+    return data.new_empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=dtype)
+
+
+def _gemv_setup_context(ctx, inputs, output) -> None:
+    a_data, a_scales, a_global_scale, b = inputs[:4]
+    fmt, a_layout = inputs[6], inputs[7]
+    ctx.save_for_backward(a_data, a_scales, a_global_scale)
+    ctx.weight_format = (fmt, a_layout)
+    ctx.b_dims, ctx.b_dtype = b.dim(), b.dtype
+
+
+def _gemv_backward(ctx, grad: torch.Tensor):
+    """db = dy^T @ W for a float b (``[L?, N, K]`` or ``[K]``), summed over a batch b was broadcast along; no
+    gradient for anything else (the FP4 weight is frozen; FP4 activations have none)."""
+    grads = [None] * 13
+    if ctx.needs_input_grad[3]:
+        a_data, a_scales, a_global_scale = ctx.saved_tensors
+        weight = torch.ops.fp4gemv.dequantize(a_data, a_scales, a_global_scale, *ctx.weight_format, torch.float32)
+        dy = grad.to(torch.float32)
+        if ctx.b_dims == 1:  # b [K]: dy [L?, M]
+            db = (dy.unsqueeze(-2) @ weight).squeeze(-2)
+        else:
+            db = dy.transpose(-1, -2) @ weight
+        while db.dim() > ctx.b_dims:  # b broadcast over a's batch
+            db = db.sum(0)
+        grads[3] = db.to(ctx.b_dtype)
+    return tuple(grads)
+
+
+_gemv_op.register_autograd(_gemv_backward, setup_context=_gemv_setup_context)
 
 
 @torch.library.custom_op("fp4gemv::quantize", mutates_args=())
@@ -147,30 +224,32 @@ def _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, 
 def _moe_gemv_op(
     w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
     expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
-    scale_layout: str, out_dtype: torch.dtype, backend: str, kernel: str | None,
+    scale_layout: str, out_dtype: torch.dtype, backend: str, check_values: bool, kernel: str | None,
 ) -> torch.Tensor:
     w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
-    # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).
+    # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).  Global
+    # scales are read when asked, as eagerly (a sync where the op runs).
     return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
-                        backend=backend, check_ids=False, kernel=kernel)
+                        backend=backend, check_ids=False, check_values=check_values, kernel=kernel)
 
 
 @_moe_gemv_op.register_fake
 def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend,
-      kernel):
+      check_values, kernel):
     return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], w_data.shape[1]), dtype=out_dtype)
 
 
 def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_dtype=None, backend="auto",
-             check_ids=True, kernel=None) -> torch.Tensor:
+             check_ids=True, check_values=False, kernel=None) -> torch.Tensor:
     """:func:`fp4gemv.moe.moe_gemv` (its docstring has the arguments), also under ``torch.compile``, where it is
-    the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``)."""
+    the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``;
+    ``check_values`` reads the global scales when the op runs)."""
     if not torch.compiler.is_compiling():
         return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
-                            backend=backend, check_ids=check_ids, kernel=kernel)
+                            backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel)
     _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
-                                        w.fmt.name, w.scale_layout, out_dtype, backend, kernel)
+                                        w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel)
     if out is None:
         return result
     out.copy_(result)

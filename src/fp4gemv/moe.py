@@ -15,12 +15,13 @@ from typing import NamedTuple
 
 import torch
 
+from . import formats
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
 from .kernels.spec import KernelSpec, MoeCase, MoeOperands
 from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands
 from .target import Backend, Target, resolve_target
-from .tensor import FP4Tensor
+from .tensor import FP4Tensor, check_device_with_values
 
 __all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "plan_moe", "MoePlan", "moe_operands",
            "ID_DTYPES", "BIAS_DTYPES"]
@@ -54,6 +55,7 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
         raise ValueError(f"w: expected an FP4Tensor [E, M, K] (one matrix per expert), got shape {tuple(w.shape)}")
     experts, m, k = w.shape
     device = w.device
+    check_device_with_values("w", device)
     _check_tensor("x", x, ACTIVATION_DTYPES, 2, device)
     if x.shape[1] != k:
         raise ValueError(f"x: expected [T, K] with K = {k} like w, got shape {tuple(x.shape)}")
@@ -75,13 +77,20 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
                              f"{tuple(global_scales.shape)}")
         if w.global_scale is not None:
             raise ValueError("global_scales: expected None when w has a global scale (one or the other), got both")
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad (moe_gemv has no backward), "
+                                 f"got one that does: call it under torch.no_grad() or pass {name}.detach()")
     if out_dtype is None:
         out_dtype = x.dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
     shape = (tokens, top_k, m)
     if out is not None:
-        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w")
+        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w",
+                  inputs=(("w.data", w.data), ("w.scales", w.scales), ("w.global_scale", w.global_scale), ("x", x),
+                          ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales)))
     return shape, out_dtype
 
 
@@ -163,6 +172,7 @@ def moe_gemv(
     out_dtype: torch.dtype | None = None,
     backend: Backend = "auto",
     check_ids: bool = True,
+    check_values: bool = False,
     kernel: str | None = None,
     config=None,
 ) -> torch.Tensor:
@@ -177,7 +187,8 @@ def moe_gemv(
     bias: optional ``[E, M]`` float16, bfloat16 or float32, added in fp32 before the one rounding.
     global_scales: optional ``[E]`` float32, one global scale per expert (NVFP4 MoE checkpoints); not together
         with w's own global scale.
-    out: written and returned when given: ``[T, k, M]``, ``out_dtype``, w's device, any strides.
+    out: written and returned when given: ``[T, k, M]``, ``out_dtype``, w's device, any strides that give each
+        element memory of its own, sharing none with an input.
     out_dtype: float16, bfloat16 or float32; None: x's dtype.
     backend: as :func:`fp4gemv.gemv` (``"auto"``: the Triton kernel on CUDA, the float64 reference elsewhere;
         ``"triton"`` runs the kernel in the interpreter on CPU tensors).
@@ -185,12 +196,21 @@ def moe_gemv(
         anything is written (on CUDA a sync; skipped while a CUDA graph is captured).  With False, or under
         CUDA-graph capture and ``torch.compile``, such a pair's output is zeros and no memory outside the
         operands is touched.
+    check_values: read ``global_scales`` and raise ValueError naming it unless each is a positive normal float32
+        (``formats.check_global_scales``, the check of ``FP4Tensor`` and ``quantize``), before anything is
+        written.  Off by default, like ``FP4Tensor``'s check of a tensor global scale: reading the values
+        synchronises the device, and per-expert scales are weights, best checked once when loaded
+        (``nn.FP4Experts`` does).  Unchecked, a 0, negative, NaN or infinite scale multiplies that expert's
+        outputs as it is.
     kernel: None (the first spec of ``kernels.MOE_KERNELS`` that runs the case) or a spec's name, which must run
         it (``plan_moe(...).spec`` says which runs).
     config: None (the spec's default) or an instance of its config class.
 
+    Inference only: no backward; ValueError naming ``x``, ``bias`` or ``global_scales`` when one requires grad
+    in grad mode (on every backend and under ``torch.compile``).
+
     Arithmetic: exact weight-activation products (fp16/bf16), accumulated in fp32 (``moe_weight_only``: every
-    product in one accumulation on the tensor cores, with weight_only's bf16 window 2^-77 <= |x| < 2^64 in its
+    product in one accumulation on the tensor cores, with weight_only's bf16 window 2^-70 <= |x| < 2^64 in its
     k32 and split modes; ``moe_general``: fp32 block sums), the global scale and the bias applied in fp32, one
     rounding to ``out_dtype`` (the bound of the spec's ``error_model``, one fp32 addition more for the bias).
     """
@@ -203,9 +223,12 @@ def moe_gemv(
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if check_ids and not capturing:
         check_expert_ids(expert_ids, w.shape[0])
+    if check_values and global_scales is not None:
+        formats.check_global_scales(global_scales, "global_scales")
     plan = plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
     operands = moe_operands(plan, w, x, expert_ids, bias, global_scales, out)
-    plan.spec.launch(operands, plan.config, target)
+    with torch.no_grad():  # no autograd graph on any backend (inference only, see above)
+        plan.spec.launch(operands, plan.config, target)
     return out

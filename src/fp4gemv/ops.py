@@ -32,7 +32,8 @@ from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
-           "plan_for", "gemv_operands", "check_arguments", "check_out", "result_shape", "clear_cache",
+           "plan_for", "gemv_operands", "check_arguments", "check_out", "check_apart", "gemv_inputs", "result_shape",
+           "clear_cache",
            "direct_launch_supported",
            "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
@@ -69,16 +70,73 @@ def result_shape(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[int, ...]:
     if n < 1:
         raise ValueError(f"b: expected at least N = 1 row, got N = {n}")
     batch_a, batch_b = _batch(a), _batch(b)
+    if batch_b == 0:
+        raise ValueError(f"b: expected batch size L >= 1, got L = 0 (shape {tuple(b.shape)})")
     if batch_a is not None and batch_b is not None and batch_a != batch_b:
         raise ValueError(f"b: expected batch size L = {batch_a} like a, got L = {batch_b}")
     batch = batch_a if batch_a is not None else batch_b
     return (*(() if batch is None else (batch,)), a.rows, *((n,) if len(b.shape) >= 2 else ()))
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (strides are never negative)."""
+    if t.numel() == 0:
+        return 0
+    return (sum(stride * (size - 1) for size, stride in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _elements_distinct(t: torch.Tensor) -> bool:
+    """Whether no two elements of ``t`` can share memory: with the dimensions of size > 1 ordered by stride, each
+    stride passes every offset the smaller ones reach.  Every view made by slicing, transposing and reshaping
+    has this; a stride 0 (``expand``) or overlapping ``as_strided`` strides have not."""
+    dims = [(stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1]
+    for i, (stride, _) in enumerate(dims):  # no sort: torch.compile traces this with symbolic sizes
+        reach = sum(s * (n - 1) for j, (s, n) in enumerate(dims) if s < stride or (s == stride and j < i))
+        if stride <= reach:
+            return False
+    return True
+
+
+def _byte_offsets(t: torch.Tensor) -> torch.Tensor:
+    """The offset of every byte of every element of ``t`` from its first byte (int64, on the CPU)."""
+    size = t.element_size()
+    offsets = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(n) * (stride * size)
+    return (offsets.reshape(-1, 1) + torch.arange(size)).reshape(-1)
+
+
+def _share_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` (one device) have a byte in common: their address ranges meet, and then an element
+    of one covers a byte of the other (strided views of one buffer can interleave without sharing)."""
+    px, py = x.data_ptr(), y.data_ptr()
+    ex, ey = _extent(x), _extent(y)
+    if not (px < py + ey and py < px + ex):
+        return False
+    low = min(px, py)
+    covered = torch.zeros(max(px + ex, py + ey) - low, dtype=torch.bool)
+    covered[_byte_offsets(x) + (px - low)] = True
+    return bool(covered[_byte_offsets(y) + (py - low)].any())
+
+
+def check_apart(out: torch.Tensor, inputs) -> None:
+    """ValueError naming ``out`` and the first of ``inputs`` (``(name, tensor or None)`` pairs, on out's device)
+    that shares memory with it: kernels read the inputs while they write ``out``."""
+    if out.device.type == "meta":  # no memory
+        return
+    for name, t in inputs:
+        if t is not None and _share_bytes(out, t):
+            raise ValueError(f"out: expected memory apart from every input (the kernel reads them while writing "
+                             f"out), got a tensor that shares memory with {name}")
+
+
 def check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device,
-              shape_name: str = "", owner: str = "a") -> None:
+              shape_name: str = "", owner: str = "a", inputs=()) -> None:
     """An ``out`` argument exactly of the result's shape (``shape_name``, e.g. ``"[T, k, M] = "``, says what it
-    is), ``out_dtype`` and the device of operand ``owner``; TypeError / ValueError naming ``out`` otherwise."""
+    is), ``out_dtype`` and the device of operand ``owner``, each element in memory of its own and none shared
+    with ``inputs`` (``(name, tensor or None)`` pairs); TypeError / ValueError naming ``out`` otherwise.
+
+    Under ``torch.compile`` addresses are not known while tracing: the custom op checks them when it runs."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != shape:
@@ -87,6 +145,20 @@ def check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype,
         raise TypeError(f"out: expected dtype {out_dtype} (out_dtype), got {out.dtype}")
     if out.device != device:
         raise ValueError(f"out: expected device {device} like {owner}, got {out.device}")
+    if not _elements_distinct(out):
+        raise ValueError(f"out: expected a tensor whose elements do not share memory, got strides "
+                         f"{tuple(out.stride())} for shape {tuple(out.shape)} (a stride 0, or overlapping strides: "
+                         f"pass a tensor from torch.empty)")
+    if not torch.compiler.is_compiling():
+        check_apart(out, inputs)
+
+
+def gemv_inputs(a: FP4Tensor, b: FP4Tensor | torch.Tensor) -> tuple[tuple[str, torch.Tensor | None], ...]:
+    """The tensors :func:`gemv` reads, by the names errors give them."""
+    named = (("a.data", a.data), ("a.scales", a.scales), ("a.global_scale", a.global_scale))
+    if isinstance(b, FP4Tensor):
+        return (*named, ("b.data", b.data), ("b.scales", b.scales), ("b.global_scale", b.global_scale))
+    return (*named, ("b", b))
 
 
 def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> tuple[int, ...]:
@@ -99,7 +171,7 @@ def check_arguments(a, b, out: torch.Tensor | None, out_dtype: torch.dtype) -> t
         got = f"{type(out_dtype).__name__} {out_dtype!r}" if not isinstance(out_dtype, torch.dtype) else out_dtype
         raise TypeError(f"out_dtype: expected a torch.dtype among {_names(OUT_DTYPES)}, got {got}")
     if out is not None:
-        check_out(out, shape, out_dtype, a.device)
+        check_out(out, shape, out_dtype, a.device, inputs=gemv_inputs(a, b))
     return shape
 
 
@@ -165,7 +237,8 @@ def _needs_copy(b: torch.Tensor) -> bool:
 
 class GemvPlan(NamedTuple):
     """What :func:`gemv` runs for one distinct metadata: the kernel spec and its configuration, the target,
-    the case, whether the float activation is copied first, the shape of a new result, and the device."""
+    the case, whether the float activation is copied first, the shape of a new result, the device, and, when
+    planned with ``out``, each operand's extent in bytes (:class:`GemvAddresses`' order, 0 where absent)."""
 
     spec: KernelSpec
     config: object
@@ -174,6 +247,7 @@ class GemvPlan(NamedTuple):
     copy_activation: bool
     out_shape: tuple[int, ...]
     device: torch.device
+    extents: tuple[int, ...] | None = None
 
 
 def plan_for(
@@ -207,7 +281,13 @@ def plan_for(
             expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
             raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
         spec.check_config(config, case)
-    return GemvPlan(spec, config, target, case, copy_activation, shape, device)
+    extents = None
+    if out is not None:
+        fp4_b = isinstance(b, FP4Tensor)
+        parts = (a.data, a.scales, b.data if fp4_b else b, out, b.scales if fp4_b else None, a.global_scale,
+                 b.global_scale if fp4_b else None)
+        extents = tuple(0 if t is None else _extent(t) for t in parts)
+    return GemvPlan(spec, config, target, case, copy_activation, shape, device, extents)
 
 
 def select_kernel(
@@ -331,6 +411,8 @@ class PreparedGemv:
 
     def _run(self, a, b, out, addresses: tuple | None) -> torch.Tensor:
         plan = self.plan
+        if out is not None:
+            self._check_apart(a, b, out, addresses)
         if self._compiled is not None and addresses is not None and out is not None and not plan.copy_activation:
             self._launch(addresses)
             return out
@@ -343,13 +425,31 @@ class PreparedGemv:
             return out
         ops = gemv_operands(a, b, out)
         if self._template is None:
-            plan.spec.launch(ops, plan.config, plan.target)
+            # The reference computes with torch ops: no autograd graph here, as none for a kernel; gradients are
+            # the custom op's (library.py), the same on every backend.
+            with torch.no_grad():
+                plan.spec.launch(ops, plan.config, plan.target)
             return out
         t = self._template
         compiled = t.kernel[t.grid](**fill_sources(t.args, ops), **t.options)
         if self._direct_launch and plan.target.device_type == "cuda" and hasattr(compiled, "packed_metadata"):
             self._prepare_compiled(compiled)
         return out
+
+    def _check_apart(self, a, b, out, addresses: tuple | None) -> None:
+        """:func:`check_apart` of out and the inputs, once their address ranges (the plan's extents from these
+        addresses) meet: the kept plan checked metadata only, and these are new tensors."""
+        extents = self.plan.extents
+        if extents is None or addresses is None:
+            check_apart(out, gemv_inputs(a, b))
+            return
+        start = addresses[3]
+        end = start + extents[3]
+        for i in (0, 1, 2, 4, 5, 6):
+            p = addresses[i]
+            if p and p < end and start < p + extents[i]:
+                check_apart(out, gemv_inputs(a, b))
+                return
 
     def _prepare_compiled(self, compiled) -> None:
         kernel, args = self._template.kernel, self._template.args
@@ -374,7 +474,8 @@ class PreparedGemv:
         self._compiled = compiled
 
     def launch_at(self, addresses: GemvAddresses) -> None:
-        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`."""
+        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`.
+        Nothing is checked, not even that ``out`` shares no memory with an input: the caller vouches for it."""
         if not self.launches_by_address:
             raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
                                "call it with the operands)")
@@ -465,7 +566,8 @@ def gemv(
         ``kernels/gemm.py``, for fp16/bf16 activations; the reference any).  A batch dimension on one
         operand only is broadcast over the other.
     out: written and returned when given: exactly the result's shape, ``out_dtype`` and a's device, any
-        strides.  Otherwise a new tensor.
+        strides that give each element memory of its own, sharing no byte with an input (ValueError otherwise).
+        Otherwise a new tensor.
     out_dtype: float16, bfloat16 or float32.
     backend: ``"auto"``: Triton kernels with their PTX paths on CUDA, the float64 reference elsewhere.
         ``"triton"``: the kernels' pure-Triton paths (on CPU tensors too, under ``TRITON_INTERPRET=1``).

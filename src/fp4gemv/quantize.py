@@ -19,7 +19,7 @@ from . import formats, layouts
 from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
 from .target import resolve_target
 from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
-from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout
+from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, check_device_with_values, checked_global_scale
 
 __all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
            "QuantizeBackend", "QUANTIZE_BACKENDS"]
@@ -28,7 +28,6 @@ QuantizeBackend = Literal["auto", "triton", "reference"]
 QUANTIZE_BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_F32_SMALLEST_NORMAL = 2.0**-126
 
 
 def _resolve_backend(backend: str, device: torch.device) -> str:
@@ -49,7 +48,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     """
     amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
     g = amax / torch.full((), 6.0 * 448.0, dtype=torch.float32, device=x.device)
-    g = torch.clamp(g, min=_F32_SMALLEST_NORMAL)
+    g = torch.clamp(g, min=formats.F32_SMALLEST_NORMAL)
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
 
 
@@ -72,22 +71,7 @@ def global_scale_tensor(global_scale, fmt: formats.FP4Format, x: torch.Tensor,
         raise TypeError(
             f"global_scale: expected None, 'auto', a number or a tensor, got {type(global_scale).__name__}"
         )
-    if isinstance(global_scale, torch.Tensor):
-        if global_scale.dtype != torch.float32:
-            dtype = str(global_scale.dtype).replace("torch.", "")
-            raise TypeError(f"global_scale: expected dtype float32, got {dtype}")
-        if global_scale.numel() != 1:
-            raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
-        if global_scale.device != x.device:
-            raise ValueError(f"global_scale: expected device {x.device} like x, got {global_scale.device}")
-        g = global_scale.reshape(())
-        value = g.item() if check_values else None  # a device synchronisation: only when asked
-    else:
-        g = torch.tensor(float(global_scale), dtype=torch.float32, device=x.device)
-        value = float(torch.tensor(float(global_scale), dtype=torch.float32))
-    if value is not None and not (_F32_SMALLEST_NORMAL <= value < float("inf")):
-        raise ValueError(f"global_scale: expected a positive normal float32 (2^-126 or more, finite), got {value}")
-    return g
+    return checked_global_scale(global_scale, x.device, check_values, owner="x")
 
 
 def _check_config(config: QuantizeConfig | None) -> None:
@@ -158,6 +142,7 @@ def check_quantize_arguments(x, fmt, scale_layout: str, backend: str, config) ->
         raise ValueError(f"x: expected shape [R, K] or [L, R, K], got {tuple(x.shape)}")
     if x.numel() == 0:
         raise ValueError(f"x: expected sizes >= 1, got shape {tuple(x.shape)}")
+    check_device_with_values("x", x.device)
     fmt = formats.resolve_format(fmt)
     if x.shape[-1] % fmt.block_size:
         raise ValueError(
@@ -245,7 +230,7 @@ def dequantize(
     ``backend="auto"`` runs the Triton kernel on CUDA (for prefill: dequantize, then ``F.linear``) and
     ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``formats.round_from_float64``).
     ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
-    picks one).  Returns a new contiguous tensor.
+    picks one).  Returns a new contiguous tensor, outside autograd on every backend (an FP4 tensor is frozen).
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
@@ -254,7 +239,8 @@ def dequantize(
     resolved = _resolve_backend(backend, t.device)
     _check_config(config)
     if resolved == "reference" or dtype == torch.float64:
-        return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
+        with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
+            return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
     cols = t.k // t.fmt.block_size
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
     o3, d3 = _as_3d(_pairs(out)), _as_3d(t.data)

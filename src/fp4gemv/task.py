@@ -80,10 +80,24 @@ BENCHMARK_SHAPES: tuple[TaskShape, ...] = _SHAPES["benchmark"]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` means CUDA when a GPU is present, else the CPU (so the whole task runs on CPU-only CI)."""
+    """``None`` means CUDA when a GPU is present, else the CPU (so the whole task runs on CPU-only CI); "cpu" and
+    "cuda" (or "cuda:i") name themselves.  ValueError naming ``device`` for any other, or for CUDA without a GPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected 'cpu' or 'cuda', got {str(device)!r}")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: expected 'cpu', or 'cuda' on a machine with a CUDA GPU, got {str(device)!r} "
+                             f"(torch.cuda.is_available() is False)")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device: expected a CUDA device index below {torch.cuda.device_count()}, got "
+                             f"{str(device)!r}")
+    return resolved
 
 
 def _check_task_shape(m: int, k: int, l: int) -> None:  # noqa: E741

@@ -21,7 +21,7 @@ import torch
 
 from . import formats, layouts
 
-__all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS"]
+__all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS", "checked_global_scale", "check_device_with_values"]
 
 ScaleLayout = Literal["linear", "swizzled"]
 SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled")
@@ -40,31 +40,34 @@ def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None
         raise TypeError(f"{name}: expected dtype {names}, got {_dtype_name(t.dtype)}")
 
 
-_F32_SMALLEST_NORMAL = 2.0**-126
+def check_device_with_values(name: str, device: torch.device) -> None:
+    """ValueError naming ``name`` unless ``device`` is one whose tensors the ops compute on and read back: the
+    CPU or CUDA (a meta tensor has no values; other devices have no kernels and no float64 reference)."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a tensor with values, on cpu or cuda, got device {device}")
 
 
-def _check_global_scale_value(value: float) -> None:
-    # 0 zeroes every product, NaN / inf poison it, a negative one flips its sign, a subnormal is flushed.
-    if not (_F32_SMALLEST_NORMAL <= value < float("inf")):
-        raise ValueError(f"global_scale: expected a positive normal float32 (2^-126 or more, finite), got {value}")
-
-
-def _global_scale_tensor(global_scale: float | torch.Tensor | None, device: torch.device,
-                         check_values: bool) -> torch.Tensor | None:
-    """A 0-d float32 tensor on ``device`` (a Python number is rounded to fp32 once, then checked), or None."""
+def checked_global_scale(global_scale: float | torch.Tensor | None, device: torch.device, check_values: bool,
+                         owner: str = "data") -> torch.Tensor | None:
+    """A global scale as a 0-d float32 tensor on ``device`` (where ``owner`` lies), or None: a Python number is
+    rounded to float32 and checked (``formats.check_global_scales``); a one-element float32 tensor is kept as it
+    is (reshaped) and its value checked only with ``check_values`` (reading it synchronises the device)."""
     if global_scale is None:
         return None
-    if isinstance(global_scale, (int, float)) and not isinstance(global_scale, bool):
+    if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
+        raise TypeError(f"global_scale: expected None, a number or a float32 tensor, got "
+                        f"{type(global_scale).__name__}")
+    if not isinstance(global_scale, torch.Tensor):
         g = torch.tensor(float(global_scale), dtype=torch.float32)
-        _check_global_scale_value(float(g))
+        formats.check_global_scales(g)
         return g.to(device)
     _check_tensor("global_scale", global_scale, (torch.float32,))
     if global_scale.numel() != 1:
         raise ValueError(f"global_scale: expected one value, got shape {tuple(global_scale.shape)}")
     if global_scale.device != device:
-        raise ValueError(f"global_scale: expected device {device} like data, got {global_scale.device}")
+        raise ValueError(f"global_scale: expected device {device} like {owner}, got {global_scale.device}")
     if check_values:
-        _check_global_scale_value(global_scale.item())  # a device synchronisation: only when asked
+        formats.check_global_scales(global_scale)
     return global_scale.reshape(())
 
 
@@ -139,7 +142,7 @@ class FP4Tensor:
         init(self, "scales", formats.as_uint8(scales))
         init(self, "fmt", fmt)
         init(self, "scale_layout", scale_layout)
-        init(self, "global_scale", _global_scale_tensor(global_scale, data.device, check_values))
+        init(self, "global_scale", checked_global_scale(global_scale, data.device, check_values))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"FP4Tensor is immutable: make a new one instead of setting {name!r}")
@@ -174,7 +177,8 @@ class FP4Tensor:
         return (FP4Tensor, (self.data, self.scales, self.fmt.name, self.scale_layout, self.global_scale))
 
     def __repr__(self) -> str:
-        gs = "None" if self.global_scale is None else f"{self.global_scale.item():g}"
+        g = self.global_scale
+        gs = "None" if g is None else "(meta)" if g.device.type == "meta" else f"{g.item():g}"
         return (
             f"FP4Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name!r}, scale_layout={self.scale_layout!r}, "
             f"global_scale={gs}, device={self.device})"
@@ -198,8 +202,19 @@ class FP4Tensor:
         return FP4Tensor(self.data, scales, self.fmt, scale_layout, self.global_scale)
 
     def to(self, device: str | torch.device) -> FP4Tensor:
-        """A copy on ``device`` (or this tensor when already there); bytes are copied as they are."""
-        device = torch.device(device)
+        """A copy on ``device`` (or this tensor when already there); bytes are copied as they are.  ValueError /
+        TypeError naming ``device`` for a device this machine lacks or a dtype (``fp4gemv.dequantize`` gives
+        floats)."""
+        if isinstance(device, torch.dtype):
+            raise TypeError(f"device: expected a device (the bytes move as they are; fp4gemv.dequantize(t, dtype) "
+                            f"gives floats), got {device}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected a torch.device or a name such as 'cpu' or 'cuda', got {device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device: expected a device this machine has, got {device} "
+                             f"(torch.cuda.is_available() is False)")
         if device == self.device:
             return self
         gs = None if self.global_scale is None else self.global_scale.to(device)
