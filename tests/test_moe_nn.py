@@ -283,3 +283,19 @@ def test_quantize_model_converts_experts_with_skip(family, tmp_path):
         quantize_model(copy.deepcopy(float_model), "nvfp4", activations="w4a4", skip=["lm_head", "*.self_attn"])
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: FP4Experts are not written to checkpoints"):
         (save_mxfp4 if fmt == "mxfp4" else save_compressed_tensors)(model, tmp_path)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
+def test_fp4_experts_refuse_bad_per_expert_global_scales_when_built(bad):
+    """moe_gemv reads per-expert global scales only when asked (a sync per call); FP4Experts checks them once."""
+    def projection(rows, k):
+        w = fp4gemv.quantize(torch.randn(4, rows, k), "nvfp4")
+        scales = torch.ones(4)
+        return w, scales
+
+    (gu, gu_scales), (down, down_scales) = projection(128, 64), projection(64, 64)
+    down_scales[2] = bad
+    good = ExpertWeights(gu, global_scales=gu_scales)
+    with pytest.raises(ValueError, match=r"down.global_scales: expected a positive normal float32 .* at \(2,\)"):
+        FP4Experts(good, ExpertWeights(down, global_scales=down_scales), activation="silu")
+    FP4Experts(good, ExpertWeights(down, global_scales=torch.ones(4)), activation="silu")

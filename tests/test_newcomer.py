@@ -93,9 +93,11 @@ def _adapter_step(device):
     from fp4gemv.nn import FP4Linear
 
     torch.manual_seed(0)
-    base = FP4Linear.from_linear(nn.Linear(64, 32).to(device), "nvfp4")
+    base = FP4Linear.from_linear(nn.Linear(64, 32).to(device=device, dtype=torch.bfloat16), "nvfp4")
     adapter = nn.Linear(64, 64, bias=False).to(device=device, dtype=torch.bfloat16)
     x = torch.randn(3, 64, device=device, dtype=torch.bfloat16)
+    with torch.no_grad():  # a decode call first: on CUDA, FP4Linear keeps its launch, which records no graph
+        base(adapter(x))
     y = base(adapter(x))
     assert y.grad_fn is not None
     y.float().square().sum().backward()
@@ -117,3 +119,14 @@ def test_an_adapter_trains_on_a_frozen_fp4_base():
 @pytest.mark.gpu
 def test_an_adapter_trains_on_a_frozen_fp4_base_on_gpu():
     _adapter_step("cuda")
+
+
+def test_w4a4_fp4linear_refuses_a_gradient_naming_x():
+    from fp4gemv.nn import FP4Linear
+
+    layer = FP4Linear.from_linear(nn.Linear(64, 32), "nvfp4", activations="w4a4")
+    x = torch.randn(2, 64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"x: requires grad, but W4A4 FP4Linear has no backward"):
+        layer(x)
+    with torch.no_grad():
+        assert layer(x).shape == (2, 32)

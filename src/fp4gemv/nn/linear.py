@@ -254,11 +254,17 @@ class FP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         launch = self.__dict__.get("_decode_launch")
-        if launch is not None and not torch.compiler.is_compiling():
+        # A kept launch records no autograd graph: a call that needs x's gradient goes through gemv.
+        needs_grad = torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad
+        if launch is not None and not torch.compiler.is_compiling() and not needs_grad:
             y = launch.run(self, x)
             if y is not None:
                 return y
         self.check_input(x)
+        if needs_grad and self.activations == "w4a4":
+            raise ValueError("x: requires grad, but W4A4 FP4Linear has no backward (its activations are quantized, "
+                             "which has no gradient); call it under torch.no_grad(), or use activations="
+                             "'weight-only', whose backward reaches x")
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)  # a copy per call: .to(dtype) on the module converts it once instead

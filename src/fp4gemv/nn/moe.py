@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import library
+from ..formats import check_global_scales
 from ..tensor import FP4Tensor
 from .linear import FP4Linear, per_tensor_scale
 
@@ -69,6 +70,9 @@ def _check_weights(name: str, w: object, experts: int | None = None) -> ExpertWe
         raise ValueError(f"{name}: expected an FP4Tensor [E, rows, K], got {w.weight!r}")
     if experts is not None and w.weight.shape[0] != experts:
         raise ValueError(f"{name}: expected E = {experts} experts like gate_up, got {w.weight.shape[0]}")
+    if w.global_scales is not None and w.global_scales.device.type != "meta":
+        # Once, here: moe_gemv reads per-expert scales only when asked (a sync per call).
+        check_global_scales(w.global_scales, f"{name}.global_scales")
     return w
 
 
