@@ -122,14 +122,16 @@ def _compile_jobs(jobs: list[tuple[str, int, str, tuple]]) -> list[str]:
     return errors
 
 
-def precompile(jobs: list[tuple[str, int, str, tuple]], workers: int) -> list[str]:
-    """Compile ``jobs`` in ``workers`` spawned processes (interleaved, so each gets every product)."""
+def precompile(jobs: list[tuple[str, int, str, tuple]], workers: int, timeout_s: float) -> list[str]:
+    """Compile ``jobs`` in ``workers`` spawned processes (interleaved, so each gets every product), giving up
+    after ``timeout_s`` (a worker that dies loses its share: the pool would wait for it forever)."""
     if workers <= 0 or not jobs:
         return []
     shares = [jobs[i::workers] for i in range(workers) if jobs[i::workers]]
     try:
         with multiprocessing.get_context("spawn").Pool(len(shares)) as pool:
-            return [e for errs in pool.map(_compile_jobs, shares) for e in errs]
+            results = pool.map_async(_compile_jobs, shares).get(timeout=timeout_s)
+            return [e for errs in results for e in errs]
     except Exception as ex:  # the timing process compiles what is missing
         return [f"precompile: {type(ex).__name__}: {ex}"]
 
@@ -251,7 +253,7 @@ def main(argv=None) -> dict:
                               weights={"linear": linear[product]}, x=x, ids=ids, out=out, rows=[]))
     jobs = [(c["product"], c["tokens"], "linear", tuple(cfg)) for c in cases for cfg in c["candidates"]]
     jobs += [(c["product"], c["tokens"], "swizzled", tuple(c["candidates"][0])) for c in cases]
-    errors = precompile(jobs, args.workers)
+    errors = precompile(jobs, args.workers, timeout_s=args.budget_s / 2)
     compile_s = time.perf_counter() - start
     for line in errors:
         print("compile:", line, flush=True)
