@@ -11,21 +11,22 @@ import torch
 
 import fp4gemv
 from fp4gemv import FP4Tensor, moe
+from fp4gemv.kernels.weight_only import WeightOnlyConfig
 from fp4gemv.reference import routed_gemv_reference
 from fp4gemv.target import resolve_target
 from operands import (DEVICE, accumulation_bound, half_ulp, oracle_bound, poisoned, random_activation,
                       random_fp4)
 
 
-def plan_of(w, x, expert_ids, out_dtype, bias=None, global_scales=None, backend="triton", kernel=None):
-    """What moe_gemv(..., backend=backend, kernel=kernel) runs."""
+def plan_of(w, x, expert_ids, out_dtype, bias=None, global_scales=None, backend="triton", kernel=None, config=None):
+    """What moe_gemv(..., backend=backend, kernel=kernel, config=config) runs."""
     return moe.plan_moe(w, x, expert_ids, bias, global_scales, None, out_dtype, resolve_target(backend, w.device),
-                        kernel)
+                        kernel, config)
 
 
-def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None, kernel=None):
+def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None, kernel=None, config=None):
     """(exact float64 result [T, k, M], the largest |got - exact| the spec moe_gemv runs may give) per pair."""
-    plan = plan_of(w, x, expert_ids, out_dtype, bias, global_scales, kernel=kernel)
+    plan = plan_of(w, x, expert_ids, out_dtype, bias, global_scales, kernel=kernel, config=config)
     model = plan.spec.error_model(plan.case, plan.config)
     experts, m, k = w.shape
     tokens, top_k = expert_ids.shape
@@ -51,8 +52,8 @@ def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=N
     return exact, bound.reshape(tokens, top_k, m)
 
 
-def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None, kernel=None):
-    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales, kernel)
+def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None, kernel=None, config=None):
+    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales, kernel, config)
     g = got.cpu().to(torch.float64)
     ok = torch.isfinite(g) & ((g - exact).abs() <= bound)
     if not ok.all():
@@ -118,6 +119,44 @@ def test_tensor_core_step_routing(tokens, top_k, experts):
     assert plan_of(w, x, ids, torch.float32).spec.name == "moe_weight_only"
     got = routed(w, x, ids, out_dtype=torch.float32)
     assert_routed_exact(got, w, x, ids, torch.float32)
+
+
+def test_split_above_four_tokens_loops_its_groups():
+    """A split configuration at T = 8 and 16 (4 columns per pass: groups of up to 16 pairs loop, as k32's 8
+    columns do above T = 8) is accepted and exact, through fp4gemv.moe_gemv's config; more than 4 columns in one
+    split pass stay refused where the spec's check names them."""
+    w = random_fp4((4, 48, 288), "mxfp4", "linear", seed=60)
+    bias = random_activation((4, 48), torch.bfloat16, seed=61)
+    split = WeightOnlyConfig(2, 2, 1, split=True)
+    for tokens in (8, 16):
+        x = random_activation((tokens, 288), torch.bfloat16, seed=62 + tokens)
+        ids = random_ids(tokens, 4, 4, seed=63 + tokens)
+        plan = plan_of(w, x, ids, torch.float32, bias, kernel="moe_weight_only", config=split)
+        assert plan.config == split
+        got = fp4gemv.moe_gemv(w, x, ids, bias=bias, out_dtype=torch.float32, backend="triton",
+                               kernel="moe_weight_only", config=split)
+        assert_routed_exact(got, w, x, ids, torch.float32, bias=bias, kernel="moe_weight_only", config=split)
+    with pytest.raises(ValueError, match="config: expected tiles 1, 2 or 4"):
+        fp4gemv.moe_gemv(w, x, ids, backend="triton", kernel="moe_weight_only", config=WeightOnlyConfig(3))
+
+
+def test_config_under_torch_compile():
+    """fp4gemv.moe_gemv's config reaches the kernel under torch.compile(fullgraph=True) (the custom op carries
+    it): the same result as eagerly; a config without its kernel is refused while tracing."""
+    w = random_fp4((4, 32, 128), "mxfp4", "linear", seed=64)
+    x = random_activation((8, 128), torch.bfloat16, seed=65)
+    ids = random_ids(8, 2, 4, seed=66)
+    config = WeightOnlyConfig(2, 1, 1, split=True)
+
+    def step(x, ids):
+        return fp4gemv.moe_gemv(w, x, ids, backend="triton", kernel="moe_weight_only", config=config)
+
+    got = torch.compile(step, fullgraph=True)(x, ids)
+    assert torch.equal(got, step(x, ids))
+    assert_routed_exact(got, w, x, ids, torch.bfloat16, kernel="moe_weight_only", config=config)
+    with pytest.raises(Exception, match="config: under torch.compile a config needs the kernel"):
+        torch.compile(lambda x, ids: fp4gemv.moe_gemv(w, x, ids, backend="triton", config=config),
+                      fullgraph=True)(x, ids)
 
 
 def test_kernel_table_names_why_a_kernel_cannot_run():

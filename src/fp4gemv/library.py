@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from . import formats, layouts, moe, ops
-from .kernels import kernel_by_name
+from .kernels import GEMV_KERNELS, MOE_KERNELS, kernel_by_name
 from .quantize import check_quantize_arguments, dequantize, global_scale_tensor
 from .quantize import quantize as eager_quantize
 from .tensor import FP4Tensor
@@ -65,10 +65,20 @@ def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt
     return a, b
 
 
-def _config(kernel: str | None, config: list[int] | None):
+def _config(kernel: str | None, config: list[int] | None, kernels=GEMV_KERNELS):
+    """A config the custom ops carry as a list of ints, back as the named kernel's config type."""
     if config is None:
         return None
-    return kernel_by_name(kernel).config_type(*config)
+    return kernel_by_name(kernel, kernels).config_type(*config)
+
+
+def _config_list(kernel: str | None, config) -> list[int] | None:
+    """A config as the custom ops carry it (ints: their schema has no NamedTuple)."""
+    if config is None:
+        return None
+    if kernel is None:
+        raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
+    return [int(v) for v in config]
 
 
 @torch.library.custom_op("fp4gemv::gemv", mutates_args=())
@@ -122,7 +132,7 @@ def _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config) -> torch.Tens
     fp4 = isinstance(b, FP4Tensor)
     args = (a.data, a.scales, a.global_scale, b.data if fp4 else b, b.scales if fp4 else None,
             b.global_scale if fp4 else None, a.fmt.name, a.scale_layout, b.scale_layout if fp4 else "")
-    options = (backend, kernel, None if config is None else [int(v) for v in config])
+    options = (backend, kernel, _config_list(kernel, config))
     if out is None:
         return torch.ops.fp4gemv.gemv(*args, out_dtype, *options)
     if _grad_flows(b, out):
@@ -134,8 +144,6 @@ def _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config) -> torch.Tens
 def _traced_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> torch.Tensor:
     """:func:`gemv` under ``torch.compile``: the metadata checks, then the custom op."""
     ops.check_arguments(a, b, out, out_dtype)
-    if config is not None and kernel is None:
-        raise ValueError("config: under torch.compile a config needs the kernel it is for (kernel=...)")
     return _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config)
 
 
@@ -225,31 +233,35 @@ def _moe_gemv_op(
     w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
     expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
     scale_layout: str, out_dtype: torch.dtype, backend: str, check_values: bool, kernel: str | None,
+    config: list[int] | None,
 ) -> torch.Tensor:
     w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
     # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).  Global
     # scales are read when asked, as eagerly (a sync where the op runs).
     return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
-                        backend=backend, check_ids=False, check_values=check_values, kernel=kernel)
+                        backend=backend, check_ids=False, check_values=check_values, kernel=kernel,
+                        config=_config(kernel, config, MOE_KERNELS))
 
 
 @_moe_gemv_op.register_fake
 def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend,
-      check_values, kernel):
+      check_values, kernel, config):
     return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], w_data.shape[1]), dtype=out_dtype)
 
 
 def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_dtype=None, backend="auto",
-             check_ids=True, check_values=False, kernel=None) -> torch.Tensor:
+             check_ids=True, check_values=False, kernel=None, config=None) -> torch.Tensor:
     """:func:`fp4gemv.moe.moe_gemv` (its docstring has the arguments), also under ``torch.compile``, where it is
     the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``;
-    ``check_values`` reads the global scales when the op runs)."""
+    ``check_values`` reads the global scales when the op runs; a ``config`` needs its ``kernel``)."""
     if not torch.compiler.is_compiling():
         return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
-                            backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel)
+                            backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel,
+                            config=config)
     _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
-                                        w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel)
+                                        w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel,
+                                        _config_list(kernel, config))
     if out is None:
         return result
     out.copy_(result)

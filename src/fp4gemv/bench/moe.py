@@ -30,7 +30,8 @@ from ..tensor import FP4Tensor
 from .stream import best_read
 from .timing import device_time_us
 
-__all__ = ["MOE_MODELS", "MoeModel", "TRITON_KERNELS_US", "moe_benchmark", "format_moe_table", "expert_bytes"]
+__all__ = ["MOE_MODELS", "MoeModel", "TRITON_KERNELS_US", "moe_benchmark", "format_moe_table", "expert_bytes",
+           "random_projection", "router_logits", "route"]
 
 COPIES = 8
 # The routed kernel timed beside the default one: the CUDA-core path moe_gemv ran before the tensor-core step.
@@ -68,19 +69,23 @@ def expert_bytes(model: MoeModel) -> int:
     return 2 * i * (h // 2 + h // 32) + h * (i // 2 + i // 32)
 
 
-def _random_projection(experts: int, rows: int, k: int, g: torch.Generator) -> ExpertWeights:
-    data = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, device="cuda", generator=g)
-    scales = torch.randint(127 - 9, 127 - 4, (experts, rows, k // 32), dtype=torch.uint8, device="cuda", generator=g)
-    bias = torch.randn(experts, rows, device="cuda", generator=g).to(torch.bfloat16)
+def random_projection(experts: int, rows: int, k: int, g: torch.Generator) -> ExpertWeights:
+    """Random MXFP4 expert bytes ``[E, rows, K]`` (linear scales 2^-9 .. 2^-5) and bf16 biases on ``g``'s device."""
+    device = g.device
+    data = torch.randint(0, 256, (experts, rows, k // 2), dtype=torch.uint8, device=device, generator=g)
+    scales = torch.randint(127 - 9, 127 - 4, (experts, rows, k // 32), dtype=torch.uint8, device=device, generator=g)
+    bias = torch.randn(experts, rows, device=device, generator=g).to(torch.bfloat16)
     return ExpertWeights(FP4Tensor(data, scales, "mxfp4", "linear"), bias)
 
 
-def _routing(model: MoeModel, tokens: int, seed: int) -> torch.Tensor:
+def router_logits(model: MoeModel, tokens: int, seed: int, device="cuda") -> torch.Tensor:
+    """Seeded random router logits ``[T, E]`` (bf16): the same routing for the same seed on any device."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(tokens, model.experts, generator=g).to(torch.bfloat16).cuda()
+    return torch.randn(tokens, model.experts, generator=g).to(torch.bfloat16).to(device)
 
 
-def _route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids ``[T, k]``, weights ``[T, k]``): the top-k logits, softmax over the k."""
     top, ids = torch.topk(logits, top_k, dim=-1)
     return ids, torch.softmax(top.float(), dim=-1)
 
@@ -110,12 +115,12 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
     model = MOE_MODELS[name]
     e, h, i = model.experts, model.hidden, model.intermediate
     g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [FP4Experts(_random_projection(e, 2 * i, h, g), _random_projection(e, h, i, g), activation="gpt-oss")
+    layers = [FP4Experts(random_projection(e, 2 * i, h, g), random_projection(e, h, i, g), activation="gpt-oss")
               for _ in range(copies)]
     rows = []
     for tokens in tokens_list:
-        logits = [_routing(model, tokens, seed=1000 * tokens + c) for c in range(copies)]
-        routes = [_route(lg, model.top_k) for lg in logits]
+        logits = [router_logits(model, tokens, seed=1000 * tokens + c) for c in range(copies)]
+        routes = [route(lg, model.top_k) for lg in logits]
         distinct = [int(torch.unique(ids).numel()) for ids, _ in routes]
         x = torch.randn(tokens, h, device="cuda", generator=g).to(torch.bfloat16)
         h_in = torch.randn(tokens * model.top_k, i, device="cuda", generator=g).to(torch.bfloat16)
@@ -131,7 +136,7 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
                      check_ids=False, kernel=kernel)
 
         def whole_layer(c):
-            ids, weights = _route(logits[c], model.top_k)
+            ids, weights = route(logits[c], model.top_k)
             return layers[c](x, ids, weights)
 
         gemv_us = _median(device_time_us(routed_gemvs, range(copies)))
@@ -154,11 +159,11 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
              torch.randn(e, h, device="cuda", dtype=torch.bfloat16)) for _ in range(bf16_copies)]
     for row in rows:
         tokens = row["tokens"]
-        logits = [_routing(model, tokens, seed=1000 * tokens + c) for c in range(bf16_copies)]
+        logits = [router_logits(model, tokens, seed=1000 * tokens + c) for c in range(bf16_copies)]
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
 
         def bf16_layer(c):
-            ids, weights = _route(logits[c], model.top_k)
+            ids, weights = route(logits[c], model.top_k)
             return _bf16_layer(*bf16[c], x, ids, weights)
 
         row["bf16_torch_us"] = _median(device_time_us(bf16_layer, range(bf16_copies)))

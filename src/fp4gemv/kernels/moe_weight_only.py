@@ -13,9 +13,10 @@ T = 16 gives 128 (~82 working) either way, at T = 1 the 4 or 8 columns all work.
 The program.  ``weight_only``'s: ``16 * tiles`` rows of its expert, the thread layout, pointers, K loop and
 epilogue reduction of ``kernels/weight_only.py`` (``program_lanes``, ``weight_pointers``, ``k_loop``,
 ``column_result``) with the matrix index set to the expert.  The step's C columns are the group's pairs
-(``columns``: 2 in split, 8 otherwise, per n-tile): each column's activation row pointer and output offset are
-gathered from its pair (token t reads ``x[t]``, writes ``out[t, j]``); a group with more pairs than columns
-(T > 8, or a token naming one expert in several slots) loops, re-reading the expert's rows from L2.
+(``columns``: 2 in split, 8 otherwise, per n-tile; split takes 2 n-tiles from T = 3, also above T = 4): each
+column's activation row pointer and output offset are gathered from its pair (token t reads ``x[t]``, writes
+``out[t, j]``); a group with more pairs than columns (T > 8, in split T > 4, or a token naming one expert in
+several slots) loops, re-reading the expert's rows from L2.
 
 Arithmetic as ``weight_only``'s (exact products, one fp32 accumulation on the tensor cores, the fold undone in
 the epilogue; bf16 in k32 and split: the 2^-77 <= |x| < 2^64 window of its module docstring), then the global
@@ -35,9 +36,9 @@ from ..target import SM90, Target
 from ._common import store_rounded
 from ._mma_step import MULTIPLIERS, fold_exponent, step_asm
 from .spec import ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
-from .weight_only import (PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES, twin_column_row,
-                          column_result, fragment_rows, k_loop, program_lanes, step_spec, tile_rows, weight_only_config,
-                          weight_pointers)
+from .weight_only import (MAX_SPLIT_N, PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES,
+                          twin_column_row, column_result, fragment_rows, k_loop, program_lanes, step_spec, tile_rows,
+                          weight_only_config, weight_pointers)
 
 __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS", "MAX_COLUMNS"]
 
@@ -49,16 +50,18 @@ MAX_EXPERTS = 1023
 MAX_COLUMNS = 8
 
 
-def program_case(case: MoeCase):
-    """The dense ``GemvCase`` one program runs: N the columns a group can fill (T, at most ``MAX_COLUMNS``), the
+def program_case(case: MoeCase, config: WeightOnlyConfig | None = None):
+    """The dense ``GemvCase`` one program runs: N the columns a group can fill in one pass (T, at most
+    ``MAX_COLUMNS``; at most ``MAX_SPLIT_N`` with a split ``config``: a larger group loops, as at T > 8), the
     batch the experts that can be distinct (what ``weight_only_config`` sizes the grid by)."""
     dense = case.dense
-    return dataclasses.replace(dense, n=min(case.tokens, MAX_COLUMNS), batch=min(case.pairs, case.experts))
+    most = MAX_SPLIT_N if config is not None and config.split else MAX_COLUMNS
+    return dataclasses.replace(dense, n=min(case.tokens, most), batch=min(case.pairs, case.experts))
 
 
 def columns(case: MoeCase, config: WeightOnlyConfig) -> int:
     """Pairs per program and pass: the C columns of the step (2 per n-tile in split, 8 otherwise)."""
-    spec = step_spec(program_case(case), config)
+    spec = step_spec(program_case(case, config), config)
     return (2 if spec.mode == "split" else 8) * spec.n_tiles
 
 
@@ -81,15 +84,15 @@ class MoeWeightOnly(TritonKernelSpec):
         return weight_only_config(program_case(case), target.sm_count or SM90.sm_count)
 
     def check_config(self, config: WeightOnlyConfig, case: MoeCase | None = None) -> None:
-        WeightOnly().check_config(config, None if case is None else program_case(case))
+        WeightOnly().check_config(config, None if case is None else program_case(case, config))
 
     def error_model(self, case: MoeCase, config: WeightOnlyConfig) -> ErrorModel:
-        return WeightOnly().error_model(program_case(case), config)
+        return WeightOnly().error_model(program_case(case, config), config)
 
     def triton_launch(self, case: MoeCase, config: WeightOnlyConfig, target: Target) -> TritonLaunch:
         """Byte pointers for the weights, their scales and x (strides in bytes); ids, bias, global scales and out
         typed (strides in elements)."""
-        dense = program_case(case)
+        dense = program_case(case, config)
         spec = step_spec(dense, config)
         asm_full, constraints_full = step_asm(spec)
         asm_tail, constraints_tail = step_asm(spec._replace(tail=True))
