@@ -14,8 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+import triton
 
-__all__ = ["Backend", "BACKENDS", "Target", "device_target", "resolve_target", "interpreting", "SM90"]
+__all__ = ["Backend", "BACKENDS", "Target", "device_target", "resolve_target", "interpreting", "SM90",
+           "TRITON_VERSION"]
+
+# (major, minor) of the installed Triton: its code generation decides some kernels' source (kernels/stream.py's
+# K order) and what their sm_90 machine code can be held to.
+TRITON_VERSION: tuple[int, int] = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 Backend = Literal["auto", "triton-ptx", "triton", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton-ptx", "triton", "reference")
