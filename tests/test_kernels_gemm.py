@@ -15,7 +15,6 @@ from fp4gemv.kernels.spec import GEMV_MAX_N
 from fp4gemv.target import TRITON_VERSION
 from operands import DEVICE, assert_matches_exact, poisoned, random_activation, random_fp4, within_bound
 
-pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the twin's bf16 dots run in the interpreter
 
 DTYPES = (torch.bfloat16, torch.float16)
 

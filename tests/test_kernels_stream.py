@@ -43,7 +43,8 @@ def test_twin_matches_exact_result_in_either_k_order(monkeypatch, k_width):
     a = O.random_fp4((70, 1024), "nvfp4", "swizzled", seed=9, device="cpu")
     b = O.random_activation((11, 1024), torch.bfloat16, seed=10, device="cpu")
     out = O.poisoned((70, 11), torch.float32, device="cpu")
-    gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream", config=StreamConfig(64, 256, 2, 2, 2))
+    gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream",
+         config=StreamConfig(64, 256, 2, 2, 2))
     O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=0)
 
 

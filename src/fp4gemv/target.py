@@ -68,6 +68,14 @@ class Target:
         return self.device_type == "cuda" and self.capability is not None and self.capability >= (major, minor)
 
     @property
+    def bf16_arithmetic(self) -> bool:
+        """bf16 products and dots compute with numbers.  Not in Triton's interpreter (3.6 to 3.9 alike): it hands
+        bf16 tensors to NumPy as their uint16 bit patterns, so a bf16 product or ``tl.dot`` multiplies integers
+        (a dot of unit-sized values comes out ~1e10 off); its conversions from and to bf16 are right.  Kernels
+        compute such products in fp32 there, exact where the GPU's bf16 product is."""
+        return not self.interpreter
+
+    @property
     def pdl(self) -> bool:
         """Programmatic dependent launch (``griddepcontrol``): Triton kernels on sm_90 and newer (the
         interpreter has no launch overlap)."""

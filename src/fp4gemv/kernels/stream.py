@@ -315,7 +315,7 @@ def stream_gemv_kernel(
             x = _k_in_thread_order(x)
         if USE_PTX:
             acc = tl.dot(w, tl.trans(x), acc)
-        else:  # the same exact products in fp32 (Triton 3.6's interpreter mis-multiplies bf16 dots)
+        else:  # the same exact products in fp32 (the interpreter multiplies bf16 as integers: Target.bf16_arithmetic)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     rows = row0 + tl.arange(0, BLOCK_M)
     if SPLIT:
