@@ -17,7 +17,7 @@ import torch
 import triton
 
 __all__ = ["Backend", "BACKENDS", "Target", "device_target", "resolve_target", "interpreting", "SM90",
-           "TRITON_VERSION"]
+           "TRITON_VERSION", "KERNELS_INTERPRETED"]
 
 # (major, minor) of the installed Triton: its code generation decides some kernels' source (kernels/stream.py's
 # K order) and what their sm_90 machine code can be held to.
@@ -32,8 +32,8 @@ Mode = Literal["ptx", "triton", "reference"]
 
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, and fp4gemv's kernels are defined when it is imported:
-# the value at import decides whether they can run on CPU tensors.
-_INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# the value at import decides whether they run in Triton's interpreter (and so can run on CPU tensors).
+KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
@@ -144,7 +144,7 @@ def resolve_target(backend: str, device: torch.device) -> Target:
     if backend == "triton":
         if device.type != "cuda" and not interpreting():
             raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
-        if device.type != "cuda" and not _INTERPRETER_AT_IMPORT:
+        if device.type != "cuda" and not KERNELS_INTERPRETED:
             raise ValueError(f"backend: 'triton' on device {device} needs TRITON_INTERPRET=1 set before fp4gemv is "
                              f"imported (Triton reads it when the kernels are defined), but it was set afterwards: "
                              f"set it in the environment that starts Python")

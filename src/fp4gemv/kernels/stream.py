@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..target import SM90, TRITON_VERSION, Target
-from ._common import apply_global_scales, store_rounded
+from ._common import apply_global_scales, decode_scale, store_rounded
 from ._decode import doubled_e2m1
 from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
 from ._scratch import install_scratch_allocator
@@ -224,7 +224,7 @@ def _weights(packed, raw_scales, DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr
     BM: tl.constexpr = packed.shape[0]
     BK: tl.constexpr = 2 * packed.shape[1]
     pairs = tl.reshape(tl.join(packed, packed), [BM, BK])  # element 2 i + p: byte i, nibble p
-    s = raw_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = decode_scale(raw_scales, "nvfp4")
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 16]), [BM, BK])
     if USE_PTX:
         if BF16:
