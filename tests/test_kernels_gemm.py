@@ -12,9 +12,9 @@ from fp4gemv import FP4Tensor, formats, gemv, ops, select_kernel
 from fp4gemv.kernels import gemm
 from fp4gemv.kernels.gemm import SHIPPED_CONFIGS, GemmConfig, gemm_config
 from fp4gemv.kernels.spec import GEMV_MAX_N
+from fp4gemv.target import TRITON_VERSION
 from operands import DEVICE, assert_matches_exact, poisoned, random_activation, random_fp4, within_bound
 
-pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the twin's bf16 dots run in the interpreter
 
 DTYPES = (torch.bfloat16, torch.float16)
 
@@ -240,10 +240,20 @@ print(json.dumps(rows))
 """
 
 
+# Triton 3.9 forms each wgmma descriptor anew (its 32-bit shared address zero-extended and OR-ed with the constant
+# high word), and ptxas then moves three of the HGMMA's four uniform descriptor registers before every HGMMA
+# (3 UMOV beside the address add), where 3.6 to 3.8 step one descriptor with one 64-bit add per HGMMA.  The
+# descriptors come from Triton's MMA lowering, not from the kernel's source.  Measured main loops, 3.6 -> 3.9:
+# 128x128x128 NVFP4 341 -> 356 instructions (8 HGMMA, 3 -> 25 UMOV), the other shipped configurations 4 to 14
+# more (benchmarks/gemm_sass.py).  So under 3.9 the bound allows these 3 moves per HGMMA on top of the decode's.
+WGMMA_DESCRIPTOR_MOVES = 3 if TRITON_VERSION >= (3, 9) else 0
+
+
 def test_sm90_compile_of_every_shipped_config(compile_for_sm90):
     """No local memory; TMA in the PTX and SASS; wgmma in the main loop; the loop's shared-memory stores are the
     decoded weights (16-byte stores, 2 bytes per weight) plus at most 4 for the scale tile's exchange, its loads
-    the packed weights (16-byte loads) plus at most 4 for the scales; at most 5.5 instructions per weight."""
+    the packed weights (16-byte loads) plus at most 4 for the scales; at most 5.5 instructions per weight
+    (plus, under Triton 3.9, ``WGMMA_DESCRIPTOR_MOVES`` per HGMMA)."""
     rows = json.loads(compile_for_sm90(_COMPILE_SCRIPT).strip().splitlines()[-1])
     assert len(rows) == 2 * len(SHIPPED_CONFIGS)
     for row in rows:
@@ -257,7 +267,7 @@ def test_sm90_compile_of_every_shipped_config(compile_for_sm90):
         assert sum(v for k, v in ops.items() if k.startswith("STS")) - ops["STS.128"] <= 4, row
         assert ops.get("LDS.128", 0) == weights_per_thread // 2 // 16, row
         assert sum(v for k, v in ops.items() if k.startswith("LDS")) - ops["LDS.128"] <= 4, row
-        assert row["loop"] <= 5.5 * weights_per_thread, row
+        assert row["loop"] <= 5.5 * weights_per_thread + WGMMA_DESCRIPTOR_MOVES * ops["HGMMA"], row
 
 
 @pytest.mark.gpu

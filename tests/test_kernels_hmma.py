@@ -3,7 +3,7 @@
 Its cases: NVFP4 weights (K a multiple of 64, 16-byte aligned packed rows) times fp16/bf16 activations
 (N = 1..16, or a [K] vector) or NVFP4 activations (N > 1), named with ``kernel="hmma"`` (the default dispatch
 reaches it for N > 8, or where the weight-only kernel cannot run the case).  On a CPU-only machine the kernel's
-pure-Triton twin (``_step_triton``, USE_PTX=False) runs in Triton's interpreter (conftest sets TRITON_INTERPRET and makes its bf16 dot and multiply compute with numbers).
+pure-Triton twin (``_step_triton``, USE_PTX=False) runs in Triton's interpreter (conftest sets TRITON_INTERPRET).
 The twin is built from the same per-thread operands as the asm (word tile, scale and activation base pointers,
 flags, column-tile strides) and writes the same accumulator elements, so the interpreter exercises the
 kernel's indexing: the K order, both scale layouts, masking (tail rows, warps past the end of K, a partial last
@@ -65,7 +65,6 @@ from fp4gemv.ops import gemv_operands
 from fp4gemv.kernels.w4a4 import W4A4Config
 from fp4gemv.target import SM90
 
-pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
 
 # The activations of the tensor-core kernel with the N they are tested at: NVFP4 needs N > 1 (N = 1 is
 # w4a4.py's); N > 8 uses the second n-tile (N_TILES = 2).

@@ -10,7 +10,7 @@ import torch
 import operands as O
 from fp4gemv import gemv, select_kernel
 from fp4gemv.kernels.stream import SHIPPED_CONFIGS, Stream, StreamConfig, decode_asm, stream_config
-from fp4gemv.kernels import choose_kernel
+from fp4gemv.kernels import choose_kernel, stream
 from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90, Target
 from ptx_emulator import emulate_ptx
@@ -32,6 +32,19 @@ def test_twin_matches_exact_result(config, layout, dtype):
     b = O.random_activation((2, 5, 2048), dtype, seed=4, device="cpu")
     out = O.poisoned((2, 100, 5), torch.float32, device="cpu")
     gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream", config=config)
+    O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=0)
+
+
+@pytest.mark.parametrize("k_width", [8, 4])
+def test_twin_matches_exact_result_in_either_k_order(monkeypatch, k_width):
+    """Both K orders the kernel compiles (``MMA_K_WIDTH``: 8 before Triton 3.8; 4 from 3.8 on, which regroups K in
+    both operands) give the exact result; a split K, whose launch is not kept, reads the constant anew."""
+    monkeypatch.setattr(stream, "MMA_K_WIDTH", k_width)
+    a = O.random_fp4((70, 1024), "nvfp4", "swizzled", seed=9, device="cpu")
+    b = O.random_activation((11, 1024), torch.bfloat16, seed=10, device="cpu")
+    out = O.poisoned((70, 11), torch.float32, device="cpu")
+    gemv(a, b, out=out, out_dtype=torch.float32, backend="triton", kernel="stream",
+         config=StreamConfig(64, 256, 2, 2, 2))
     O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=0)
 
 
@@ -122,7 +135,8 @@ _COMPILE = textwrap.dedent("""
         sig = {n: "i32" for n in S.stream_gemv_kernel.arg_names}
         sig.update(a_ptr="*u8", sfa_ptr="*u8", b_ptr="*bf16", gsa_ptr="*u8", c_ptr="*fp32")
         const = dict(DECODE=S._DECODE_ASM[torch.bfloat16], CONSTRAINTS=S._CONSTRAINTS, BF16=True, SWIZZLED=swizzled,
-                     HAS_GSA=False, USE_PTX=True, SPLIT=True, BLOCK_M=64, BLOCK_K=256, KSPLIT=4, NUM_STAGES=4)
+                     HAS_GSA=False, USE_PTX=True, SPLIT=True, K_WIDTH=S.MMA_K_WIDTH, BLOCK_M=64, BLOCK_K=256,
+                     KSPLIT=4, NUM_STAGES=4)
         sig.update({k: "constexpr" for k in const})
         attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
         c = triton.compile(ASTSource(S.stream_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),

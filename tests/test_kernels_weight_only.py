@@ -51,7 +51,6 @@ from fp4gemv.kernels.weight_only import WeightOnly, WeightOnlyConfig, weight_onl
 from fp4gemv.ops import gemv_operands
 from fp4gemv.target import SM90
 
-pytestmark = pytest.mark.usefixtures("interpreter_bf16")  # the bf16 twins run in the interpreter
 
 FORMATS = ("nvfp4", "mxfp4")
 

@@ -14,8 +14,14 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+import triton
 
-__all__ = ["Backend", "BACKENDS", "Target", "device_target", "resolve_target", "interpreting", "SM90"]
+__all__ = ["Backend", "BACKENDS", "Target", "device_target", "resolve_target", "interpreting", "SM90",
+           "TRITON_VERSION", "KERNELS_INTERPRETED"]
+
+# (major, minor) of the installed Triton: its code generation decides some kernels' source (kernels/stream.py's
+# K order) and what their sm_90 machine code can be held to.
+TRITON_VERSION: tuple[int, int] = tuple(int(part) for part in triton.__version__.split(".")[:2])
 
 Backend = Literal["auto", "triton-ptx", "triton", "reference"]
 BACKENDS: tuple[str, ...] = ("auto", "triton-ptx", "triton", "reference")
@@ -26,8 +32,8 @@ Mode = Literal["ptx", "triton", "reference"]
 
 
 # Triton reads TRITON_INTERPRET when a kernel is defined, and fp4gemv's kernels are defined when it is imported:
-# the value at import decides whether they can run on CPU tensors.
-_INTERPRETER_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+# the value at import decides whether they run in Triton's interpreter (and so can run on CPU tensors).
+KERNELS_INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def interpreting() -> bool:
@@ -60,6 +66,14 @@ class Target:
 
     def _at_least(self, major: int, minor: int) -> bool:
         return self.device_type == "cuda" and self.capability is not None and self.capability >= (major, minor)
+
+    @property
+    def bf16_arithmetic(self) -> bool:
+        """bf16 products and dots compute with numbers.  Not in Triton's interpreter (3.6 to 3.9 alike): it hands
+        bf16 tensors to NumPy as their uint16 bit patterns, so a bf16 product or ``tl.dot`` multiplies integers
+        (a dot of unit-sized values comes out ~1e10 off); its conversions from and to bf16 are right.  Kernels
+        compute such products in fp32 there, exact where the GPU's bf16 product is."""
+        return not self.interpreter
 
     @property
     def pdl(self) -> bool:
@@ -130,7 +144,7 @@ def resolve_target(backend: str, device: torch.device) -> Target:
     if backend == "triton":
         if device.type != "cuda" and not interpreting():
             raise ValueError(f"backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1), got device {device}")
-        if device.type != "cuda" and not _INTERPRETER_AT_IMPORT:
+        if device.type != "cuda" and not KERNELS_INTERPRETED:
             raise ValueError(f"backend: 'triton' on device {device} needs TRITON_INTERPRET=1 set before fp4gemv is "
                              f"imported (Triton reads it when the kernels are defined), but it was set afterwards: "
                              f"set it in the environment that starts Python")

@@ -6,12 +6,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..target import KERNELS_INTERPRETED
+
 __all__ = ["scale_row_offset", "decode_scale", "to_bfloat16_rne", "apply_global_scales", "store_rounded",
            "pow2_at_most"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
 _F32_QUIET_NAN_BITS = tl.constexpr(0x7FC00000)
+# The GPU converts e4m3 with cvt.rn.f16x2.e4m3x2 (sm_89 and newer), which keeps 0x7F / 0xFF NaN; Triton's
+# interpreter (3.6 to 3.9) decodes them as +-480.  Only the interpreted kernels pay for the select.
+_E4M3_NAN_BY_HAND = tl.constexpr(KERNELS_INTERPRETED)
 
 
 @triton.jit
@@ -22,9 +27,14 @@ def scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4):
 
 @triton.jit
 def decode_scale(raw, FORMAT: tl.constexpr):
-    """Scale bytes to float32: e4m3 for ``FORMAT`` "nvfp4", e8m0 (2^(byte - 127), 255 = NaN) for "mxfp4"."""
+    """Scale bytes to float32: e4m3 for ``FORMAT`` "nvfp4" (0x7F, 0xFF = NaN), e8m0 (2^(byte - 127), 255 = NaN)
+    for "mxfp4"; as ``formats.decode_e4m3`` / ``decode_e8m0``."""
     if FORMAT == "nvfp4":
-        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if _E4M3_NAN_BY_HAND:
+            nan = tl.full(scale.shape, _F32_QUIET_NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+            scale = tl.where((raw & 0x7F) == 0x7F, nan, scale)
+        return scale
     else:
         e = raw.to(tl.int32)
         bits = tl.where(e == 0, _E8M0_ZERO_BYTE_BITS, tl.where(e == 255, _F32_QUIET_NAN_BITS, e << 23))

@@ -72,8 +72,9 @@ class GemmConfig(NamedTuple):
 
 
 # Every configuration gemm_config can return: the CPU tests run each of them against the exact oracle.  None
-# spills or uses local memory on sm_90; their main loops take 3.9 to 5.3 SASS instructions per weight, 1.9 to
-# 2.3 of them on the ALU pipe (benchmarks/gemm_sass.py; tests/test_kernels_gemm.py bounds them).
+# spills or uses local memory on sm_90; their main loops take 3.7 to 5.3 SASS instructions per weight under
+# Triton 3.6 (3.8 to 5.6 under 3.9, whose wgmma descriptors add uniform moves), 1.9 to 2.3 of them on the ALU
+# pipe (benchmarks/gemm_sass.py; tests/test_kernels_gemm.py bounds them).
 SHIPPED_CONFIGS: tuple[GemmConfig, ...] = (
     GemmConfig(64, 64, 256, 4, 4),
     GemmConfig(128, 64, 128, 4, 4),
@@ -171,6 +172,7 @@ class Gemm(TritonKernelSpec):
             table_high=DECODE_TABLE_WORDS[b.dtype][0], table_low=DECODE_TABLE_WORDS[b.dtype][1],
             MX=case.fmt.name == "mxfp4", BF16=b.dtype == torch.bfloat16, SFA_COL_TILE=a.scales.col_tile,
             HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx",
+            BF16_IN_F32=b.dtype == torch.bfloat16 and not target.bf16_arithmetic,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, NUM_STAGES=config.num_stages,
         )
         grid = (triton.cdiv(case.m, config.block_m), triton.cdiv(case.n, config.block_n), case.batch)
@@ -202,14 +204,19 @@ DECODE_TABLE_WORDS = {torch.bfloat16: (E2M1_BYTE_TABLES["bf16"][0][0], E2M1_BYTE
 
 
 @triton.jit
-def scaled_weights_triton(packed, factor, BF16: tl.constexpr, SF_BLOCK: tl.constexpr):
+def scaled_weights_triton(packed, factor, BF16: tl.constexpr, SF_BLOCK: tl.constexpr, F32: tl.constexpr):
     """Packed bytes ``[R, C]`` (element 2j in byte j's low nibble) times their scale factors ``factor``
     ``[R, 2 C / SF_BLOCK]`` (16-bit, one per block): ``[R, 2 C]`` in bf16 (``BF16``) or fp16, exact (module
-    docstring); the pure-Triton twin of ``scaled_weights_ptx``, bit for bit."""
+    docstring); the pure-Triton twin of ``scaled_weights_ptx``, bit for bit.  ``F32``: the same values in
+    float32 (bf16 factors; fp32 and bf16 share their exponent range, so a product that overflows bf16 overflows
+    fp32 too)."""
     codes = tl.join(packed & 15, packed >> 4)
     codes = tl.reshape(codes, [codes.shape[0], 2 * codes.shape[1]])
     v = doubled_e2m1(codes.to(tl.int32)).to(tl.float32) * 0.5  # exact in both 16-bit types
-    if BF16:
+    if F32:
+        w = v
+        factor = factor.to(tl.float32)
+    elif BF16:
         w = v.to(tl.bfloat16)
     else:
         w = v.to(tl.float16)
@@ -256,6 +263,7 @@ def gemm_kernel(
     SFA_COL_TILE: tl.constexpr,
     HAS_GSA: tl.constexpr,
     USE_PTX: tl.constexpr,
+    BF16_IN_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -298,8 +306,11 @@ def gemm_kernel(
         if USE_PTX:
             w = scaled_weights_ptx(packed, factor, table_high, table_low, BF16, SF_BLOCK)
         else:
-            w = scaled_weights_triton(packed, factor, BF16, SF_BLOCK)
-        acc = tl.dot(x, tl.trans(w), acc)
+            w = scaled_weights_triton(packed, factor, BF16, SF_BLOCK, BF16_IN_F32)
+        if BF16_IN_F32:  # Target.bf16_arithmetic: every product is exact in fp32, as on the tensor cores
+            acc = tl.dot(x.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
     out = apply_global_scales(acc, gsa_ptr, gsa_ptr, HAS_GSA, False)
     n = off_n + tl.arange(0, BLOCK_N)
     ptrs = (c_ptr + pid_l * c_stride_l + n.to(tl.int64)[:, None] * c_stride_n

@@ -323,11 +323,7 @@ def dequantize_kernel(
     sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
                  + (b // 4 * sf_col_tile + b % 4)[None, :])
     raw = tl.load(scales_ptr + sf_offset, mask=(r[:, None] < rows) & (b[None, :] < n_blocks), other=0)
-    scale = decode_scale(raw, FORMAT)
-    if FORMAT == "nvfp4":  # e4m3 0x7F / 0xFF are NaN: Triton's interpreter decodes them as ±480
-        scale = tl.where((raw & 0x7F) == 0x7F, tl.full(scale.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True),
-                         scale)
-    scale = scale[:, :, None]
+    scale = decode_scale(raw, FORMAT)[:, :, None]
     if HAS_GLOBAL:
         # scale * g is exact in float64 (4 + 24 significant bits); rounded once to the output float for the
         # magnitudes 1 and 1.5, it gives every other by an exact power of two, while all products stay in

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..target import SM90, Target
-from ._common import apply_global_scales, store_rounded
+from ..target import SM90, TRITON_VERSION, Target
+from ._common import apply_global_scales, decode_scale, store_rounded
 from ._decode import doubled_e2m1
 from ._ptx import E2M1_BYTE_TABLES, E2M1_LOOKUP_REGISTERS, e2m1_pair, e2m1_table_lookup
 from ._scratch import install_scratch_allocator
@@ -101,6 +101,15 @@ def decode_asm(dtype: torch.dtype) -> str:
 
 _DECODE_ASM = {torch.bfloat16: decode_asm(torch.bfloat16), torch.float16: decode_asm(torch.float16)}
 _CONSTRAINTS = "=r,=r,=r,=r,r,r"
+
+# Consecutive K elements per thread in the 16-bit MMA operands (the dot operand's kWidth), which Triton derives
+# from the narrowest load feeding them.  Triton 3.6 and 3.7 halve it once more for the join that pairs each
+# weight byte with itself: 8, so a thread holds 4 whole packed bytes (one decode word) of one scale block.
+# From 3.8 on the join no longer counts: 4, which spreads a thread's weights over twice the scale blocks (twice
+# the scale conversions; under 3.9 a 64-byte stack of spilled registers).  The kernel then regroups K in both
+# operands (``_k_in_thread_order``) so each thread again holds 8 consecutive weights (sm_90 compiles measured
+# with 3.6.0, 3.7.1, 3.8.0 and 3.9.0; docs/performance.md, "Triton 3.9").
+MMA_K_WIDTH = 8 if TRITON_VERSION < (3, 8) else 4
 
 
 class Stream(TritonKernelSpec):
@@ -198,7 +207,7 @@ def _kernel_args(case: GemvCase, config: StreamConfig, target: Target) -> dict:
         b_stride_l=case.b.strides[0], b_stride_n=case.b.strides[1],
         c_stride_l=case.out_strides[0], c_stride_m=case.out_strides[1], c_stride_n=case.out_strides[2],
         DECODE=_DECODE_ASM[dtype], CONSTRAINTS=_CONSTRAINTS, BF16=dtype == torch.bfloat16, SWIZZLED=swizzled,
-        HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=config.ksplit > 1,
+        HAS_GSA=a.has_global_scale, USE_PTX=target.mode == "ptx", SPLIT=config.ksplit > 1, K_WIDTH=MMA_K_WIDTH,
         BLOCK_M=config.block_m, BLOCK_K=config.block_k, KSPLIT=config.ksplit, NUM_STAGES=config.num_stages,
     )
 
@@ -215,7 +224,7 @@ def _weights(packed, raw_scales, DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr
     BM: tl.constexpr = packed.shape[0]
     BK: tl.constexpr = 2 * packed.shape[1]
     pairs = tl.reshape(tl.join(packed, packed), [BM, BK])  # element 2 i + p: byte i, nibble p
-    s = raw_scales.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    s = decode_scale(raw_scales, "nvfp4")
     s = tl.reshape(tl.broadcast_to(s[:, :, None], [BM, BK // 16, 16]), [BM, BK])
     if USE_PTX:
         if BF16:
@@ -233,6 +242,17 @@ def _weights(packed, raw_scales, DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr
         else:
             w = value.to(tl.float16)
     return w
+
+
+@triton.jit
+def _k_in_thread_order(t):
+    """``t [R, K]`` with K regrouped in chunks of 32: element ``32 c + 16 j + 4 q + e`` of the result is element
+    ``32 c + 8 q + 4 j + e`` of ``t``.  A 4-wide MMA operand gives lane q of a quad the elements 4 q + e and
+    16 + 4 q + e of each chunk, which are then ``t``'s 8 consecutive elements 8 q .. 8 q + 7 (``MMA_K_WIDTH``).
+    Both operands regrouped alike leave the dot's sum unchanged."""
+    R: tl.constexpr = t.shape[0]
+    K: tl.constexpr = t.shape[1]
+    return tl.reshape(tl.permute(tl.reshape(t, [R, K // 32, 4, 2, 4]), (0, 1, 3, 2, 4)), [R, K])
 
 
 @triton.jit
@@ -254,7 +274,7 @@ def stream_gemv_kernel(
     c_stride_l, c_stride_m, c_stride_n,
     DECODE: tl.constexpr, CONSTRAINTS: tl.constexpr, BF16: tl.constexpr, SWIZZLED: tl.constexpr,
     HAS_GSA: tl.constexpr,
-    USE_PTX: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PTX: tl.constexpr, SPLIT: tl.constexpr, K_WIDTH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # sfa_stride_rows: a linear scale row's stride, or the swizzle's row-tile stride (bytes).
@@ -290,9 +310,12 @@ def stream_gemv_kernel(
             raw = s_desc.load([row0, k0 // 16])
         x = tl.load(x_rows + (k0 + kk)[None, :], mask=n[:, None] < N, other=0.0)
         w = _weights(packed, raw, DECODE, CONSTRAINTS, BF16, USE_PTX)
+        if K_WIDTH == 4:
+            w = _k_in_thread_order(w)
+            x = _k_in_thread_order(x)
         if USE_PTX:
             acc = tl.dot(w, tl.trans(x), acc)
-        else:  # the same exact products in fp32 (Triton 3.6's interpreter mis-multiplies bf16 dots)
+        else:  # the same exact products in fp32 (the interpreter multiplies bf16 as integers: Target.bf16_arithmetic)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
     rows = row0 + tl.arange(0, BLOCK_M)
     if SPLIT:
