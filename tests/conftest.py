@@ -1,6 +1,5 @@
-"""Shared pytest setup: the markers by cost, Triton's interpreter on machines without a GPU, the
-``interpreter_bf16`` fixture for the tests whose kernels run bf16 arithmetic in it, and fresh interpreters for
-the tests that need one."""
+"""Shared pytest setup: the markers by cost, Triton's interpreter on machines without a GPU, and fresh
+interpreters for the tests that need one."""
 
 import os
 
@@ -14,51 +13,6 @@ _HAS_CUDA = torch.cuda.is_available()
 # the environment wins.
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-@pytest.fixture
-def interpreter_bf16(monkeypatch):
-    """Make the interpreter's bf16 ``tl.dot`` and bf16 multiplication compute with numbers, for one test.
-
-    Triton 3.6's interpreter stores bf16 tensors as their uint16 bit patterns and hands those to
-    ``np.matmul`` / ``np.multiply`` as integers, so both return garbage (a dot is off by ~1e10 on unit-sized
-    data; fp16 is fine).  Patched the way the GPU computes: bf16 -> fp32 is exact (the bits shifted up by
-    16); a dot sums the exact products in fp32; a product of two bf16 is exact in fp32 and then rounded once to
-    bf16, nearest even.  Other bf16 arithmetic is left as it is (the kernels use none).  Test modules whose
-    kernels run bf16 twins in the interpreter use it (``pytestmark``); nothing is patched outside the
-    interpreter or after the test.
-    """
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    def as_f32(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = handle.data.astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def to_bf16(values):
-        bits = values.astype(np.float32).view(np.uint32)
-        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
-        rounded = np.where(np.isnan(values), 0x7FC0, rounded)
-        return interpreter.TensorHandle(rounded.astype(np.uint16), tl.bfloat16)
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-    create_fmul = interpreter.InterpreterBuilder.create_fmul
-
-    def patched_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return create_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
-
-    def patched_fmul(self, lhs, rhs):
-        if lhs.dtype.scalar == tl.bfloat16 and rhs.dtype.scalar == tl.bfloat16:
-            return to_bf16(as_f32(lhs).data * as_f32(rhs).data)
-        return create_fmul(self, lhs, rhs)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", patched_dot)
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_fmul", patched_fmul)
 
 
 # Markers by cost, so that a run can choose: ``pytest -m "not sm90 and not download and not multiprocess"`` is
