@@ -115,7 +115,7 @@ def half_ulp(got, out_dtype):
     return ulp / 2
 
 
-def _on_oracle_device(*tensors):
+def on_oracle_device(*tensors):
     """The tensors on DEVICE, where the oracle runs: it is as exact on the GPU as on the CPU (module docstring),
     and a task-sized one takes seconds on the CPU (7168 x 16384: 18 s on a 2-core machine), so a test that
     moved its result to the CPU still gets its oracle on the GPU."""
@@ -125,7 +125,7 @@ def _on_oracle_device(*tensors):
 def within_bound(got, a, b, out_dtype, tensor_cores=False, fold=None):
     """Elementwise: got is finite and within the derived bound of the exact result of gemv(a, b), computed on
     DEVICE."""
-    got, a, b = _on_oracle_device(got, a, b)
+    got, a, b = on_oracle_device(got, a, b)
     exact = quantized_gemv_reference(a, b, torch.float64)
     got64 = got.to(torch.float64)
     return torch.isfinite(got64) & ((got64 - exact).abs() <= error_bound(a, b, out_dtype, got, tensor_cores, fold))
@@ -134,7 +134,7 @@ def within_bound(got, a, b, out_dtype, tensor_cores=False, fold=None):
 def assert_matches_exact(got, a, b, out_dtype, tensor_cores=False, fold=None):
     ok = within_bound(got, a, b, out_dtype, tensor_cores, fold)
     if not ok.all():
-        got, a, b = _on_oracle_device(got, a, b)
+        got, a, b = on_oracle_device(got, a, b)
         exact = quantized_gemv_reference(a, b, torch.float64)
         bad = (~ok).nonzero()[:5].tolist()
         detail = [(i, got[tuple(i)].item(), exact[tuple(i)].item()) for i in bad]
