@@ -142,14 +142,7 @@ def plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target: Targ
     out_strides = tuple(out.stride()) if out is not None else (top_k * m, m, 1)
     case = moe_case(w, x, expert_ids, bias, global_scales, out_dtype, out_strides)
     spec = choose_kernel(case, target, kernel, MOE_KERNELS)
-    if config is None:
-        config = spec.default_config(case, target)
-    else:
-        if spec.config_type is None or not isinstance(config, spec.config_type):
-            expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
-            raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
-        spec.check_config(config, case)
-    return MoePlan(spec, config, target, case, copy_x)
+    return MoePlan(spec, spec.resolve_config(config, case, target), target, case, copy_x)
 
 
 def moe_operands(plan: MoePlan, w, x, expert_ids, bias, global_scales, out) -> MoeOperands:

@@ -274,13 +274,7 @@ def plan_for(
         out = torch.empty(shape, dtype=out_dtype, device="meta")
     case = gemv_operands(a, b, out).case
     spec = choose_kernel(case, target, kernel)
-    if config is None:
-        config = spec.default_config(case, target)
-    else:
-        if spec.config_type is None or not isinstance(config, spec.config_type):
-            expected = "no config" if spec.config_type is None else f"a {spec.config_type.__name__}"
-            raise TypeError(f"config: expected {expected} for kernel {spec.name!r}, got {type(config).__name__}")
-        spec.check_config(config, case)
+    config = spec.resolve_config(config, case, target)
     extents = None
     if out is not None:
         fp4_b = isinstance(b, FP4Tensor)

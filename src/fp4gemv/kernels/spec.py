@@ -280,6 +280,17 @@ class KernelSpec:
         """ValueError unless ``config`` (an instance of ``config_type``) is one this kernel can launch (for
         ``case``, when given)."""
 
+    def resolve_config(self, config, case: GemvCase, target: Target):
+        """The configuration a call launches: the default for ``config=None``, else ``config`` once checked
+        (TypeError naming ``config`` unless it is of this kernel's ``config_type``)."""
+        if config is None:
+            return self.default_config(case, target)
+        if self.config_type is None or not isinstance(config, self.config_type):
+            expected = "no config" if self.config_type is None else f"a {self.config_type.__name__}"
+            raise TypeError(f"config: expected {expected} for kernel {self.name!r}, got {type(config).__name__}")
+        self.check_config(config, case)
+        return config
+
     def error_model(self, case: GemvCase, config) -> ErrorModel:
         """How far this kernel's result may lie from the exact one (:class:`ErrorModel`); block sums unless
         overridden."""
