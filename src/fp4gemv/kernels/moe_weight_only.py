@@ -19,7 +19,7 @@ column's activation row pointer and output offset are gathered from its pair (to
 several slots) loops, re-reading the expert's rows from L2.
 
 Arithmetic as ``weight_only``'s (exact products, one fp32 accumulation on the tensor cores, the fold undone in
-the epilogue; bf16 in k32 and split: the 2^-77 <= |x| < 2^64 window of its module docstring), then the global
+the epilogue; bf16 in k32 and split: the 2^-70 <= |x| < 2^64 window of its module docstring), then the global
 scale (per tensor or per expert), the bias added in fp32, one rounding.  An id outside [0, E) (possible only
 unchecked: CUDA graphs, ``torch.compile``) reads expert 0's weights and writes zeros.
 """
