@@ -326,17 +326,18 @@ def test_out_sharing_memory_is_refused(backend):
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_no_backward_on_any_backend_says_so(backend):
-    """moe_gemv has no backward: a gradient asked for is refused the same way on every backend (the float64
-    reference used to record one and the kernel none)."""
+    """moe_gemv has no backward: in grad mode the result is computed (a transformers model's hidden states require
+    grad outside torch.no_grad()) and a backward through it says so, the same way on every backend (the float64
+    reference used to record a graph and the kernel none)."""
     w = random_fp4((4, 8, 64), "nvfp4", "linear", seed=19)
     x = random_activation((2, 64), torch.bfloat16, seed=20)
     ids = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ValueError, match=r"x: expected a tensor that does not require grad \(moe_gemv has no "
-                                         r"backward\).*torch.no_grad\(\)"):
-        fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, backend=backend)
     bias = torch.zeros(4, 8, device=DEVICE, requires_grad=True)
-    with pytest.raises(ValueError, match="bias: expected a tensor that does not require grad"):
-        fp4gemv.moe_gemv(w, x, ids, bias=bias, backend=backend)
+    for kw in ({"x": x.clone().requires_grad_()}, {"x": x, "bias": bias}):
+        y = fp4gemv.moe_gemv(w, kw["x"], ids, bias=kw.get("bias"), backend=backend)
+        assert_routed_exact(y.detach(), w, x, ids, torch.bfloat16, bias=None if "bias" not in kw else bias.detach())
+        with pytest.raises(RuntimeError, match=r"moe_gemv has no backward \(inference only\).*torch.no_grad\(\)"):
+            y.float().sum().backward()
     with torch.no_grad():
         y = fp4gemv.moe_gemv(w, x.clone().requires_grad_(), ids, bias=bias, backend=backend)
     assert not y.requires_grad

@@ -299,3 +299,20 @@ def test_fp4_experts_refuse_bad_per_expert_global_scales_when_built(bad):
     with pytest.raises(ValueError, match=r"down.global_scales: expected a positive normal float32 .* at \(2,\)"):
         FP4Experts(good, ExpertWeights(down, global_scales=down_scales), activation="silu")
     FP4Experts(good, ExpertWeights(down, global_scales=torch.ones(4)), activation="silu")
+
+
+def test_a_forward_in_grad_mode_runs_and_a_backward_says_the_experts_have_none():
+    """Outside torch.no_grad() a transformers model's hidden states require grad (its embeddings are trainable):
+    the forward runs as under no_grad, and a backward through the FP4 experts raises moe_gemv's message."""
+    from fp4gemv.nn import quantize_model
+
+    torch.manual_seed(17)
+    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config()).eval()
+    quantize_model(model, "mxfp4", skip=["lm_head"])
+    prompt = torch.tensor([[1, 2, 3]])
+    logits = model(prompt).logits
+    assert logits.requires_grad
+    with torch.no_grad():
+        assert torch.equal(logits, model(prompt).logits)
+    with pytest.raises(RuntimeError, match=r"moe_gemv has no backward \(inference only\)"):
+        logits.sum().backward()

@@ -69,7 +69,10 @@ def _config(kernel: str | None, config: list[int] | None, kernels=GEMV_KERNELS):
     """A config the custom ops carry as a list of ints, back as the named kernel's config type."""
     if config is None:
         return None
-    return kernel_by_name(kernel, kernels).config_type(*config)
+    spec = kernel_by_name(kernel, kernels)
+    if spec.config_type is None:
+        raise TypeError(f"config: expected no config for kernel {kernel!r}, got {config!r}")
+    return spec.config_type(*config)
 
 
 def _config_list(kernel: str | None, config) -> list[int] | None:
@@ -259,6 +262,7 @@ def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_d
                             backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel,
                             config=config)
     _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
+    moe.refuse_gradients(x, bias, global_scales)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
                                         w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel,
                                         _config_list(kernel, config))

@@ -19,7 +19,7 @@ from . import formats
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
 from .kernels.spec import KernelSpec, MoeCase, MoeOperands
-from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands
+from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands, without_backward
 from .target import Backend, Target, resolve_target
 from .tensor import FP4Tensor, check_device_with_values
 
@@ -77,11 +77,6 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
                              f"{tuple(global_scales.shape)}")
         if w.global_scale is not None:
             raise ValueError("global_scales: expected None when w has a global scale (one or the other), got both")
-    if torch.is_grad_enabled():
-        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales)):
-            if t is not None and t.requires_grad:
-                raise ValueError(f"{name}: expected a tensor that does not require grad (moe_gemv has no backward), "
-                                 f"got one that does: call it under torch.no_grad() or pass {name}.detach()")
     if out_dtype is None:
         out_dtype = x.dtype
     if out_dtype not in OUT_DTYPES:
@@ -199,8 +194,9 @@ def moe_gemv(
         it (``plan_moe(...).spec`` says which runs).
     config: None (the spec's default) or an instance of its config class.
 
-    Inference only: no backward; ValueError naming ``x``, ``bias`` or ``global_scales`` when one requires grad
-    in grad mode (on every backend and under ``torch.compile``).
+    Inference only: no backward.  In grad mode with an ``x``, ``bias`` or ``global_scales`` that requires grad the
+    result is still computed, and a backward through it raises RuntimeError saying so (every backend); under
+    ``torch.compile``, which would trace that backward, such an input is refused up front (ValueError naming it).
 
     Arithmetic: exact weight-activation products (fp16/bf16), accumulated in fp32 (``moe_weight_only``: every
     product in one accumulation on the tensor cores, with weight_only's bf16 window 2^-70 <= |x| < 2^64 in its
@@ -224,4 +220,18 @@ def moe_gemv(
     operands = moe_operands(plan, w, x, expert_ids, bias, global_scales, out)
     with torch.no_grad():  # no autograd graph on any backend (inference only, see above)
         plan.spec.launch(operands, plan.config, target)
-    return out
+    return without_backward(out, (x, bias, global_scales), NO_BACKWARD)
+
+
+NO_BACKWARD = ("moe_gemv has no backward (inference only): x, bias and global_scales get no gradient through it; "
+               "call it under torch.no_grad(), or detach them")
+
+
+def refuse_gradients(x, bias, global_scales) -> None:
+    """Under torch.compile, where a backward that raises would fail the compile: ValueError naming the input
+    that requires grad (in grad mode)."""
+    if torch.is_grad_enabled():
+        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales)):
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad under torch.compile "
+                                 f"({NO_BACKWARD}), got one that does")

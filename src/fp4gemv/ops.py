@@ -33,7 +33,7 @@ from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
            "plan_for", "gemv_operands", "check_arguments", "check_out", "check_apart", "gemv_inputs", "result_shape",
-           "clear_cache",
+           "clear_cache", "without_backward",
            "direct_launch_supported",
            "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
@@ -128,6 +128,29 @@ def check_apart(out: torch.Tensor, inputs) -> None:
         if t is not None and _share_bytes(out, t):
             raise ValueError(f"out: expected memory apart from every input (the kernel reads them while writing "
                              f"out), got a tensor that shares memory with {name}")
+
+
+class _NoBackward(torch.autograd.Function):
+    """The result of an op with no backward, joined to the inputs that require grad: the forward is free (a
+    view), a backward through it raises the op's message instead of letting their gradient silently stop."""
+
+    @staticmethod
+    def forward(ctx, message: str, result: torch.Tensor, *inputs: torch.Tensor | None) -> torch.Tensor:
+        ctx.message = message
+        return result.view_as(result)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def without_backward(result: torch.Tensor, inputs, message: str) -> torch.Tensor:
+    """``result`` as it is when grad mode is off or no tensor of ``inputs`` requires grad; else a view whose
+    backward raises RuntimeError(``message``).  Eager calls only: under ``torch.compile`` the caller refuses such
+    inputs up front (the compiler traces the backward while compiling)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _NoBackward.apply(message, result, *inputs)
+    return result
 
 
 def check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device,

@@ -72,8 +72,9 @@ class Target:
         """bf16 products and dots compute with numbers.  Not in Triton's interpreter (3.6 to 3.9 alike): it hands
         bf16 tensors to NumPy as their uint16 bit patterns, so a bf16 product or ``tl.dot`` multiplies integers
         (a dot of unit-sized values comes out ~1e10 off); its conversions from and to bf16 are right.  Kernels
-        compute such products in fp32 there, exact where the GPU's bf16 product is."""
-        return not self.interpreter
+        compute such products in fp32 there, exact where the GPU's bf16 product is.  ``TRITON_INTERPRET=1``
+        interprets every kernel, CUDA tensors' too."""
+        return not (self.interpreter or KERNELS_INTERPRETED)
 
     @property
     def pdl(self) -> bool:

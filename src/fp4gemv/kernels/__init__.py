@@ -3,8 +3,10 @@
 :data:`GEMV_KERNELS` lists the specs in the order they are tried; :data:`DEFERRALS` lists where a kernel that
 runs a case leaves it to a later one by default (measured faster there).  :data:`MOE_KERNELS` is the table of
 the routed expert GEMV (``spec.MoeCase``).  :func:`choose_kernel` takes the first spec of a table that runs the
-case on the target and is not deferred.  No kernel module imports another: a new kernel is
-its module plus one line in ``GEMV_KERNELS`` (and a deferral line, where measurements call for one).
+case on the target and is not deferred.  A new kernel is its module plus one line in ``GEMV_KERNELS`` or
+``MOE_KERNELS`` (and a deferral line, where measurements call for one); kernel modules share device code
+through ``_common``, ``_decode``, ``_mma_step`` and ``_ptx``, and the routed kernels call their dense twins'
+pieces (``moe_weight_only`` weight_only's step, ``moe_gemv`` general's loads).
 """
 
 from __future__ import annotations

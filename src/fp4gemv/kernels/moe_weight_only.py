@@ -27,6 +27,7 @@ unchecked: CUDA graphs, ``torch.compile``) reads expert 0's weights and writes z
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import triton
@@ -77,10 +78,13 @@ class MoeWeightOnly(TritonKernelSpec):
             return f"takes T * k <= {MAX_PAIRS} pairs (ids in registers), got {case.pairs}"
         if case.experts > MAX_EXPERTS:
             return f"takes E <= {MAX_EXPERTS} experts (a histogram bin each), got {case.experts}"
-        return WeightOnly().why_not(program_case(case), target)
+        reason = WeightOnly().why_not(program_case(case), target)
+        # The dense case's a and b are the routed op's w and x.
+        return None if reason is None else re.sub(r"^a:", "w:", re.sub(r"^b:", "x:", reason))
 
     def default_config(self, case: MoeCase, target: Target) -> WeightOnlyConfig:
-        # Not measured on routed calls yet: the dense kernel's rule for the experts that can be distinct.
+        # The dense kernel's rule for the experts that can be distinct: on gpt-oss-20b's products at T = 1, 8, 16
+        # it was within 0-14% of the best of 13-15 configurations (benchmarks/moe_sweep.py, docs/performance.md).
         return weight_only_config(program_case(case), target.sm_count or SM90.sm_count)
 
     def check_config(self, config: WeightOnlyConfig, case: MoeCase | None = None) -> None:

@@ -82,6 +82,11 @@ def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "po
     return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
+W4A4_NO_BACKWARD = ("FP4Linear with activations='w4a4' has no backward (its input is quantized, which has no "
+                    "gradient): call it under torch.no_grad(), or use activations='weight-only', whose backward "
+                    "reaches x")
+
+
 class FP4Linear(nn.Module):
     """``y = x @ W^T + bias`` with W block-scaled FP4; activations kept in their dtype or quantized to FP4.
 
@@ -261,10 +266,6 @@ class FP4Linear(nn.Module):
             if y is not None:
                 return y
         self.check_input(x)
-        if needs_grad and self.activations == "w4a4":
-            raise ValueError("x: requires grad, but W4A4 FP4Linear has no backward (its activations are quantized, "
-                             "which has no gradient); call it under torch.no_grad(), or use activations="
-                             "'weight-only', whose backward reaches x")
         bias = self.bias
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)  # a copy per call: .to(dtype) on the module converts it once instead
@@ -273,6 +274,8 @@ class FP4Linear(nn.Module):
         if x2d.shape[0] == 0:
             return x.new_zeros((*lead, self.out_features))
         y = self.product(x2d, x.dtype, bias)
+        if self.activations == "w4a4" and not torch.compiler.is_compiling():
+            y = ops.without_backward(y, (x,), W4A4_NO_BACKWARD)
         if (self.activations == "weight-only" and x2d.shape[0] <= DECODE_MAX_TOKENS and bias is self.bias
                 and not torch.compiler.is_compiling()):
             self.__dict__["_decode_launch"] = _DecodeLaunch.of(self, x, x2d, y)
