@@ -214,10 +214,11 @@ def moe_gemv(
         check_expert_ids(expert_ids, w.shape[0])
     if check_values and global_scales is not None:
         formats.check_global_scales(global_scales, "global_scales")
-    plan = plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config)
+    x_read = x.contiguous() if target.runs_triton and _needs_copy(x) else x  # one copy, for the plan and launch
+    plan = plan_moe(w, x_read, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
-    operands = moe_operands(plan, w, x, expert_ids, bias, global_scales, out)
+    operands = moe_operands(plan, w, x_read, expert_ids, bias, global_scales, out)
     with torch.no_grad():  # no autograd graph on any backend (inference only, see above)
         plan.spec.launch(operands, plan.config, target)
     return without_backward(out, (x, bias, global_scales), NO_BACKWARD)
