@@ -37,7 +37,19 @@ __all__ = [
     "round_from_float64",
     "F32_SMALLEST_NORMAL",
     "check_global_scales",
+    "dtype_name",
+    "dtype_names",
 ]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how errors and descriptions name a dtype."""
+    return str(dtype).replace("torch.", "")
+
+
+def dtype_names(dtypes) -> str:
+    """``"float16, bfloat16"``: a list of accepted dtypes, in errors."""
+    return ", ".join(dtype_name(d) for d in dtypes)
 
 # e2m1 codes 0..7 (bit 3 is the sign): 1 sign bit, 2 exponent bits (bias 1), 1 mantissa bit.
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

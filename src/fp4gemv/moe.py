@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from . import formats
+from .formats import dtype_names as _names
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
 from .kernels.spec import KernelSpec, MoeCase, MoeOperands
@@ -28,10 +29,6 @@ __all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "plan_moe", "M
 
 ID_DTYPES = (torch.int32, torch.int64)
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _names(dtypes) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def _check_tensor(name: str, t: object, dtypes, dims: int, device: torch.device) -> None:
@@ -144,7 +141,7 @@ def moe_operands(plan: MoePlan, w, x, expert_ids, bias, global_scales, out) -> M
     """The tensors a plan's launch reads (x copied when the plan says so)."""
     if plan.copy_x:
         x = x.contiguous()
-    if global_scales is None and w.global_scale is not None:
+    if plan.case.global_scales == "tensor":  # w's one scale: every expert reads it (stride 0)
         global_scales = w.global_scale.reshape(1)
     return MoeOperands(plan.case, w.data, w.scales, global_scales, x, expert_ids, bias, out)
 

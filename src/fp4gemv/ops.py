@@ -25,6 +25,7 @@ import triton
 from triton import knobs
 from triton.runtime.driver import driver
 
+from .formats import dtype_names as _names
 from .kernels import choose_kernel
 from .kernels.spec import (FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src, TritonKernelSpec, alignment,
                            fill_sources, linear_scale_addressing, swizzled_scale_addressing)
@@ -39,10 +40,6 @@ __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGe
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _names(dtypes: tuple[torch.dtype, ...]) -> str:
-    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
 def _batch(t: FP4Tensor | torch.Tensor) -> int | None:
@@ -260,8 +257,8 @@ def _needs_copy(b: torch.Tensor) -> bool:
 
 class GemvPlan(NamedTuple):
     """What :func:`gemv` runs for one distinct metadata: the kernel spec and its configuration, the target,
-    the case, whether the float activation is copied first, the shape of a new result, the device, and, when
-    planned with ``out``, each operand's extent in bytes (:class:`GemvAddresses`' order, 0 where absent)."""
+    the case, whether the float activation is copied first, the shape of a new result, the device, and each
+    operand's extent in bytes (:class:`GemvAddresses`' order, 0 where absent; out's is the result's)."""
 
     spec: KernelSpec
     config: object
@@ -270,7 +267,7 @@ class GemvPlan(NamedTuple):
     copy_activation: bool
     out_shape: tuple[int, ...]
     device: torch.device
-    extents: tuple[int, ...] | None = None
+    extents: tuple[int, ...]
 
 
 def plan_for(
@@ -298,12 +295,10 @@ def plan_for(
     case = gemv_operands(a, b, out).case
     spec = choose_kernel(case, target, kernel)
     config = spec.resolve_config(config, case, target)
-    extents = None
-    if out is not None:
-        fp4_b = isinstance(b, FP4Tensor)
-        parts = (a.data, a.scales, b.data if fp4_b else b, out, b.scales if fp4_b else None, a.global_scale,
-                 b.global_scale if fp4_b else None)
-        extents = tuple(0 if t is None else _extent(t) for t in parts)
+    fp4_b = isinstance(b, FP4Tensor)
+    parts = (a.data, a.scales, b.data if fp4_b else b, out, b.scales if fp4_b else None, a.global_scale,
+             b.global_scale if fp4_b else None)
+    extents = tuple(0 if t is None else _extent(t) for t in parts)
     return GemvPlan(spec, config, target, case, copy_activation, shape, device, extents)
 
 
@@ -457,7 +452,7 @@ class PreparedGemv:
         """:func:`check_apart` of out and the inputs, once their address ranges (the plan's extents from these
         addresses) meet: the kept plan checked metadata only, and these are new tensors."""
         extents = self.plan.extents
-        if extents is None or addresses is None:
+        if addresses is None:
             check_apart(out, gemv_inputs(a, b))
             return
         start = addresses[3]

@@ -125,7 +125,7 @@ def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: to
     quantize_kernel[grid](
         w3, d3, scales, data if g is None else g, rows, cols, w3.stride(0), w3.stride(1), d3.stride(0),
         d3.stride(1), *_scale_addressing(scales, layout, cols),
-        FLOAT_CODES[str(x.dtype).replace("torch.", "")], fmt.name, g is not None, cfg.rows, cfg.blocks,
+        FLOAT_CODES[formats.dtype_name(x.dtype)], fmt.name, g is not None, cfg.rows, cfg.blocks,
         cfg.float64_reciprocal, num_warps=cfg.num_warps,
     )
     return data, scales
@@ -250,7 +250,7 @@ def dequantize(
     dequantize_kernel[grid](
         d3, t.scales, t.data if g is None else g, o3, t.rows, cols, d3.stride(0), d3.stride(1),
         *_scale_addressing(t.scales, t.scale_layout, cols), o3.stride(0), o3.stride(1),
-        FLOAT_CODES[str(dtype).replace("torch.", "")], t.fmt.name, g is not None, cfg.rows, cfg.blocks,
+        FLOAT_CODES[formats.dtype_name(dtype)], t.fmt.name, g is not None, cfg.rows, cfg.blocks,
         num_warps=cfg.num_warps,
     )
     return out

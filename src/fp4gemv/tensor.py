@@ -20,16 +20,13 @@ from typing import Literal
 import torch
 
 from . import formats, layouts
+from .formats import dtype_name as _dtype_name
 
 __all__ = ["FP4Tensor", "ScaleLayout", "SCALE_LAYOUTS", "checked_global_scale", "check_device_with_values"]
 
 ScaleLayout = Literal["linear", "swizzled"]
 SCALE_LAYOUTS: tuple[str, ...] = ("linear", "swizzled")
 _DATA_DTYPES = (torch.uint8, torch.float4_e2m1fn_x2)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _check_tensor(name: str, t: object, dtypes: tuple[torch.dtype, ...]) -> None:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from .. import layouts
-from ..formats import FP4Format
+from ..formats import FP4Format, dtype_name
 from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
@@ -133,7 +133,7 @@ class GemvCase:
         return self.k // self.fmt.block_size
 
     def describe(self) -> str:
-        act = f"{self.fmt.name} activation" if self.fp4_activation else str(self.b.dtype).replace("torch.", "")
+        act = f"{self.fmt.name} activation" if self.fp4_activation else dtype_name(self.b.dtype)
         batch = f" x L={self.batch}" if self.batch > 1 else ""
         return f"{self.fmt.name} {self.m}x{self.k}{batch} times {act}, N={self.n}"
 
@@ -167,7 +167,7 @@ class MoeCase:
     def describe(self) -> str:
         d = self.dense
         return (f"{d.fmt.name} experts E={self.experts} {d.m}x{d.k} times "
-                f"{str(d.b.dtype).replace('torch.', '')} T={self.tokens} top-{self.top_k}")
+                f"{dtype_name(d.b.dtype)} T={self.tokens} top-{self.top_k}")
 
 
 class MoeOperands(NamedTuple):

@@ -51,6 +51,7 @@ import torch
 from safetensors import safe_open
 
 from .. import formats
+from ..formats import dtype_name as _dtype_name
 
 __all__ = [
     "CONVENTIONS",
@@ -93,10 +94,6 @@ def checkpoint_key(prefix: str, name: str) -> str:
     """The key of tensor ``name`` of the layer at ``prefix`` (``"<prefix>.<name>"``, ``name`` for no prefix)."""
     prefix = prefix.rstrip(".")
     return f"{prefix}.{name}" if prefix else name
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def detect_convention(tensors: Mapping[str, torch.Tensor], prefix: str = "") -> str | None:

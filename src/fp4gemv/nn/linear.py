@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
+from ..formats import dtype_name as _dtype_name
 from .. import ops
 from ..library import gemv, quantize
 from ..quantize import dequantize
@@ -54,10 +55,6 @@ _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 _WEIGHT_SCALE_NAMES = {"multiplier": "weight_scale_2", "divisor": "weight_global_scale"}
 _INPUT_SCALE_NAMES = {"multiplier": "input_scale", "divisor": "input_global_scale"}
 _FIXED_BUFFERS = ("weight", "weight_scale", *_WEIGHT_SCALE_NAMES.values(), *_INPUT_SCALE_NAMES.values())
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "pow2") -> torch.Tensor:

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import formats, layouts
+from ..formats import dtype_name as _dtype_name
 from ..library import quantize
 from ..tensor import FP4Tensor
 from .checkpoints import LAYER_KEYS, SafetensorsDirectory, checkpoint_key, detect_convention
@@ -75,10 +76,6 @@ COLLECTIVES: tuple[str, ...] = ("default", "symm_mem")
 _SYMM_MEM_DTYPES = (torch.float32, torch.bfloat16)
 # all_gather_single is all_gather_into_tensor's newer name (the old one warns from torch 2.13 on).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # --- splits --------------------------------------------------------------------------------------------------
