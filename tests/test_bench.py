@@ -1,13 +1,11 @@
 """The benchmark's CPU-side pieces: byte counts, the random operands it times, and a row's wiring (the timers
 themselves need a GPU)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from fp4gemv import bench, formats, layouts, task
+from scripts import load_benchmark
 
 
 def test_task_case_bytes_count_weights_scales_activation_and_output():
@@ -115,11 +113,7 @@ def test_decode_benchmark_layers_run_a_token_on_cpu():
 
 
 def _tp_layers():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "tp_layers.py"
-    spec = importlib.util.spec_from_file_location("tp_layers", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_benchmark("tp_layers")
 
 
 def test_tp_bench_says_how_to_launch_it(monkeypatch, capsys):

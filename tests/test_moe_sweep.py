@@ -2,9 +2,7 @@
 products (on sm_90) and computes the exact result in the interpreter on a tiny shape with the same token
 structure; the script runs end to end on the CPU (timing stubbed), so its one GPU call is not its first run."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
@@ -13,15 +11,12 @@ from fp4gemv import FP4Tensor, moe
 from fp4gemv.bench.moe import MoeModel
 from fp4gemv.target import SM90
 from operands import random_activation, random_fp4
+from scripts import load_benchmark
 from test_moe import assert_routed_exact, random_ids
 
 
 def load_script():
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "moe_sweep.py"
-    spec = importlib.util.spec_from_file_location("moe_sweep", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+    return load_benchmark("moe_sweep")
 
 
 def real_plan(script, product, tokens, config=None):

@@ -1,20 +1,16 @@
 """benchmarks/quantize_speed.py runs end to end on the CPU (interpreter, tiny shapes, timing stubbed), so the
 script the GPU runs is not first exercised there."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import torch
 
 from fp4gemv import bench
+from scripts import load_benchmark
 
 
 def test_quantize_speed_script_runs(monkeypatch, tmp_path):
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "quantize_speed.py"
-    spec = importlib.util.spec_from_file_location("quantize_speed", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_benchmark("quantize_speed")
     monkeypatch.setattr(script, "DEVICE", "cpu")
     monkeypatch.setattr(script, "BIG", (8, 64))
     monkeypatch.setattr(script, "FUZZ_SHAPES", (("swizzled", (3, 64)), ("linear", (2, 2, 64))))
