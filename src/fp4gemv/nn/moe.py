@@ -135,12 +135,9 @@ class FP4Experts(nn.Module):
         return library.moe_gemv(p.weight, x, ids, bias=p.bias, global_scales=p.global_scales,
                                 out_dtype=torch.float32, backend=self.backend, check_ids=False)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                ) -> torch.Tensor:
-        """hidden_states ``[T, H]``; top_k_index ``[T, k]`` expert ids; top_k_weights ``[T, k]``. Returns ``[T, H]``
-        in hidden_states' dtype."""
-        x = hidden_states.reshape(-1, self.hidden_size)
-        tokens, top_k = top_k_index.shape
+    def activated(self, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """gate_up and the activation of each (token, expert) pair: x ``[T, H]``, top_k_index ``[T, k]``; returns
+        ``[T, k, I]`` in x's dtype (rounded once)."""
         if len(self._names) == 3:
             gate, up = self._routed("gate_up0", x, top_k_index), self._routed("gate_up1", x, top_k_index)
         else:
@@ -155,9 +152,29 @@ class FP4Experts(nn.Module):
             h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)
         else:
             h = F.silu(gate) * up
-        h = h.to(x.dtype).reshape(tokens * top_k, self.intermediate_size)
-        y = self._routed("down", h, top_k_index.reshape(tokens * top_k, 1)).reshape(tokens, top_k, self.hidden_size)
-        return (y * top_k_weights.to(torch.float32)[..., None]).sum(dim=1).to(hidden_states.dtype)
+        return h.to(x.dtype)
+
+    def weighted_down(self, h: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                      ) -> torch.Tensor:
+        """down (with its bias) of each pair's activation ``h`` ``[T, k, I]``, times the pair's routing weight:
+        ``[T, k, H]`` float32."""
+        tokens, top_k = top_k_index.shape
+        y = self._routed("down", h.reshape(tokens * top_k, self.intermediate_size),
+                         top_k_index.reshape(tokens * top_k, 1)).reshape(tokens, top_k, self.hidden_size)
+        return y * top_k_weights.to(torch.float32)[..., None]
+
+    @staticmethod
+    def combine(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The k weighted expert outputs ``y`` ``[T, k, H]`` (float32) summed in fp32, rounded once to ``dtype``."""
+        return y.sum(dim=1).to(dtype)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                ) -> torch.Tensor:
+        """hidden_states ``[T, H]``; top_k_index ``[T, k]`` expert ids; top_k_weights ``[T, k]``. Returns ``[T, H]``
+        in hidden_states' dtype: ``combine(weighted_down(activated(...)))``."""
+        x = hidden_states.reshape(-1, self.hidden_size)
+        h = self.activated(x, top_k_index)
+        return self.combine(self.weighted_down(h, top_k_index, top_k_weights), hidden_states.dtype)
 
     def extra_repr(self) -> str:
         fmt = self._formats["down"][0]
