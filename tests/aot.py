@@ -38,7 +38,7 @@ def jit_specialization(fn, args, kw):
         sig[name] = ty
         if ty == "constexpr":
             const[name] = value
-        elif "D" in key:
+        elif key and "D" in key:
             marked.append(j)
     for name in fn.arg_names[len(args):]:
         sig[name], const[name] = "constexpr", kw[name]
@@ -65,13 +65,16 @@ class Sm90Launch:
 
     @classmethod
     def moe(cls, w, x, expert_ids, *, bias=None, global_scales=None, out_dtype=torch.bfloat16, kernel=None,
-            target=SM90):
+            target=SM90, activation=None, pair_weights=None):
         """What ``moe_gemv(w, x, expert_ids, ...)`` launches on sm_90 (``moe.plan_moe`` on ``target``)."""
-        out = torch.empty((*expert_ids.shape, w.shape[1]), dtype=out_dtype)
-        plan = moe.plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel)
+        alpha, limit = moe.epilogue_constants(activation, None, None)
+        rows = w.shape[1] // 2 if activation else w.shape[1]
+        out = torch.empty((*expert_ids.shape, rows), dtype=out_dtype)
+        plan = moe.plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target, kernel,
+                            activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
         self = cls.__new__(cls)
         self._set(plan.spec, plan.config, plan.spec.triton_launch(plan.case, plan.config, target),
-                  moe.moe_operands(plan, w, x, expert_ids, bias, global_scales, out))
+                  moe.moe_operands(plan, w, x, expert_ids, bias, global_scales, out, pair_weights))
         return self
 
     def _set(self, spec, config, launch, operands):

@@ -54,10 +54,10 @@ def dequantized_into(float_module: torch.nn.Module, fp4: FP4Experts) -> torch.nn
 
     with torch.no_grad():
         if hasattr(ref, "gate_up_proj_bias"):
-            ref.gate_up_proj.copy_(values("gate_up0").transpose(1, 2))
+            ref.gate_up_proj.copy_(values("gate_up").transpose(1, 2))
             ref.down_proj.copy_(values("down").transpose(1, 2))
         else:
-            ref.gate_up_proj.copy_(values("gate_up0"))
+            ref.gate_up_proj.copy_(values("gate_up"))
             ref.down_proj.copy_(values("down"))
     return ref
 
@@ -89,7 +89,7 @@ def test_gpt_oss_experts_match_dequantized(fmt):
     assert got.shape == x.shape and got.dtype == x.dtype
     assert_close_relative(got, want)
     # The bound rejects a wrong activation: gpt-oss's clamp and (up + 1) against plain SiLU.
-    plain = FP4Experts(fp4.projection("gate_up0"), fp4.projection("down"), activation="gpt-oss", limit=1e9,
+    plain = FP4Experts(fp4.projection("gate_up"), fp4.projection("down"), activation="gpt-oss", limit=1e9,
                        alpha=1.0, backend="triton")
     with pytest.raises(AssertionError):
         assert_close_relative(plain(x * 8, ids, weights), ref(x.to(torch.float64) * 8, ids,
@@ -117,7 +117,7 @@ def test_qwen3_experts_match_dequantized():
 def gpt_oss_checkpoint(fp4: FP4Experts, prefix: str) -> dict:
     """The layer in gpt-oss's checkpoint layout (blocks [E, rows, K/32, 16], scales [E, rows, K/32])."""
     out = {}
-    for name, key in (("gate_up0", "gate_up_proj"), ("down", "down_proj")):
+    for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
         p = fp4.projection(name)
         e, rows, k = p.weight.shape
         out[f"{prefix}.{key}_blocks"] = p.weight.data.reshape(e, rows, k // 32, 16).clone()
@@ -132,7 +132,7 @@ def test_gpt_oss_checkpoint_loads_without_copies():
     prefix = "model.layers.0.mlp.experts"
     tensors = gpt_oss_checkpoint(fp4, prefix)
     loaded = gpt_oss_experts(tensors, prefix, backend="triton")
-    for name, key in (("gate_up0", "gate_up_proj"), ("down", "down_proj")):
+    for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
         w = loaded.projection(name).weight
         assert w.data.data_ptr() == tensors[f"{prefix}.{key}_blocks"].data_ptr()
         assert w.scales.data_ptr() == tensors[f"{prefix}.{key}_scales"].data_ptr()
@@ -163,7 +163,7 @@ def test_nvfp4_per_expert_checkpoint(convention):
             tensors.update(layer_tensors(layer, convention, f"{prefix}.{e}.{name}"))
             values[e, name] = fp4gemv.dequantize(layer.quantized_weight(), torch.float64)
     fp4 = nvfp4_experts(tensors, prefix, experts, backend="triton")
-    assert fp4.projection("gate_up0").global_scales is not None
+    assert fp4.projection("gate_up").global_scales is not None
     x = torch.randn(3, hidden, generator=g)
     ids, weights = routing(3, experts, 2, seed=11)
     got = fp4(x, ids, weights)

@@ -236,36 +236,42 @@ def _moe_gemv_op(
     w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
     expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
     scale_layout: str, out_dtype: torch.dtype, backend: str, check_values: bool, kernel: str | None,
-    config: list[int] | None,
+    config: list[int] | None, activation: str | None, alpha: float | None, limit: float | None,
+    pair_weights: torch.Tensor | None,
 ) -> torch.Tensor:
     w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
     # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).  Global
     # scales are read when asked, as eagerly (a sync where the op runs).
     return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
                         backend=backend, check_ids=False, check_values=check_values, kernel=kernel,
-                        config=_config(kernel, config, MOE_KERNELS))
+                        config=_config(kernel, config, MOE_KERNELS), activation=activation, alpha=alpha,
+                        limit=limit, pair_weights=pair_weights)
 
 
 @_moe_gemv_op.register_fake
 def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend,
-      check_values, kernel, config):
-    return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], w_data.shape[1]), dtype=out_dtype)
+      check_values, kernel, config, activation, alpha, limit, pair_weights):
+    rows = w_data.shape[1] // 2 if activation is not None else w_data.shape[1]
+    return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], rows), dtype=out_dtype)
 
 
 def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_dtype=None, backend="auto",
-             check_ids=True, check_values=False, kernel=None, config=None) -> torch.Tensor:
+             check_ids=True, check_values=False, kernel=None, config=None, activation=None, alpha=None, limit=None,
+             pair_weights=None) -> torch.Tensor:
     """:func:`fp4gemv.moe.moe_gemv` (its docstring has the arguments), also under ``torch.compile``, where it is
     the custom op ``torch.ops.fp4gemv.moe_gemv`` after the metadata checks (ids unchecked: see ``check_ids``;
     ``check_values`` reads the global scales when the op runs; a ``config`` needs its ``kernel``)."""
     if not torch.compiler.is_compiling():
         return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
                             backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel,
-                            config=config)
-    _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
-    moe.refuse_gradients(x, bias, global_scales)
+                            config=config, activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
+    moe.epilogue_constants(activation, alpha, limit)
+    _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
+                                           activation=activation, pair_weights=pair_weights)
+    moe.refuse_gradients(x, bias, global_scales, pair_weights)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
                                         w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel,
-                                        _config_list(kernel, config))
+                                        _config_list(kernel, config), activation, alpha, limit, pair_weights)
     if out is None:
         return result
     out.copy_(result)

@@ -20,6 +20,7 @@ from .formats import dtype_names as _names
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
 from .kernels.spec import KernelSpec, MoeCase, MoeOperands
+from .reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, MOE_ACTIVATIONS
 from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands, without_backward
 from .target import Backend, Target, resolve_target
 from .tensor import FP4Tensor, check_device_with_values
@@ -29,6 +30,7 @@ __all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "plan_moe", "M
 
 ID_DTYPES = (torch.int32, torch.int64)
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PAIR_WEIGHT_DTYPES = BIAS_DTYPES
 
 
 def _check_tensor(name: str, t: object, dtypes, dims: int, device: torch.device) -> None:
@@ -42,10 +44,29 @@ def _check_tensor(name: str, t: object, dtypes, dims: int, device: torch.device)
         raise ValueError(f"{name}: expected device {device} like w, got {t.device}")
 
 
-def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -> tuple[tuple[int, int, int],
-                                                                                         torch.dtype]:
+def epilogue_constants(activation, alpha, limit) -> tuple[float, float]:
+    """(alpha, limit) of ``activation``: the given ones, or gpt-oss's (``reference.GPT_OSS_ALPHA``, ``_LIMIT``)
+    when None; ValueError naming the argument for an unknown activation or constants it does not take."""
+    if activation is not None and activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation: expected None or one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+    if activation != "gpt-oss":
+        for name, value in (("alpha", alpha), ("limit", limit)):
+            if value is not None:
+                raise ValueError(f"{name}: expected None (only the 'gpt-oss' activation takes it), got {value!r} "
+                                 f"with activation {activation!r}")
+        return 0.0, 0.0
+    alpha = GPT_OSS_ALPHA if alpha is None else alpha
+    limit = GPT_OSS_LIMIT if limit is None else limit
+    for name, value in (("alpha", alpha), ("limit", limit)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < float(value) < float("inf"):
+            raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
+    return float(alpha), float(limit)
+
+
+def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *, activation=None,
+                        pair_weights=None) -> tuple[tuple[int, int, int], torch.dtype]:
     """The checks of :func:`moe_gemv` that read metadata only (eager calls and ``torch.compile`` share them):
-    the result's shape ``(T, k, M)`` and dtype."""
+    the result's shape ``(T, k, M)`` (``M / 2`` with an activation) and dtype."""
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor [E, M, K] (see fp4gemv.quantize), got {type(w).__name__}")
     if w.ndim != 3:
@@ -67,22 +88,37 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype) -
         _check_tensor("bias", bias, BIAS_DTYPES, 2, device)
         if tuple(bias.shape) != (experts, m):
             raise ValueError(f"bias: expected shape [E, M] = {(experts, m)}, got {tuple(bias.shape)}")
+    if activation is not None and activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"activation: expected None or one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
+    if activation is not None and m % 2:
+        raise ValueError(f"w: expected an even number of rows M (gate and up) with activation {activation!r}, "
+                         f"got shape {tuple(w.shape)}")
     if global_scales is not None:
-        _check_tensor("global_scales", global_scales, (torch.float32,), 1, device)
-        if global_scales.shape[0] != experts:
-            raise ValueError(f"global_scales: expected one per expert, [E] = [{experts}], got "
-                             f"{tuple(global_scales.shape)}")
+        two = isinstance(global_scales, torch.Tensor) and global_scales.dim() == 2  # [E, 2]: the shape check says
+        _check_tensor("global_scales", global_scales, (torch.float32,), 2 if two else 1, device)
+        want = ((experts,), (experts, 2)) if activation is not None else ((experts,),)
+        if tuple(global_scales.shape) not in want:
+            shapes = f"[E] = [{experts}] or [E, 2] = [{experts}, 2] (gate's, up's)" if activation is not None \
+                else f"[E] = [{experts}] ([E, 2] only with an activation)"
+            raise ValueError(f"global_scales: expected one per expert, {shapes}, got {tuple(global_scales.shape)}")
         if w.global_scale is not None:
             raise ValueError("global_scales: expected None when w has a global scale (one or the other), got both")
     if out_dtype is None:
         out_dtype = x.dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: expected {_names(OUT_DTYPES)}, got {out_dtype}")
-    shape = (tokens, top_k, m)
+    if pair_weights is not None:
+        _check_tensor("pair_weights", pair_weights, PAIR_WEIGHT_DTYPES, 2, device)
+        if tuple(pair_weights.shape) != (tokens, top_k):
+            raise ValueError(f"pair_weights: expected [T, k] = {(tokens, top_k)} like expert_ids, got "
+                             f"{tuple(pair_weights.shape)}")
+    shape = (tokens, top_k, m // 2 if activation is not None else m)
     if out is not None:
-        check_out(out, shape, out_dtype, device, shape_name="[T, k, M] = ", owner="w",
+        check_out(out, shape, out_dtype, device, shape_name="[T, k, M / 2] = " if activation else "[T, k, M] = ",
+                  owner="w",
                   inputs=(("w.data", w.data), ("w.scales", w.scales), ("w.global_scale", w.global_scale), ("x", x),
-                          ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales)))
+                          ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales),
+                          ("pair_weights", pair_weights)))
     return shape, out_dtype
 
 
@@ -107,43 +143,53 @@ class MoePlan(NamedTuple):
 
 
 def moe_case(w: FP4Tensor, x: torch.Tensor, expert_ids: torch.Tensor, bias, global_scales, out_dtype: torch.dtype,
-             out_strides: tuple[int, int, int]) -> MoeCase:
-    """The :class:`spec.MoeCase` of checked operands (x as the kernel reads it)."""
+             out_strides: tuple[int, int, int], activation=None, alpha=0.0, limit=0.0,
+             pair_weights=None) -> MoeCase:
+    """The :class:`spec.MoeCase` of checked operands (x as the kernel reads it; alpha and limit as
+    ``epilogue_constants`` gives them)."""
     experts, m, _ = w.shape
     tokens, top_k = expert_ids.shape
     dense = gemv_operands(w, x, torch.empty((experts, m, tokens), dtype=out_dtype, device="meta")).case
+    half_stride = 0
     if global_scales is not None:
         kind, stride = "expert", global_scales.stride(0)
+        if global_scales.dim() == 2:  # [E, 2]: gate's and up's (stride 0 when expanded: the same scale)
+            half_stride = global_scales.stride(1)
     else:
         kind, stride = ("tensor" if w.global_scale is not None else None), 0
     return MoeCase(dense=dense, experts=experts, tokens=tokens, top_k=top_k, ids_dtype=expert_ids.dtype,
                    ids_strides=tuple(expert_ids.stride()), bias_dtype=None if bias is None else bias.dtype,
                    bias_strides=(0, 0) if bias is None else tuple(bias.stride()), global_scales=kind,
-                   global_scales_stride=stride, out_strides=out_strides)
+                   global_scales_stride=stride, out_strides=out_strides, global_scales_half_stride=half_stride,
+                   activation=activation, alpha=alpha, limit=limit,
+                   pair_weights_dtype=None if pair_weights is None else pair_weights.dtype,
+                   pair_weights_strides=(0, 0) if pair_weights is None else tuple(pair_weights.stride()))
 
 
 def plan_moe(w, x, expert_ids, bias, global_scales, out, out_dtype, target: Target, kernel: str | None = None,
-             config=None) -> MoePlan:
-    """The plan of checked arguments (``check_moe_arguments``) on ``target``; ValueError naming ``kernel`` when
-    no spec (or not the one named) runs the case, TypeError / ValueError naming ``config`` for a bad config."""
+             config=None, *, activation=None, alpha=0.0, limit=0.0, pair_weights=None) -> MoePlan:
+    """The plan of checked arguments (``check_moe_arguments``; alpha and limit as ``epilogue_constants`` gives
+    them) on ``target``; ValueError naming ``kernel`` when no spec (or not the one named) runs the case,
+    TypeError / ValueError naming ``config`` for a bad config."""
     copy_x = target.runs_triton and _needs_copy(x)
     if copy_x:
         x = x.contiguous()
     tokens, top_k = expert_ids.shape
-    m = w.shape[1]
+    m = w.shape[1] // 2 if activation is not None else w.shape[1]
     out_strides = tuple(out.stride()) if out is not None else (top_k * m, m, 1)
-    case = moe_case(w, x, expert_ids, bias, global_scales, out_dtype, out_strides)
+    case = moe_case(w, x, expert_ids, bias, global_scales, out_dtype, out_strides, activation, alpha, limit,
+                    pair_weights)
     spec = choose_kernel(case, target, kernel, MOE_KERNELS)
     return MoePlan(spec, spec.resolve_config(config, case, target), target, case, copy_x)
 
 
-def moe_operands(plan: MoePlan, w, x, expert_ids, bias, global_scales, out) -> MoeOperands:
+def moe_operands(plan: MoePlan, w, x, expert_ids, bias, global_scales, out, pair_weights=None) -> MoeOperands:
     """The tensors a plan's launch reads (x copied when the plan says so)."""
     if plan.copy_x:
         x = x.contiguous()
     if plan.case.global_scales == "tensor":  # w's one scale: every expert reads it (stride 0)
         global_scales = w.global_scale.reshape(1)
-    return MoeOperands(plan.case, w.data, w.scales, global_scales, x, expert_ids, bias, out)
+    return MoeOperands(plan.case, w.data, w.scales, global_scales, x, expert_ids, bias, out, pair_weights)
 
 
 def moe_gemv(
@@ -160,8 +206,13 @@ def moe_gemv(
     check_values: bool = False,
     kernel: str | None = None,
     config=None,
+    activation: str | None = None,
+    alpha: float | None = None,
+    limit: float | None = None,
+    pair_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])``: T tokens through their k experts.
+    """``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])``: T tokens through their k experts,
+    optionally through an expert MLP's activation and times the routing weights, in the same launch.
 
     w: FP4Tensor ``[E, M, K]`` (NVFP4 or MXFP4, either scale layout), data rows contiguous; its global scale,
         when it has one, is one for all experts.
@@ -170,10 +221,11 @@ def moe_gemv(
     expert_ids: ``[T, k]`` int32 or int64, any strides; 1 <= T * k <= 1024.  Each distinct expert's weights are
         read once per call when every group has at most 16 pairs (top-k ids are distinct per token, so T <= 16).
     bias: optional ``[E, M]`` float16, bfloat16 or float32, added in fp32 before the one rounding.
-    global_scales: optional ``[E]`` float32, one global scale per expert (NVFP4 MoE checkpoints); not together
-        with w's own global scale.
-    out: written and returned when given: ``[T, k, M]``, ``out_dtype``, w's device, any strides that give each
-        element memory of its own, sharing none with an input.
+    global_scales: optional ``[E]`` float32, one global scale per expert (NVFP4 MoE checkpoints), or with an
+        ``activation`` ``[E, 2]``: gate's and up's (their checkpoints store them apart); not together with w's
+        own global scale.
+    out: written and returned when given: ``[T, k, M]`` (``[T, k, M / 2]`` with an activation), ``out_dtype``,
+        w's device, any strides that give each element memory of its own, sharing none with an input.
     out_dtype: float16, bfloat16 or float32; None: x's dtype.
     backend: as :func:`fp4gemv.gemv` (``"auto"``: the Triton kernel on CUDA, the float64 reference elsewhere;
         ``"triton"`` runs the kernel in the interpreter on CPU tensors).
@@ -190,6 +242,13 @@ def moe_gemv(
     kernel: None (the first spec of ``kernels.MOE_KERNELS`` that runs the case) or a spec's name, which must run
         it (``plan_moe(...).spec`` says which runs).
     config: None (the spec's default) or an instance of its config class.
+    activation: None, or w's M rows are gate and up and each pair's result is the gated activation
+        (``reference.MOE_ACTIVATIONS``, ``reference.moe_activation``): ``"gpt-oss"`` (rows 2i and 2i + 1;
+        ``min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1)``, alpha and limit
+        default to gpt-oss's 1.702 and 7.0) or ``"silu"`` (rows i and M/2 + i; ``silu(g) * u``), of the fp32
+        gate and up (global scales and bias applied), computed in fp32.
+    pair_weights: optional ``[T, k]`` float16, bfloat16 or float32: each pair's result (after the activation)
+        times its routing weight, in fp32.
 
     Inference only: no backward.  In grad mode with an ``x``, ``bias`` or ``global_scales`` that requires grad the
     result is still computed, and a backward through it raises RuntimeError saying so (every backend); under
@@ -199,11 +258,15 @@ def moe_gemv(
     product in one accumulation on the tensor cores, with weight_only's bf16 window 2^-70 <= |x| < 2^64 in its
     k32 and split modes; ``moe_general``: fp32 block sums), the global scale and the bias applied in fp32, one
     rounding to ``out_dtype`` (the bound of the spec's ``error_model``, one fp32 addition more for the bias).
+    The activation and the pair weight follow in fp32 (``reference.routed_epilogue`` is the float64 oracle), before
+    that one rounding.
     """
     if torch.compiler.is_compiling():
         raise RuntimeError("moe_gemv: under torch.compile call fp4gemv.moe_gemv (fp4gemv.library.moe_gemv), "
                            "which traces the custom op torch.ops.fp4gemv.moe_gemv")
-    shape, out_dtype = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype)
+    alpha, limit = epilogue_constants(activation, alpha, limit)
+    shape, out_dtype = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
+                                           activation=activation, pair_weights=pair_weights)
     device = w.device
     target = resolve_target(backend, device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -212,24 +275,25 @@ def moe_gemv(
     if check_values and global_scales is not None:
         formats.check_global_scales(global_scales, "global_scales")
     x_read = x.contiguous() if target.runs_triton and _needs_copy(x) else x  # one copy, for the plan and launch
-    plan = plan_moe(w, x_read, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config)
+    plan = plan_moe(w, x_read, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config,
+                    activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=device)
-    operands = moe_operands(plan, w, x_read, expert_ids, bias, global_scales, out)
+    operands = moe_operands(plan, w, x_read, expert_ids, bias, global_scales, out, pair_weights)
     with torch.no_grad():  # no autograd graph on any backend (inference only, see above)
         plan.spec.launch(operands, plan.config, target)
-    return without_backward(out, (x, bias, global_scales), NO_BACKWARD)
+    return without_backward(out, (x, bias, global_scales, pair_weights), NO_BACKWARD)
 
 
-NO_BACKWARD = ("moe_gemv has no backward (inference only): x, bias and global_scales get no gradient through it; "
-               "call it under torch.no_grad(), or detach them")
+NO_BACKWARD = ("moe_gemv has no backward (inference only): x, bias, global_scales and pair_weights get no gradient "
+               "through it; call it under torch.no_grad(), or detach them")
 
 
-def refuse_gradients(x, bias, global_scales) -> None:
+def refuse_gradients(x, bias, global_scales, pair_weights=None) -> None:
     """Under torch.compile, where a backward that raises would fail the compile: ValueError naming the input
     that requires grad (in grad mode)."""
     if torch.is_grad_enabled():
-        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales)):
+        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales), ("pair_weights", pair_weights)):
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name}: expected a tensor that does not require grad under torch.compile "
                                  f"({NO_BACKWARD}), got one that does")

@@ -13,7 +13,16 @@ import torch
 from . import layouts
 from .formats import FP4Format, dequantize, round_from_float64
 
-__all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference"]
+__all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference", "routed_epilogue",
+           "moe_activation", "gate_up_halves", "MOE_ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
+
+# The activations a routed product can end in, and where gate and up lie in W's 2I rows: "gpt-oss" interleaved
+# (rows 2i and 2i + 1; transformers 5.17 GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]), "silu" halves
+# (rows i and I + i; Qwen3MoeExperts: gate_up.chunk(2, dim=-1)).
+MOE_ACTIVATIONS = {"gpt-oss": "interleaved", "silu": "halves"}
+# GptOssExperts: self.alpha = 1.702, self.limit = 7.0.
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
 
 
 def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -57,30 +66,75 @@ def quantized_gemv_reference(a, b, out_dtype: torch.dtype = torch.float16) -> to
     return gemv_reference(a_values, b_values, out_dtype)
 
 
+def gate_up_halves(values: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) ``[..., I]`` of ``values`` ``[..., 2I]`` as ``MOE_ACTIVATIONS[activation]`` arranges them."""
+    if MOE_ACTIVATIONS[activation] == "interleaved":
+        return values[..., 0::2], values[..., 1::2]
+    half = values.shape[-1] // 2
+    return values[..., :half], values[..., half:]
+
+
+def moe_activation(gate: torch.Tensor, up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """The gated activation in the operands' dtype: "gpt-oss" ``min(gate, limit) * sigmoid(alpha * min(gate,
+    limit)) * (clamp(up, -limit, limit) + 1)`` (GptOssExperts._apply_gate), "silu" ``silu(gate) * up``."""
+    if activation == "gpt-oss":
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def routed_epilogue(values: torch.Tensor, expert_ids: torch.Tensor, experts: int, *, half_scales=None, bias=None,
+                    activation: str | None = None, alpha: float = 0.0, limit: float = 0.0,
+                    pair_weights=None) -> torch.Tensor:
+    """What follows the routed product ``values`` ``[T, k, M]`` (W @ x, global scales of ``[E]`` applied), in
+    ``values``' dtype: times ``half_scales`` ``[E, 2]`` (gate's rows and up's, as ``activation`` arranges them),
+    plus ``bias`` ``[E, M]``, the activation (``[T, k, M / 2]``), times ``pair_weights`` ``[T, k]``; pairs with an
+    id outside ``[0, E)`` give zeros."""
+    valid = (expert_ids >= 0) & (expert_ids < experts)
+    e = torch.where(valid, expert_ids, 0).long()
+    if half_scales is not None:
+        rows = values.shape[-1]
+        half = torch.arange(rows, device=values.device)
+        half = half % 2 if MOE_ACTIVATIONS[activation] == "interleaved" else half // (rows // 2)
+        values = values * half_scales.to(values.dtype)[e][..., half]
+    if bias is not None:
+        values = values + bias.to(values.dtype)[e]
+    values = torch.where(valid[..., None], values, 0)
+    if activation is not None:
+        values = moe_activation(*gate_up_halves(values, activation), activation, alpha, limit)
+    if pair_weights is not None:
+        values = values * pair_weights.to(values.dtype)[..., None]
+    return values
+
+
 def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Format, scale_layout: str,
                           global_scale: torch.Tensor | None, x: torch.Tensor, expert_ids: torch.Tensor,
                           bias: torch.Tensor | None = None, global_scales: torch.Tensor | None = None,
-                          out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                          out_dtype: torch.dtype = torch.float16, activation: str | None = None,
+                          alpha: float = 0.0, limit: float = 0.0,
+                          pair_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The exact result of ``fp4gemv.moe_gemv``: ``out[t, j] = W[e] @ x[t] (+ bias[e])`` for ``e = ids[t, j]``, in
-    float64, rounded once to ``out_dtype`` (``torch.float64``: the exact value); pairs with an id outside
-    ``[0, E)`` give zeros.
+    float64, then :func:`routed_epilogue` in float64 (``activation``, ``pair_weights``), rounded once to
+    ``out_dtype`` (``torch.float64``: the exact value); pairs with an id outside ``[0, E)`` give zeros.
 
     data, scales, fmt, scale_layout, global_scale: the experts ``[E, M, K]`` as an FP4Tensor's fields (one global
-    scale for all); global_scales: ``[E]``, one per expert; x ``[T, K]``; expert_ids ``[T, k]``; bias ``[E, M]``.
-    Only the experts named are dequantized.  Returns ``[T, k, M]``.
+    scale for all); global_scales: ``[E]``, one per expert, or ``[E, 2]`` with an activation (gate's, up's);
+    x ``[T, K]``; expert_ids ``[T, k]``; bias ``[E, M]``.  Only the experts named are dequantized.  Returns
+    ``[T, k, M]`` (``[T, k, M / 2]`` with an activation).
     """
     experts, rows = data.shape[0], data.shape[1]
     x64 = x.to(torch.float64)
+    half_scales = global_scales if global_scales is not None and global_scales.dim() == 2 else None
     result = torch.zeros((*expert_ids.shape, rows), dtype=torch.float64, device=x.device)
     for e in torch.unique(expert_ids).tolist():
         if not 0 <= e < experts:
             continue
         tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
         w_e = fp4_values(data[e], scales[e], fmt, scale_layout, global_scale)
-        if global_scales is not None:
+        if global_scales is not None and half_scales is None:
             w_e = w_e * global_scales[e].to(torch.float64)
-        values = x64[tokens] @ w_e.T
-        if bias is not None:
-            values = values + bias[e].to(torch.float64)
-        result[tokens, slots] = values
+        result[tokens, slots] = x64[tokens] @ w_e.T
+    result = routed_epilogue(result, expert_ids, experts, half_scales=half_scales, bias=bias, activation=activation,
+                             alpha=alpha, limit=limit, pair_weights=pair_weights)
     return result if out_dtype == torch.float64 else round_from_float64(result, out_dtype)

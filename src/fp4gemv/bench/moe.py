@@ -129,7 +129,7 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES) -> li
 
         def routed_gemvs(c, kernel=None):
             layer, (ids, _) = layers[c], routes[c]
-            gu, dn = layer.projection("gate_up0"), layer.projection("down")
+            gu, dn = layer.projection("gate_up"), layer.projection("down")
             moe_gemv(gu.weight, x, ids, bias=gu.bias, out=gu_out, out_dtype=torch.float32, check_ids=False,
                      kernel=kernel)
             moe_gemv(dn.weight, h_in, ids.reshape(-1, 1), bias=dn.bias, out=d_out, out_dtype=torch.float32,

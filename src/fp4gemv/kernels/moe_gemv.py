@@ -24,6 +24,7 @@ streaming weight loader can later replace its loads without touching the routing
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -34,7 +35,8 @@ from ..target import Target
 from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1, unpack_block
 from .general import _load_k, _scale_cols
-from .spec import MoeCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+from ..reference import routed_epilogue
+from .spec import MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS",
            "MoeGeneral"]
@@ -91,8 +93,31 @@ class MoeGeneral(TritonKernelSpec):
         if config.cols > MAX_COLS:
             raise ValueError(f"config: expected cols <= {MAX_COLS}, got {config}")
 
-    def triton_launch(self, case: MoeCase, config: MoeGemvConfig, target: Target) -> TritonLaunch:
-        """Weights as int64 blocks of 16 codes (strides in blocks); scales in bytes; the rest in elements."""
+    def launch(self, ops: MoeOperands, config: MoeGemvConfig, target: Target) -> None:
+        """The kernel; with an epilogue (activation, pair weights, gate's and up's global scales) the kernel's
+        fp32 products ``[T, k, M]`` go through ``reference.routed_epilogue`` in fp32 (torch), then one rounding."""
+        case = ops.case
+        if not case.has_epilogue:
+            return super().launch(ops, config, target)
+        halves = ops.global_scales is not None and ops.global_scales.dim() == 2
+        m = case.dense.m
+        scratch = torch.empty((case.tokens, case.top_k, m), dtype=torch.float32, device=ops.out.device)
+        bare = dataclasses.replace(
+            case, dense=dataclasses.replace(case.dense, out_dtype=torch.float32), bias_dtype=None, bias_strides=(0, 0),
+            global_scales=None if halves else case.global_scales, global_scales_half_stride=0,
+            out_strides=tuple(scratch.stride()), activation=None, pair_weights_dtype=None, pair_weights_strides=(0, 0))
+        super().launch(ops._replace(case=bare, global_scales=None if halves else ops.global_scales, bias=None,
+                                    out=scratch, pair_weights=None), config, target)
+        ops.out.copy_(routed_epilogue(scratch, ops.expert_ids, case.experts,
+                                      half_scales=ops.global_scales if halves else None, bias=ops.bias,
+                                      activation=case.activation, alpha=case.alpha, limit=case.limit,
+                                      pair_weights=ops.pair_weights))
+
+    def triton_launch(self, case: MoeCase, config: MoeGemvConfig, target: Target) -> TritonLaunch | None:
+        """Weights as int64 blocks of 16 codes (strides in blocks); scales in bytes; the rest in elements.  None
+        with an epilogue (two steps: :meth:`launch`)."""
+        if case.has_epilogue:
+            return None
         dense = case.dense
         a, x_strides = dense.a, dense.b.strides
         nb = dense.k // 16

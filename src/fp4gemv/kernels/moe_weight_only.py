@@ -47,6 +47,9 @@ __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS"
 MAX_PAIRS = 256
 # Experts per call: the histogram has E + 1 bins (a power of two up to 1024).
 MAX_EXPERTS = 1023
+# The kernel's ACTIVATION constexpr: gate and up interleaved (gpt-oss) or in halves (silu), reference.MOE_ACTIVATIONS.
+ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
+
 # Activation rows of one program's step: weight_only's one n-tile of fold / k32 (its measured range, N <= 8).
 MAX_COLUMNS = 8
 
@@ -107,29 +110,36 @@ class MoeWeightOnly(TritonKernelSpec):
             gs_ptr=Src("global_scales", torch.float32) if case.global_scales else Src("w_scales", torch.uint8),
             x_ptr=Src("x", torch.uint8), ids_ptr=Src("expert_ids", case.ids_dtype),
             bias_ptr=Src("bias", case.bias_dtype) if case.bias_dtype is not None else Src("w_scales", torch.uint8),
+            pw_ptr=Src("pair_weights", case.pair_weights_dtype) if case.pair_weights_dtype is not None
+            else Src("w_scales", torch.uint8),
             out_ptr=Src("out", dense.out_dtype),
             M=dense.m, K=dense.k, E=case.experts, P=case.pairs, TOP_K=case.top_k,
             w_stride_e=a.batch_stride, w_stride_m=a.row_stride,
             sfw_stride_e=a.scales.batch, sfw_stride_row_tile=a.scales.row_tile, sfw_stride_r32=a.scales.r32,
             sfw_stride_r4=a.scales.r4,
-            gs_stride_e=case.global_scales_stride,
+            gs_stride_e=case.global_scales_stride, gs_stride_h=case.global_scales_half_stride,
             x_stride_t=2 * dense.b.strides[1],
             ids_stride_t=case.ids_strides[0], ids_stride_j=case.ids_strides[1],
             bias_stride_e=case.bias_strides[0], bias_stride_m=case.bias_strides[1],
             out_stride_t=case.out_strides[0], out_stride_j=case.out_strides[1], out_stride_m=case.out_strides[2],
+            pw_stride_t=case.pair_weights_strides[0], pw_stride_j=case.pair_weights_strides[1],
+            alpha=case.alpha, limit=case.limit, HALF=case.out_rows,
             **MULTIPLIERS,
             P_PAD=triton.next_power_of_2(case.pairs), BINS=triton.next_power_of_2(case.experts + 1),
             COLS=columns(case, config), MODE=MODE_CODES[spec.mode], MX=dense.fmt.name == "mxfp4",
             ACT=ACT_CODES[spec.act], TILES=config.tiles, WARPS=config.warps, CHUNKS=config.chunks,
             N_TILES=spec.n_tiles, SFA_COL_TILE=spec.sfa_col_tile, HAS_GS=case.global_scales is not None,
-            HAS_BIAS=case.bias_dtype is not None, FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
+            HAS_BIAS=case.bias_dtype is not None, HAS_PW=case.pair_weights_dtype is not None,
+            ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
             ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail,
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
             options["ptx_options"] = PTXAS_LOADS_FIRST
-        grid = (triton.cdiv(dense.m, 16 * config.tiles), min(case.pairs, case.experts + 1))
+        # With an activation a 16-row tile holds 8 (gate, up) pairs: 8 output rows.
+        grid = (triton.cdiv(case.out_rows, (8 if case.activation else 16) * config.tiles),
+                min(case.pairs, case.experts + 1))
         return TritonLaunch(moe_weight_only_kernel, grid, args, options)
 
 
@@ -154,16 +164,41 @@ def _gathered(n, offsets, COLS: tl.constexpr):
 
 
 @triton.jit
+def _paired_rows(pid_m, e, g, HALF, TILES: tl.constexpr, ACTIVATION: tl.constexpr):
+    """With an activation, W's rows that element e = 2 t + h of lane group g holds: pair i = 8 TILES pid_m +
+    8 t + g (i <= HALF - 1: a tail re-reads the last pair), its gate (h = 0) or up (h = 1) row, interleaved
+    (2 i + h, gpt-oss) or in halves (i + h HALF, silu).  Gate and up of one pair meet in one thread."""
+    i = tl.minimum(pid_m * (8 * TILES) + 8 * (e // 2) + g, HALF - 1)
+    if ACTIVATION == 1:
+        return 2 * i + e % 2
+    else:
+        return i + (e % 2) * HALF
+
+
+@triton.jit
+def _gated(gate, up, alpha, limit, ACTIVATION: tl.constexpr):
+    """``reference.moe_activation`` in fp32 (a NaN stays NaN through the clamps, as in torch.clamp)."""
+    if ACTIVATION == 1:
+        gate = tl.where(gate > limit, limit, gate)
+        up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+        return gate * tl.sigmoid(gate * alpha) * (up + 1.0)
+    else:
+        return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def moe_weight_only_kernel(
-    w_ptr, sfw_ptr, gs_ptr, x_ptr, ids_ptr, bias_ptr, out_ptr,
+    w_ptr, sfw_ptr, gs_ptr, x_ptr, ids_ptr, bias_ptr, pw_ptr, out_ptr,
     M, K, E, P, TOP_K,
     w_stride_e, w_stride_m,
     sfw_stride_e, sfw_stride_row_tile, sfw_stride_r32, sfw_stride_r4,
-    gs_stride_e,
+    gs_stride_e, gs_stride_h,
     x_stride_t,
     ids_stride_t, ids_stride_j,
     bias_stride_e, bias_stride_m,
     out_stride_t, out_stride_j, out_stride_m,
+    pw_stride_t, pw_stride_j,
+    alpha, limit, HALF,
     m6, m2, m26, m29, m30,
     P_PAD: tl.constexpr,
     BINS: tl.constexpr,
@@ -178,6 +213,8 @@ def moe_weight_only_kernel(
     SFA_COL_TILE: tl.constexpr,
     HAS_GS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_PW: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     FOLD: tl.constexpr,
     USE_PTX: tl.constexpr,
     PDL: tl.constexpr,
@@ -188,6 +225,9 @@ def moe_weight_only_kernel(
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
+    if PDL:  # the ids may come from the previous launch (a router): wait before the first read, not in k_loop
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pairs = tl.arange(0, P_PAD)
     pair_ok = pairs < P
     ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=pair_ok,
@@ -204,8 +244,11 @@ def moe_weight_only_kernel(
         valid = my_key < E
         expert = tl.where(valid, my_key, 0).to(tl.int64)
         e, warp, g, c, zero = program_lanes(TILES, WARPS)
-        # Tail rows re-read row M - 1; only the store is masked.
-        rows = tl.minimum(tile_rows(pid_m, e, g, TILES), M - 1)
+        # Tail rows re-read row M - 1 (a pair HALF - 1); only the store is masked.
+        if ACTIVATION == 0:
+            rows = tl.minimum(tile_rows(pid_m, e, g, TILES), M - 1)
+        else:
+            rows = _paired_rows(pid_m, e, g, HALF, TILES, ACTIVATION)
         pa, ps, k_first, k_x, k_warp = weight_pointers(w_ptr, sfw_ptr, expert, rows, M, w_stride_e, w_stride_m,
                                                        sfw_stride_e, sfw_stride_row_tile, sfw_stride_r32,
                                                        sfw_stride_r4, warp, c, MODE, MX, CHUNKS, SFA_COL_TILE)
@@ -214,6 +257,7 @@ def moe_weight_only_kernel(
         muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
         if HAS_GS:
             gs = tl.load(gs_ptr + expert * gs_stride_e)
+            gs_up = tl.load(gs_ptr + expert * gs_stride_e + gs_stride_h)  # gate's and up's ([E, 2]), else gs
         first = 0
         while first < count:
             lead = _group_pair(same, rank, pairs, first, count, 0)
@@ -230,25 +274,44 @@ def moe_weight_only_kernel(
                 col_ptrs = col_ptrs + (x_ptr + _gathered(twin_column_row(o, c, MODE), x_offsets, COLS) + 2 * k_warp,)
             # Float activations: the step reads no activation scales (pxs, col_scale_ptrs: placeholders).
             a0, a1, a2, a3 = k_loop(pa, ps, px, px, px, px, xon, muls, col_ptrs, col_ptrs, k_first, c, zero, K,
-                                    MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, 4, USE_PTX, PDL,
+                                    MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, 4, USE_PTX, False,
                                     ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL)
             accumulators = (a0, a1, a2, a3)
             # The pairs (int32) rather than their int64 offsets stay live across the K loop: fewer registers.
             out_offsets = ()
+            pw_offsets = ()
             for col in tl.static_range(COLS):
-                out_offsets = out_offsets + ((col_pairs[col] // TOP_K).to(tl.int64) * out_stride_t
-                                             + (col_pairs[col] % TOP_K).to(tl.int64) * out_stride_j,)
+                t_col = (col_pairs[col] // TOP_K).to(tl.int64)
+                j_col = (col_pairs[col] % TOP_K).to(tl.int64)
+                out_offsets = out_offsets + (t_col * out_stride_t + j_col * out_stride_j,)
+                pw_offsets = pw_offsets + (t_col * pw_stride_t + j_col * pw_stride_j,)
             filled = tl.minimum(count - first, COLS)
             for o in tl.static_range(2 * N_TILES):
                 out, oe, og, n = column_result(accumulators[o], o, MODE, TILES, WARPS, FOLD, USE_PTX)
                 if HAS_GS:
-                    out = out * gs
-                out_rows = tile_rows(pid_m, oe, og, TILES)
+                    if ACTIVATION == 0:
+                        out = out * gs
+                    else:
+                        out = out * tl.where(oe % 2 == 0, gs, gs_up)
+                if ACTIVATION == 0:
+                    out_rows = tile_rows(pid_m, oe, og, TILES)
+                    bias_rows = tl.minimum(out_rows, M - 1)
+                else:
+                    bias_rows = _paired_rows(pid_m, oe, og, HALF, TILES, ACTIVATION)
                 if HAS_BIAS:
-                    bias = tl.load(bias_ptr + expert * bias_stride_e
-                                   + tl.minimum(out_rows, M - 1).to(tl.int64) * bias_stride_m)
+                    bias = tl.load(bias_ptr + expert * bias_stride_e + bias_rows.to(tl.int64) * bias_stride_m)
                     out = out + bias.to(tl.float32)
+                if ACTIVATION != 0:
+                    # Element 2 t + h holds gate (h = 0) and up (h = 1) of pair 8 t + g: in the same thread.
+                    gate, up = tl.split(tl.permute(tl.reshape(out, [TILES, 2, out.shape[1]]), [0, 2, 1]))
+                    out = _gated(gate, up, alpha, limit, ACTIVATION)
+                    out_rows = pid_m * (8 * TILES) + 8 * tl.arange(0, TILES)[:, None] + og
+                    row_ok = out_rows < HALF
+                else:
+                    row_ok = out_rows < M
+                if HAS_PW:
+                    out = out * tl.load(pw_ptr + _gathered(n, pw_offsets, COLS)).to(tl.float32)
                 out = tl.where(valid, out, 0.0)
                 ptrs = out_ptr + _gathered(n, out_offsets, COLS) + out_rows.to(tl.int64) * out_stride_m
-                store_rounded(ptrs, out, (out_rows < M) & (n < filled))
+                store_rounded(ptrs, out, row_ok & (n < filled))
             first += COLS

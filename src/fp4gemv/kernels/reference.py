@@ -47,5 +47,7 @@ class MoeReference(KernelSpec):
         d = ops.case.dense
         per_expert = ops.global_scales if ops.case.global_scales == "expert" else None
         per_tensor = ops.global_scales if ops.case.global_scales == "tensor" else None
+        c = ops.case
         ops.out.copy_(routed_gemv_reference(ops.w_data, ops.w_scales, d.fmt, d.a.scale_layout, per_tensor, ops.x,
-                                            ops.expert_ids, ops.bias, per_expert, d.out_dtype))
+                                            ops.expert_ids, ops.bias, per_expert, d.out_dtype, c.activation, c.alpha,
+                                            c.limit, ops.pair_weights))

@@ -145,7 +145,13 @@ class MoeCase:
     dense: one expert's product as a :class:`GemvCase`: a the weights ``[E, M, K/2]`` (batch = E), b the
     activation ``x`` ``[T, K]`` (batch stride 0, N = T), out_strides unused (the routed kernels scatter into
     ``out_strides``, ``[T, k, M]`` in elements).  global_scales: None, ``"tensor"`` (w's one) or ``"expert"``
-    (one per expert, ``global_scales_stride`` apart); bias_dtype None when there is no bias.
+    (one per expert, ``global_scales_stride`` apart; with an activation ``[E, 2]``, gate's and up's,
+    ``global_scales_half_stride`` apart, else that stride is 0); bias_dtype None when there is no bias.
+
+    The epilogue (``reference.routed_epilogue``): ``activation`` None, or one of ``reference.MOE_ACTIVATIONS``
+    (W's rows are gate and up, arranged as the activation says; out holds ``[T, k, M / 2]``) with ``alpha`` and
+    ``limit``; ``pair_weights_dtype`` not None when each pair's result is multiplied by its routing weight
+    (``[T, k]``, ``pair_weights_strides``).
     """
 
     dense: GemvCase
@@ -159,21 +165,38 @@ class MoeCase:
     global_scales: str | None
     global_scales_stride: int
     out_strides: tuple[int, int, int]
+    global_scales_half_stride: int = 0
+    activation: str | None = None
+    alpha: float = 0.0
+    limit: float = 0.0
+    pair_weights_dtype: torch.dtype | None = None
+    pair_weights_strides: tuple[int, int] = (0, 0)
 
     @property
     def pairs(self) -> int:
         return self.tokens * self.top_k
 
+    @property
+    def out_rows(self) -> int:
+        """Rows of each pair's result: M, or M / 2 (one per gate and up pair) after an activation."""
+        return self.dense.m // 2 if self.activation else self.dense.m
+
+    @property
+    def has_epilogue(self) -> bool:
+        return self.activation is not None or self.pair_weights_dtype is not None or self.global_scales_half_stride != 0
+
     def describe(self) -> str:
         d = self.dense
+        extra = (f", {self.activation} activation" if self.activation else "") + (
+            ", pair weights" if self.pair_weights_dtype is not None else "")
         return (f"{d.fmt.name} experts E={self.experts} {d.m}x{d.k} times "
-                f"{dtype_name(d.b.dtype)} T={self.tokens} top-{self.top_k}")
+                f"{dtype_name(d.b.dtype)} T={self.tokens} top-{self.top_k}{extra}")
 
 
 class MoeOperands(NamedTuple):
     """The tensors of one routed GEMV with their case: w's data ``[E, M, K/2]`` and scales, the global scales
-    (``[E]``, or w's one as ``[1]``; None without), x ``[T, K]``, expert_ids ``[T, k]``, bias ``[E, M]`` or None,
-    out ``[T, k, M]``."""
+    (``[E]`` or ``[E, 2]``, or w's one as ``[1]``; None without), x ``[T, K]``, expert_ids ``[T, k]``, bias
+    ``[E, M]`` or None, out ``[T, k, case.out_rows]``, pair_weights ``[T, k]`` or None."""
 
     case: MoeCase
     w_data: torch.Tensor
@@ -183,6 +206,7 @@ class MoeOperands(NamedTuple):
     expert_ids: torch.Tensor
     bias: torch.Tensor | None
     out: torch.Tensor
+    pair_weights: torch.Tensor | None = None
 
 
 class GemvOperands(NamedTuple):

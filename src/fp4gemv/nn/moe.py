@@ -10,10 +10,12 @@ the k outputs are summed with the routing weights.
   ``gate_up[..., 1::2]``), both with bias; gate clamped above at ``limit`` 7.0, up to ``±limit``,
   ``gate * sigmoid(alpha * gate) * (up + 1)`` with alpha 1.702; down with bias (``GptOssExperts._apply_gate``).
 * ``activation="silu"``: ``silu(gate) * up``, gate the first half of gate_up's rows (``.chunk(2, dim=-1)``,
-  ``Qwen3MoeExperts``), or gate and up as two projections (per-expert NVFP4 checkpoints); no bias.
+  ``Qwen3MoeExperts``), or gate and up as two projections (per-expert NVFP4 checkpoints: stacked into halves
+  once, their global scales becoming moe_gemv's ``[E, 2]``); no bias.
 
-gate_up and the activation are computed in fp32 (moe_gemv's fp32 result), the activation rounded once to the
-hidden dtype for down, down's fp32 result weighted and summed in fp32, then rounded to the hidden dtype.
+gate_up and the activation are computed in fp32 inside moe_gemv's launch (``reference.moe_activation``), the
+activation rounded once to the hidden dtype for down; down's result plus bias times the routing weight in fp32
+(the same launch), summed over the k experts in fp32, then rounded to the hidden dtype.
 
 Checkpoints, read without repacking where the layout allows:
 
@@ -37,11 +39,11 @@ from collections.abc import Mapping
 from typing import Literal, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import library
 from ..formats import check_global_scales
+from ..reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from ..tensor import FP4Tensor
 from .linear import FP4Linear, per_tensor_scale
 
@@ -49,9 +51,6 @@ __all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "q
            "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
 
 Activation = Literal["gpt-oss", "silu"]
-# GptOssExperts: self.alpha = 1.702, self.limit = 7.0.
-GPT_OSS_ALPHA = 1.702
-GPT_OSS_LIMIT = 7.0
 
 
 class ExpertWeights(NamedTuple):
@@ -76,16 +75,47 @@ def _check_weights(name: str, w: object, experts: int | None = None) -> ExpertWe
     return w
 
 
+def _stacked_gate_up(gate: ExpertWeights, up: ExpertWeights) -> ExpertWeights:
+    """gate and up ``[E, I, H]`` as one gate_up ``[E, 2I, H]`` in halves (gate's rows, then up's), the layout
+    ``moe_gemv``'s "silu" activation reads: data and scales concatenated (scales in gate's layout), biases
+    likewise (zeros for a missing one), the global scales as ``[E, 2]`` (gate's, up's: each the projection's
+    per-expert scale, or its tensor's one, or 1)."""
+    layout = gate.weight.scale_layout
+    g, u = gate.weight.with_scale_layout("linear"), up.weight.with_scale_layout("linear")
+    weight = FP4Tensor(torch.cat([g.data, u.data], dim=1), torch.cat([g.scales, u.scales], dim=1), g.fmt.name,
+                       "linear").with_scale_layout(layout)
+    bias = None
+    if gate.bias is not None or up.bias is not None:
+        zeros = (gate.bias if gate.bias is not None else up.bias).new_zeros(g.shape[:2])
+        bias = torch.cat([zeros if p.bias is None else p.bias for p in (gate, up)], dim=1)
+    global_scales = None
+    halves = []
+    for p in (gate, up):
+        if p.global_scales is not None:
+            halves.append(p.global_scales.to(torch.float32))
+        elif p.weight.global_scale is not None:
+            halves.append(p.weight.global_scale.to(torch.float32).reshape(1).expand(g.shape[0]))
+        else:
+            halves.append(None)
+    if any(h is not None for h in halves):
+        ones = torch.ones(g.shape[0], dtype=torch.float32, device=g.device)
+        global_scales = torch.stack([ones if h is None else h for h in halves], dim=1).contiguous()
+    return ExpertWeights(weight, bias, global_scales)
+
+
 class FP4Experts(nn.Module):
     """The expert MLPs of one MoE layer on FP4 weights (module docstring: activations, rounding).
 
     gate_up: ExpertWeights ``[E, 2I, H]`` (fused: interleaved rows for "gpt-oss", halves for "silu"), or a
-        pair ``(gate, up)`` of ExpertWeights ``[E, I, H]``.
+        pair ``(gate, up)`` of ExpertWeights ``[E, I, H]`` (stacked here into halves, once: a copy).
     down: ExpertWeights ``[E, H, I]``.
     activation: ``"gpt-oss"`` (clamped SwiGLU, ``alpha``, ``limit``) or ``"silu"``.
     backend: moe_gemv's backend (``"auto"``: the Triton kernel on CUDA, the float64 reference on CPU).
     Expert ids come from the router's top-k and are not checked (no sync per step): an id outside [0, E)
     contributes zeros (``fp4gemv.moe``).
+
+    A step is two ``moe_gemv`` launches and a sum: gate_up with the activation in its epilogue (``activated``),
+    down with the routing weights in its epilogue (``weighted_down``), the k outputs summed (``combine``).
     """
 
     def __init__(self, gate_up, down: ExpertWeights, *, activation: Activation = "gpt-oss",
@@ -104,18 +134,24 @@ class FP4Experts(nn.Module):
             if p.weight.shape != first.weight.shape:
                 raise ValueError(f"gate_up: expected up of gate's shape {tuple(first.weight.shape)}, got "
                                  f"{tuple(p.weight.shape)}")
+            if p.weight.fmt != first.weight.fmt:
+                raise ValueError(f"gate_up: expected up in gate's format {first.weight.fmt.name}, got "
+                                 f"{p.weight.fmt.name}")
         intermediate = rows if len(projections) == 2 else rows // 2
         if len(projections) == 1 and rows % 2:
             raise ValueError(f"gate_up: expected an even number of rows (gate and up), got {rows}")
+        if len(projections) == 2 and activation != "silu":
+            raise ValueError(f"gate_up: a (gate, up) pair is stacked in halves, which the 'silu' activation reads; "
+                             f"got activation {activation!r}")
         down = _check_weights("down", down, experts)
         if tuple(down.weight.shape[1:]) != (hidden, intermediate):
             raise ValueError(f"down: expected [E, H, I] = {(experts, hidden, intermediate)}, got "
                              f"{tuple(down.weight.shape)}")
+        fused = projections[0] if len(projections) == 1 else _stacked_gate_up(*projections)
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden, intermediate
         self.activation, self.alpha, self.limit, self.backend = activation, alpha, limit, backend
-        self._names = [f"gate_up{i}" for i in range(len(projections))] + ["down"]
         self._formats = {}
-        for name, p in zip(self._names, [*projections, down]):
+        for name, p in (("gate_up", fused), ("down", down)):
             self.register_buffer(f"{name}_data", p.weight.data)
             self.register_buffer(f"{name}_scales", p.weight.scales)
             self.register_buffer(f"{name}_weight_global_scale", p.weight.global_scale)
@@ -124,44 +160,33 @@ class FP4Experts(nn.Module):
             self._formats[name] = (p.weight.fmt.name, p.weight.scale_layout)
 
     def projection(self, name: str) -> ExpertWeights:
-        """The ExpertWeights ``name`` ("gate_up0", "gate_up1" when gate and up are separate, "down") as stored."""
+        """The ExpertWeights ``name`` ("gate_up": ``[E, 2I, H]``, gate and up as the activation reads them;
+        "down") as stored."""
         fmt, layout = self._formats[name]
         b = self._buffers
         weight = FP4Tensor(b[f"{name}_data"], b[f"{name}_scales"], fmt, layout, b[f"{name}_weight_global_scale"])
         return ExpertWeights(weight, b[f"{name}_bias"], b[f"{name}_global_scales"])
 
-    def _routed(self, name: str, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        p = self.projection(name)
-        return library.moe_gemv(p.weight, x, ids, bias=p.bias, global_scales=p.global_scales,
-                                out_dtype=torch.float32, backend=self.backend, check_ids=False)
-
     def activated(self, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
-        """gate_up and the activation of each (token, expert) pair: x ``[T, H]``, top_k_index ``[T, k]``; returns
-        ``[T, k, I]`` in x's dtype (rounded once)."""
-        if len(self._names) == 3:
-            gate, up = self._routed("gate_up0", x, top_k_index), self._routed("gate_up1", x, top_k_index)
-        else:
-            gate_up = self._routed("gate_up0", x, top_k_index)
-            if self.activation == "gpt-oss":
-                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-        if self.activation == "gpt-oss":
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(min=-self.limit, max=self.limit)
-            h = gate * torch.sigmoid(gate * self.alpha) * (up + 1)
-        else:
-            h = F.silu(gate) * up
-        return h.to(x.dtype)
+        """gate_up and the activation of each (token, expert) pair, in one ``moe_gemv``: x ``[T, H]``,
+        top_k_index ``[T, k]``; returns ``[T, k, I]`` in x's dtype (rounded once)."""
+        p = self.projection("gate_up")
+        gpt_oss = self.activation == "gpt-oss"
+        return library.moe_gemv(p.weight, x, top_k_index, bias=p.bias, global_scales=p.global_scales,
+                                backend=self.backend, check_ids=False, activation=self.activation,
+                                alpha=self.alpha if gpt_oss else None, limit=self.limit if gpt_oss else None)
 
     def weighted_down(self, h: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                       ) -> torch.Tensor:
-        """down (with its bias) of each pair's activation ``h`` ``[T, k, I]``, times the pair's routing weight:
-        ``[T, k, H]`` float32."""
+        """down (with its bias) of each pair's activation ``h`` ``[T, k, I]``, times the pair's routing weight, in
+        one ``moe_gemv``: ``[T, k, H]`` float32."""
         tokens, top_k = top_k_index.shape
-        y = self._routed("down", h.reshape(tokens * top_k, self.intermediate_size),
-                         top_k_index.reshape(tokens * top_k, 1)).reshape(tokens, top_k, self.hidden_size)
-        return y * top_k_weights.to(torch.float32)[..., None]
+        p = self.projection("down")
+        y = library.moe_gemv(p.weight, h.reshape(tokens * top_k, self.intermediate_size),
+                             top_k_index.reshape(tokens * top_k, 1), bias=p.bias, global_scales=p.global_scales,
+                             out_dtype=torch.float32, backend=self.backend, check_ids=False,
+                             pair_weights=top_k_weights.reshape(tokens * top_k, 1))
+        return y.reshape(tokens, top_k, self.hidden_size)
 
     @staticmethod
     def combine(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,7 +204,7 @@ class FP4Experts(nn.Module):
     def extra_repr(self) -> str:
         fmt = self._formats["down"][0]
         return (f"experts={self.num_experts}, hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"fmt={fmt!r}, activation={self.activation!r}, gate_up={'separate' if len(self._names) == 3 else 'fused'}")
+                f"fmt={fmt!r}, activation={self.activation!r}")
 
 
 # --- from float modules ------------------------------------------------------------------------------------------
