@@ -8,7 +8,8 @@
                             [--n N,N,..] [--bf16] [--out DIR]   (GPU only)
     fp4gemv bench --host    host time per eager call, as a ratio to x.add_(1)   (GPU only)
     fp4gemv bench --model llama3-8b|llama3-70b [--n 1,8]   one decode token's linear layers   (GPU only)
-    fp4gemv bench --model gpt-oss-20b|gpt-oss-120b [--n 1,8,16]   MoE layers of one decode step   (GPU only)
+    fp4gemv bench --model gpt-oss-20b|gpt-oss-120b|qwen3-30b-a3b [--n 1,8,16]
+                            MoE layers of one decode step: parts, whole layer, host time   (GPU only)
 
 (Tensor-parallel layers on N GPUs are timed by the benchmark script ``benchmarks/tp_layers.py`` under torchrun.)
 
@@ -32,7 +33,7 @@ import fp4gemv
 from fp4gemv import bench, task
 from fp4gemv.bench.host import format_host_table, host_costs
 from fp4gemv.bench.model import decode_benchmark, format_decode_table
-from fp4gemv.bench.moe import format_moe_table, moe_benchmark
+from fp4gemv.bench.moe import MOE_MODELS, format_moe_table, moe_benchmark
 from fp4gemv.bench.prefill import PREFILL_TOKENS, format_prefill_table, prefill_benchmark
 from fp4gemv.target import BACKENDS, interpreting
 
@@ -262,7 +263,7 @@ def _write_rows(out_dir: str, name: str, rows) -> None:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.prefill:
         return _run_prefill(args)
-    moe_model = args.model in ("gpt-oss-20b", "gpt-oss-120b")
+    moe_model = args.model in MOE_MODELS
     n_text = args.n if args.n is not None else ("1,8,16" if moe_model else "1,8" if args.model else "1")
     ns = _parse_ns(n_text)
     if ns is None:
@@ -299,17 +300,20 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--act", choices=("fp4", "fp16", "bf16"), default="fp4",
                    help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
     p.add_argument("--n", default=None, help="activation rows (decode batch), comma-separated, each 1..16 "
-                                             "(default: 1; with --model: 1,8)")
+                                             "(default: 1; with --model: 1,8, 1,8,16 for an MoE model)")
     p.add_argument("--bf16", action="store_true",
                    help="also time the product with bf16 weights (torch.matmul) and with e4m3 weights and activation "
                         "(torch._scaled_mm, per-tensor scales), the ratios beside")
     p.add_argument("--host", action="store_true",
                    help="instead: host time per eager call of gemv and task.custom_kernel against x.add_(1)")
-    p.add_argument("--model", choices=("llama3-8b", "llama3-70b", "gpt-oss-20b", "gpt-oss-120b"), default=None,
+    p.add_argument("--model", choices=("llama3-8b", "llama3-70b", *MOE_MODELS), default=None,
                    help="instead: one decode token through the model's linear layers, FP4Linear (NVFP4 weight-only) "
-                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json.  gpt-oss-*: its "
-                        "MoE layers at T = --n tokens (default 1,8,16) through fp4gemv.moe_gemv against the best read, "
-                        "bf16 experts in torch and triton_kernels (fp4gemv.bench.moe); writes moe-MODEL.json")
+                        "against bf16 nn.Linear, in a CUDA graph and eager; writes decode-MODEL.json.  gpt-oss-* "
+                        "(MXFP4), qwen3-30b-a3b (NVFP4): its MoE layer at T = --n tokens (default 1,8,16): the routed "
+                        "GEMVs (fp4gemv.moe_gemv) against the best read, the layer's parts (routing, gate_up with the "
+                        "activation, down, combine) and the whole FP4Experts layer, each in a CUDA graph, the host "
+                        "time of eager calls, bf16 experts in torch and triton_kernels' figures (gpt-oss) beside "
+                        "(fp4gemv.bench.moe); writes moe-MODEL.json")
     p.add_argument("--prefill", action="store_true",
                    help="instead: FP4Linear (NVFP4, MXFP4; bf16 activations) against bf16 F.linear and FP8 "
                         "torch._scaled_mm at T = 32 .. 8192 tokens (--n: the token counts) on the decode shapes; "

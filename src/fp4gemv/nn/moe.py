@@ -167,14 +167,18 @@ class FP4Experts(nn.Module):
         weight = FP4Tensor(b[f"{name}_data"], b[f"{name}_scales"], fmt, layout, b[f"{name}_weight_global_scale"])
         return ExpertWeights(weight, b[f"{name}_bias"], b[f"{name}_global_scales"])
 
+    def activation_arguments(self) -> dict:
+        """The activation's keyword arguments of ``moe_gemv`` (activation, alpha, limit)."""
+        gpt_oss = self.activation == "gpt-oss"
+        return dict(activation=self.activation, alpha=self.alpha if gpt_oss else None,
+                    limit=self.limit if gpt_oss else None)
+
     def activated(self, x: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """gate_up and the activation of each (token, expert) pair, in one ``moe_gemv``: x ``[T, H]``,
         top_k_index ``[T, k]``; returns ``[T, k, I]`` in x's dtype (rounded once)."""
         p = self.projection("gate_up")
-        gpt_oss = self.activation == "gpt-oss"
         return library.moe_gemv(p.weight, x, top_k_index, bias=p.bias, global_scales=p.global_scales,
-                                backend=self.backend, check_ids=False, activation=self.activation,
-                                alpha=self.alpha if gpt_oss else None, limit=self.limit if gpt_oss else None)
+                                backend=self.backend, check_ids=False, **self.activation_arguments())
 
     def weighted_down(self, h: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                       ) -> torch.Tensor:
