@@ -49,3 +49,26 @@ class MoeReference(KernelSpec):
         per_tensor = ops.global_scales if ops.case.global_scales == "tensor" else None
         ops.out.copy_(routed_gemv_reference(ops.w_data, ops.w_scales, d.fmt, d.a.scale_layout, per_tensor, ops.x,
                                             ops.expert_ids, ops.bias, per_expert, d.out_dtype))
+
+
+# --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------
+
+from ..reference import route_reference  # noqa: E402
+
+__all__ += ["RouteReference"]
+
+
+class RouteReference(KernelSpec):
+    """``reference.route_reference`` of the logits, copied into the results (any device and strides)."""
+
+    name = "route_reference"
+    config_type = None
+
+    def why_not(self, case, target: Target) -> str | None:
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
+
+    def launch(self, ops, config, target: Target) -> None:
+        case = ops.case
+        ids, weights = route_reference(ops.logits, case.top_k, case.weights, case.out_dtype)
+        ops.ids.copy_(ids)
+        ops.weights.copy_(weights)
