@@ -77,6 +77,24 @@ class Sm90Launch:
                   moe.moe_operands(plan, w, x, expert_ids, bias, global_scales, out, pair_weights))
         return self
 
+    @classmethod
+    def route(cls, logits, top_k, *, weights="softmax_selected", ids_dtype=torch.int32, out_dtype=torch.float32,
+              target=SM90):
+        """What ``moe_route(logits, top_k, ...)`` launches on sm_90 (the first spec of ``ROUTE_KERNELS`` there)."""
+        from fp4gemv.kernels import ROUTE_KERNELS
+        from fp4gemv.kernels.moe_route import RouteOperands
+        from fp4gemv.route import route_case
+
+        case = route_case(logits, top_k, weights, ids_dtype, out_dtype)
+        spec = choose_kernel(case, target, None, ROUTE_KERNELS)
+        config = spec.default_config(case, target)
+        shape = (logits.shape[0], top_k)
+        operands = RouteOperands(case, logits, torch.empty(shape, dtype=ids_dtype),
+                                 torch.empty(shape, dtype=out_dtype))
+        self = cls.__new__(cls)
+        self._set(spec, config, spec.triton_launch(case, config, target), operands)
+        return self
+
     def _set(self, spec, config, launch, operands):
         self.spec, self.config = spec, config
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options

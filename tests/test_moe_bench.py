@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fp4gemv import dequantize
 from fp4gemv.bench import moe as bench_moe
 from fp4gemv.bench.moe import (MOE_MODELS, OLD_KERNEL, TRITON_KERNELS_US, MoeModel, _bf16_layer, expert_bytes, format_moe_table,
-                               model_route, random_experts, route, route_softmax_topk, router_logits)
+                               fused_route, model_route, random_experts, route, route_softmax_topk, router_logits)
 from fp4gemv.formats import decode_e4m3
 from fp4gemv.nn.moe import FP4Experts
 
@@ -273,3 +273,16 @@ def test_cli_runs_the_qwen3_moe_benchmark(monkeypatch, tmp_path, capsys):
     assert out.count("| qwen3-30b-a3b |") == 3 and "FP4Experts.forward" in out
     assert set(MOE_MODELS) == {"gpt-oss-20b", "gpt-oss-120b", "qwen3-30b-a3b"}
     assert bench_moe.OLD_KERNEL_TOKENS == (1,)
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "qwen3-30b-a3b"])
+def test_fused_route_is_the_models_routing(name):
+    """The FP4 layer's routing (fp4gemv.moe_route, one launch) picks the plain-torch routing's experts (up to
+    the order of equal logits, which torch.topk leaves open) and weights (the same dtype, within its rounding)."""
+    model = MOE_MODELS[name]
+    logits = router_logits(model, 16, seed=7, device="cpu")
+    ids, weights = fused_route(model, logits)
+    want_ids, want = model_route(model, logits)
+    assert torch.equal(logits.gather(1, ids.long()), logits.gather(1, want_ids.long())) and weights.dtype == want.dtype
+    weights, want = weights.double().sort(1).values, want.double().sort(1).values
+    assert ((weights - want).abs() <= 2.0**-7 * want.abs()).all()

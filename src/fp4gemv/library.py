@@ -276,3 +276,38 @@ def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_d
         return result
     out.copy_(result)
     return out
+
+
+# --- MoE routing (fp4gemv.route) ---------------------------------------------------------------------------------
+
+from . import route  # noqa: E402
+
+__all__ += ["moe_route"]
+
+
+@torch.library.custom_op("fp4gemv::moe_route", mutates_args=())
+def _moe_route_op(logits: torch.Tensor, top_k: int, weights: str, ids_dtype: torch.dtype, out_dtype: torch.dtype,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return route.moe_route(logits, top_k, weights=weights, ids_dtype=ids_dtype, out_dtype=out_dtype,
+                           backend=backend)
+
+
+@_moe_route_op.register_fake
+def _(logits, top_k, weights, ids_dtype, out_dtype, backend):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=ids_dtype), logits.new_empty(shape, dtype=out_dtype)
+
+
+def moe_route(logits, top_k, *, weights="softmax_selected", ids_dtype=torch.int32, out_dtype=torch.float32,
+              backend="auto") -> tuple[torch.Tensor, torch.Tensor]:
+    if not torch.compiler.is_compiling():
+        return route.moe_route(logits, top_k, weights=weights, ids_dtype=ids_dtype, out_dtype=out_dtype,
+                               backend=backend)
+    route.check_route_arguments(logits, top_k, weights, ids_dtype, out_dtype)
+    route.refuse_gradients(logits)
+    return torch.ops.fp4gemv.moe_route(logits, top_k, weights, ids_dtype, out_dtype, backend)
+
+
+moe_route.__doc__ = route.moe_route.__doc__ + """
+    Under ``torch.compile`` this is the custom op ``torch.ops.fp4gemv.moe_route`` after the metadata checks.
+"""

@@ -138,3 +138,38 @@ def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Form
     result = routed_epilogue(result, expert_ids, experts, half_scales=half_scales, bias=bias, activation=activation,
                              alpha=alpha, limit=limit, pair_weights=pair_weights)
     return result if out_dtype == torch.float64 else round_from_float64(result, out_dtype)
+
+
+# --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------
+
+__all__ += ["route_reference", "ROUTE_WEIGHTS"]
+
+ROUTE_WEIGHTS = ("softmax_selected", "softmax_all")
+
+
+def route_reference(logits: torch.Tensor, top_k: int, weights: str = "softmax_selected",
+                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact result of ``fp4gemv.moe_route``: (expert ids ``[T, k]`` int64, routing weights ``[T, k]`` in
+    ``out_dtype``, rounded once from float64; ``torch.float64`` gives the exact value).
+
+    logits: ``[T, E]`` any float dtype, compared as given (float64 holds every fp16/bf16/fp32 value).  Per row the
+    ``top_k`` largest, in descending order; equal logits (-0.0 and +0.0 included) by lower index first; a NaN is
+    larger than any number (NaNs in index order).  Weights, with ``m`` the row's first selected logit (its
+    largest): ``exp(x_j - m) / sum_i exp(x_i - m)`` over i the selected logits (``"softmax_selected"``) or all E
+    (``"softmax_all"``), in IEEE arithmetic: NaN across the row where the softmax holds a NaN, a +inf, or only
+    -inf (as ``torch.softmax``).
+    """
+    if weights not in ROUTE_WEIGHTS:
+        raise ValueError(f"weights: expected one of {', '.join(map(repr, ROUTE_WEIGHTS))}, got {weights!r}")
+    x = logits.to(torch.float64)
+    nan = torch.isnan(x)
+    # Two stable sorts make the order total: by value (NaN set aside, -0.0 as +0.0), then NaN first; stability
+    # keeps equal keys in index order.  Neither relies on how a sort orders NaN or signed zeros.
+    by_value = torch.where(nan | (x == 0), 0.0, x).sort(dim=-1, descending=True, stable=True).indices
+    nan_first = nan.gather(-1, by_value).to(torch.int8).sort(dim=-1, descending=True, stable=True).indices
+    ids = by_value.gather(-1, nan_first)[:, :top_k]
+    top = x.gather(-1, ids)
+    largest = top[:, :1]
+    terms = x if weights == "softmax_all" else top
+    result = torch.exp(top - largest) / torch.exp(terms - largest).sum(dim=-1, keepdim=True)
+    return ids, result if out_dtype == torch.float64 else round_from_float64(result, out_dtype)

@@ -16,16 +16,17 @@ For T = 1, 8, 16 tokens with routing from seeded random bf16 router logits, on `
 each measurement one CUDA graph of one launch sequence per copy, replayed with L2 flushed
 (``timing.device_time_us``; median of 15, per layer):
 
-* routed GEMVs: gate_up (gate and up for qwen3) and down through ``fp4gemv.moe_gemv`` (down on a fixed
-  activation), against the best read (``bench.stream.best_read``) of the distinct experts' bytes
+* routed GEMVs: the layer's two ``fp4gemv.moe_gemv`` launches, gate_up with its activation (qwen3's gate and up
+  stacked into one projection by FP4Experts) and down times the routing weights (on a fixed activation), against the best read (``bench.stream.best_read``) of the distinct experts' bytes
   (``expert_bytes``: packed data and block scales, NVFP4's 4-byte global scales; not the biases, as the issue's
   table counts them); beside it, at T = 1 only (``OLD_KERNEL_TOKENS``: at T = 8, 16 it takes milliseconds per
   layer), the CUDA-core ``moe_general`` that the tensor-core kernel replaced (``OLD_KERNEL``);
-* the layer's parts, each in its own graph: routing (logits to ids and weights), gate_up with the activation
+* the layer's parts, each in its own graph: routing (logits to ids and weights in one launch, ``fused_route``:
+  ``fp4gemv.moe_route``), gate_up with the activation
   (``FP4Experts.activated``), down times the routing weights (``FP4Experts.weighted_down``, on each copy's
   activation) and the combine (``FP4Experts.combine``, on each copy's weighted outputs);
-* the whole layer: routing and ``FP4Experts.forward``;
-* the same routed math with bf16 experts in plain torch (``_bf16_layer``: gather the pairs' expert weights,
+* the whole layer: ``fused_route`` and ``FP4Experts.forward``;
+* the same routed math with bf16 experts in plain torch (torch routing, ``model_route``; ``_bf16_layer``: gather the pairs' expert weights,
   ``bmm``, the model's activation, combine), on as many copies as fit in 60 GB;
 * the issue's ``triton_kernels`` figures (Triton 3.6.0 ``matmul_ogs``, fused SwiGLU, H200) beside: gpt-oss only.
 
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..library import moe_gemv
+from ..library import moe_gemv, moe_route
 from ..nn.moe import ExpertWeights, FP4Experts
 from ..tensor import FP4Tensor
 from .stream import best_read
@@ -52,7 +53,7 @@ from .timing import device_time_us, host_time_us
 
 __all__ = ["MOE_MODELS", "MoeModel", "TRITON_KERNELS_US", "ROUTINGS", "moe_benchmark", "format_moe_table",
            "expert_bytes", "projection_bytes", "random_projection", "random_experts", "router_logits", "route",
-           "route_softmax_topk", "model_route", "moe_host_costs"]
+           "route_softmax_topk", "model_route", "fused_route", "moe_host_costs"]
 
 COPIES = 8
 # The routed kernel timed beside the default one: the CUDA-core path moe_gemv ran before the tensor-core step;
@@ -191,8 +192,15 @@ def router_logits(model: MoeModel, tokens: int, seed: int, device="cuda") -> tor
 
 
 def model_route(model: MoeModel, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``model``'s routing of ``logits`` ``[T, E]``: (ids, weights)."""
+    """``model``'s routing of ``logits`` ``[T, E]`` in plain torch, as transformers does it: (ids, weights)."""
     return ROUTINGS[model.routing](logits, model.top_k)
+
+
+def fused_route(model: MoeModel, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same routing in one launch (``fp4gemv.moe_route``: softmax over the k selected logits, which is
+    Qwen3's renormalised top-k too), the weights in ``model_route``'s dtype: what the FP4 layer is timed with."""
+    dtype = model_route(model, logits[:1].cpu())[1].dtype
+    return moe_route(logits, model.top_k, weights="softmax_selected", out_dtype=dtype)
 
 
 def _gpt_oss_activation(gate_up: torch.Tensor) -> torch.Tensor:
@@ -232,7 +240,7 @@ def moe_host_costs(model: MoeModel, layer: FP4Experts) -> dict:
     small = torch.zeros(16, device=device)
     add_before = host_time_us(lambda: small.add_(1))
     x = torch.randn(1, model.hidden, device=device).to(torch.bfloat16)
-    ids, weights = model_route(model, router_logits(model, 1, seed=0, device=device))
+    ids, weights = fused_route(model, router_logits(model, 1, seed=0, device=device))
     gu = layer.projection("gate_up")
     gemv_us = host_time_us(lambda: moe_gemv(gu.weight, x, ids, bias=gu.bias, global_scales=gu.global_scales,
                                             check_ids=False, **layer.activation_arguments()))
@@ -255,7 +263,7 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES,
     rows = []
     for tokens in tokens_list:
         logits = [router_logits(model, tokens, seed=1000 * tokens + c, device=device) for c in range(copies)]
-        routes = [model_route(model, lg) for lg in logits]
+        routes = [fused_route(model, lg) for lg in logits]
         distinct = [int(torch.unique(ids).numel()) for ids, _ in routes]
         x = torch.randn(tokens, h, device=device, generator=g).to(torch.bfloat16)
         h_in = torch.randn(tokens * top_k, i, device=device, generator=g).to(torch.bfloat16)
@@ -276,11 +284,11 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES,
         weighted = [layers[c].weighted_down(activations[c], *routes[c]) for c in range(copies)]
 
         def whole_layer(c):
-            ids, weights = model_route(model, logits[c])
+            ids, weights = fused_route(model, logits[c])
             return layers[c](x, ids, weights)
 
         parts = {
-            "routing_us": lambda c: model_route(model, logits[c]),
+            "routing_us": lambda c: fused_route(model, logits[c]),
             "gate_up_act_us": lambda c: layers[c].activated(x, routes[c][0]),
             "down_us": lambda c: layers[c].weighted_down(activations[c], *routes[c]),
             "combine_us": lambda c: FP4Experts.combine(weighted[c], x.dtype),

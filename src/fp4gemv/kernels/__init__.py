@@ -89,3 +89,13 @@ def choose_kernel(case: GemvCase | MoeCase, target: Target, kernel: str | None =
         reasons.append(f"{spec.name}: {reason}")
     raise ValueError(f"no kernel runs {case.describe()} on {target.describe()} (" + "; ".join(reasons)
                      + "); backend='reference' computes it in float64")
+
+
+# --- MoE routing (fp4gemv.moe_route): router logits to top-k ids and weights, one launch ---------------------------
+# The table ``fp4gemv.route`` reads (``moe_route.RouteCase``): the kernel on CUDA, the float64 oracle elsewhere.
+
+from .moe_route import MoeRoute  # noqa: E402
+from .reference import RouteReference  # noqa: E402
+
+ROUTE_KERNELS: tuple[KernelSpec, ...] = (MoeRoute(), RouteReference())
+__all__ += ["ROUTE_KERNELS"]

@@ -3,11 +3,11 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
-from ..reference import fp4_values, gemv_reference, routed_gemv_reference
+from ..reference import fp4_values, gemv_reference, route_reference, routed_gemv_reference
 from ..target import Target
 from .spec import GemvCase, GemvOperands, KernelSpec, MoeCase, MoeOperands
 
-__all__ = ["Reference", "MoeReference"]
+__all__ = ["Reference", "MoeReference", "RouteReference"]
 
 _ONLY_WHEN_ASKED = "the reference runs only when asked for (or off CUDA with backend 'auto')"
 
@@ -51,3 +51,21 @@ class MoeReference(KernelSpec):
         ops.out.copy_(routed_gemv_reference(ops.w_data, ops.w_scales, d.fmt, d.a.scale_layout, per_tensor, ops.x,
                                             ops.expert_ids, ops.bias, per_expert, d.out_dtype, c.activation, c.alpha,
                                             c.limit, ops.pair_weights))
+
+
+# --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------
+
+class RouteReference(KernelSpec):
+    """``reference.route_reference`` of the logits, copied into the results (any device and strides)."""
+
+    name = "route_reference"
+    config_type = None
+
+    def why_not(self, case, target: Target) -> str | None:
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
+
+    def launch(self, ops, config, target: Target) -> None:
+        case = ops.case
+        ids, weights = route_reference(ops.logits, case.top_k, case.weights, case.out_dtype)
+        ops.ids.copy_(ids)
+        ops.weights.copy_(weights)
