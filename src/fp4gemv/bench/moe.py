@@ -199,7 +199,7 @@ def model_route(model: MoeModel, logits: torch.Tensor) -> tuple[torch.Tensor, to
 def fused_route(model: MoeModel, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The same routing in one launch (``fp4gemv.moe_route``: softmax over the k selected logits, which is
     Qwen3's renormalised top-k too), the weights in ``model_route``'s dtype: what the FP4 layer is timed with."""
-    dtype = model_route(model, logits[:1].cpu())[1].dtype
+    dtype = logits.dtype if model.routing == "softmax-topk-norm" else torch.float32  # as ROUTINGS' functions
     return moe_route(logits, model.top_k, weights="softmax_selected", out_dtype=dtype)
 
 
