@@ -47,6 +47,9 @@ __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS"
 MAX_PAIRS = 256
 # Experts per call: the histogram has E + 1 bins (a power of two up to 1024).
 MAX_EXPERTS = 1023
+# Programmatic dependent launch by default (the kernel waits for the previous launch before reading the ids).
+PDL_DEFAULT = True
+
 # The kernel's ACTIVATION constexpr: gate and up interleaved (gpt-oss) or in halves (silu), reference.MOE_ACTIVATIONS.
 ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
 
@@ -87,8 +90,10 @@ class MoeWeightOnly(TritonKernelSpec):
 
     def default_config(self, case: MoeCase, target: Target) -> WeightOnlyConfig:
         # The dense kernel's rule for the experts that can be distinct: on gpt-oss-20b's products at T = 1, 8, 16
-        # it was within 0-14% of the best of 13-15 configurations (benchmarks/moe_sweep.py, docs/performance.md).
-        return weight_only_config(program_case(case), target.sm_count or SM90.sm_count)
+        # it was within 0-14% of the best of 13-15 configurations (benchmarks/moe_sweep.py, docs/performance.md),
+        # with programmatic dependent launch where the target has it (PDL_DEFAULT).
+        config = weight_only_config(program_case(case), target.sm_count or SM90.sm_count)
+        return config._replace(pdl=PDL_DEFAULT and target.pdl)
 
     def check_config(self, config: WeightOnlyConfig, case: MoeCase | None = None) -> None:
         WeightOnly().check_config(config, None if case is None else program_case(case, config))
