@@ -377,11 +377,13 @@ from fp4gemv import FP4Tensor
 import os
 
 # gpt-oss-20b's gate_up (MXFP4, 5760 x 2880, bias) at T = 1 (split), 8 (k32); NVFP4 with per-expert global
-# scales at T = 2 (split) and 16 (fold); the CUDA-core fallback at T = 8.
-for fmt, layout, tokens, top_k, bias, per_expert, kernel in [
-        ("mxfp4", "swizzled", 1, 4, True, False, None), ("mxfp4", "linear", 8, 4, True, False, None),
-        ("nvfp4", "swizzled", 2, 8, False, True, None), ("nvfp4", "linear", 16, 8, False, True, None),
-        ("mxfp4", "swizzled", 8, 4, True, False, "moe_general")]:
+# scales at T = 2 (split) and 16 (fold); the CUDA-core fallback at T = 8; the epilogue (gpt-oss's activation at
+# T = 8, SiLU with gate's and up's scales at T = 2).
+for fmt, layout, tokens, top_k, bias, per_expert, kernel, activation in [
+        ("mxfp4", "swizzled", 1, 4, True, False, None, None), ("mxfp4", "linear", 8, 4, True, False, None, None),
+        ("nvfp4", "swizzled", 2, 8, False, True, None, None), ("nvfp4", "linear", 16, 8, False, True, None, None),
+        ("mxfp4", "swizzled", 8, 4, True, False, "moe_general", None),
+        ("mxfp4", "linear", 8, 4, True, False, None, "gpt-oss"), ("nvfp4", "swizzled", 2, 8, False, True, None, "silu")]:
     e, m, k = 32, 5760, 2880
     bs = 16 if fmt == "nvfp4" else 32
     w = FP4Tensor(torch.zeros(e, m, k // 2, dtype=torch.uint8), torch.zeros(e, m, k // bs, dtype=torch.uint8),
@@ -389,7 +391,9 @@ for fmt, layout, tokens, top_k, bias, per_expert, kernel in [
     launch = Sm90Launch.moe(w, torch.zeros(tokens, k, dtype=torch.bfloat16),
                             torch.zeros(tokens, top_k, dtype=torch.int32),
                             bias=torch.zeros(e, m, dtype=torch.bfloat16) if bias else None,
-                            global_scales=torch.ones(e) if per_expert else None, kernel=kernel)
+                            global_scales=(torch.ones(e, 2) if activation else torch.ones(e)) if per_expert else None,
+                            kernel=kernel, activation=activation,
+                            pair_weights=torch.ones(tokens, top_k) if activation else None)
     compiled = launch.compile()
     hmma = sum("HMMA" in i for i in sass_instructions(compiled)) if os.path.exists(CUOBJDUMP) else -1
     print(launch.spec.name, fmt, layout, tokens, top_k, "local:", local_memory(compiled), "hmma:", hmma)
@@ -400,12 +404,12 @@ def test_compiles_for_sm90_without_local_memory(compile_for_sm90):
     """The routed kernels compile for sm_90 as the JIT would compile them: no local memory; the tensor-core one
     with its mma (HMMA) in the SASS, where cuobjdump is bundled."""
     lines = compile_for_sm90(_SM90_SCRIPT).strip().splitlines()
-    assert len(lines) == 5, lines
+    assert len(lines) == 7, lines
     for line in lines:
         assert "local: []" in line, line
         if line.startswith("moe_weight_only"):
             assert "hmma: 0" not in line, line
-    assert [line.split()[0] for line in lines] == ["moe_weight_only"] * 4 + ["moe_general"]
+    assert [line.split()[0] for line in lines] == ["moe_weight_only"] * 4 + ["moe_general"] + ["moe_weight_only"] * 2
 
 
 @pytest.mark.gpu
