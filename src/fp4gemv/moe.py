@@ -7,6 +7,19 @@ and their top-k experts, reading each distinct expert's weights once (the kernel
 kernel; ``moe_general``: the CUDA-core fallback; ``moe_reference``: float64).  Validation raises ``TypeError``
 (type, dtype) or ``ValueError`` (shape, device, values) naming the argument, the expected and the actual, before
 anything is written.
+
+Host time: the kept launch.  An eager decode step calls moe_gemv with new tensors of the same metadata every
+token, and validating, planning (``plan_moe``: the case, the kernel table, the config) and Triton's JIT dispatch
+on every call made it host-bound.  So, as ``ops.gemv`` does, the first call of a metadata validates in full and
+plans, and the plan is kept (:class:`PreparedMoe`, in ``ops``' cache of prepared calls: ``ops.clear_cache``
+forgets it) under a key of everything validation and the plan read (``_key_and_addresses``).  A later call of
+that metadata builds the key, then does only what each call must: out apart from the inputs (new addresses),
+``check_ids`` (a sync; skipped under capture) and ``check_values`` when asked, x's copy where the plan reads one,
+out's allocation, the no-backward wrapper in grad mode.  On CUDA with Triton 3.6 it then calls the compiled
+kernel's launcher with the operands' addresses on the current stream (``ops.KeptLaunch``, also inside
+``torch.cuda.graph``); elsewhere the kept launch goes through the JIT, and specs without a single Triton launch
+(``moe_general`` with an epilogue, the reference) run ``spec.launch``, still not planned again.  ``prepare_moe`` returns
+the kept call.
 """
 
 from __future__ import annotations
@@ -19,14 +32,15 @@ from . import formats
 from .formats import dtype_names as _names
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
-from .kernels.spec import KernelSpec, MoeCase, MoeOperands
+from .kernels.spec import KernelSpec, MoeCase, MoeOperands, TritonKernelSpec
 from .reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, MOE_ACTIVATIONS
-from .ops import ACTIVATION_DTYPES, OUT_DTYPES, _needs_copy, check_out, gemv_operands, without_backward
-from .target import Backend, Target, resolve_target
+from .ops import (_DIRECT_LAUNCH, ACTIVATION_DTYPES, OUT_DTYPES, KeptLaunch, _extent, _may_share, _needs_copy,
+                  check_apart, check_out, gemv_operands, keep_call, kept_call, without_backward)
+from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor, check_device_with_values
 
-__all__ = ["moe_gemv", "check_moe_arguments", "check_expert_ids", "plan_moe", "MoePlan", "moe_operands",
-           "ID_DTYPES", "BIAS_DTYPES"]
+__all__ = ["moe_gemv", "prepare_moe", "PreparedMoe", "check_moe_arguments", "check_expert_ids", "plan_moe",
+           "MoePlan", "moe_operands", "moe_inputs", "ID_DTYPES", "BIAS_DTYPES"]
 
 ID_DTYPES = (torch.int32, torch.int64)
 BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,11 +129,15 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *
     shape = (tokens, top_k, m // 2 if activation is not None else m)
     if out is not None:
         check_out(out, shape, out_dtype, device, shape_name="[T, k, M / 2] = " if activation else "[T, k, M] = ",
-                  owner="w",
-                  inputs=(("w.data", w.data), ("w.scales", w.scales), ("w.global_scale", w.global_scale), ("x", x),
-                          ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales),
-                          ("pair_weights", pair_weights)))
+                  owner="w", inputs=moe_inputs(w, x, expert_ids, bias, global_scales, pair_weights))
     return shape, out_dtype
+
+
+def moe_inputs(w, x, expert_ids, bias, global_scales, pair_weights):
+    """The tensors :func:`moe_gemv` reads, by the names errors give them (``(name, tensor or None)`` pairs)."""
+    return (("w.data", w.data), ("w.scales", w.scales), ("w.global_scale", w.global_scale), ("x", x),
+            ("expert_ids", expert_ids), ("bias", bias), ("global_scales", global_scales),
+            ("pair_weights", pair_weights))
 
 
 def check_expert_ids(expert_ids: torch.Tensor, experts: int) -> None:
@@ -264,25 +282,16 @@ def moe_gemv(
     if torch.compiler.is_compiling():
         raise RuntimeError("moe_gemv: under torch.compile call fp4gemv.moe_gemv (fp4gemv.library.moe_gemv), "
                            "which traces the custom op torch.ops.fp4gemv.moe_gemv")
-    alpha, limit = epilogue_constants(activation, alpha, limit)
-    shape, out_dtype = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
-                                           activation=activation, pair_weights=pair_weights)
-    device = w.device
-    target = resolve_target(backend, device)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if check_ids and not capturing:
-        check_expert_ids(expert_ids, w.shape[0])
-    if check_values and global_scales is not None:
-        formats.check_global_scales(global_scales, "global_scales")
-    x_read = x.contiguous() if target.runs_triton and _needs_copy(x) else x  # one copy, for the plan and launch
-    plan = plan_moe(w, x_read, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config,
-                    activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=device)
-    operands = moe_operands(plan, w, x_read, expert_ids, bias, global_scales, out, pair_weights)
-    with torch.no_grad():  # no autograd graph on any backend (inference only, see above)
-        plan.spec.launch(operands, plan.config, target)
-    return without_backward(out, (x, bias, global_scales, pair_weights), NO_BACKWARD)
+    key, addresses = _key_and_addresses(w, x, expert_ids, bias, global_scales, out, pair_weights,
+                                        (out_dtype, backend, kernel, config, activation, alpha, limit))
+    call = kept_call(key)
+    if call is not None:
+        return call._checked_run(w, x, expert_ids, bias, global_scales, out, pair_weights, addresses, check_ids,
+                                 check_values)
+    call, x_read = _plan_call(w, x, expert_ids, bias, global_scales, out, out_dtype, backend, kernel, config,
+                              activation, alpha, limit, pair_weights, check_ids, check_values)
+    keep_call(key, call)
+    return call._run(w, x, expert_ids, bias, global_scales, out, pair_weights, addresses, x_read)
 
 
 NO_BACKWARD = ("moe_gemv has no backward (inference only): x, bias, global_scales and pair_weights get no gradient "
@@ -297,3 +306,163 @@ def refuse_gradients(x, bias, global_scales, pair_weights=None) -> None:
             if t is not None and t.requires_grad:
                 raise ValueError(f"{name}: expected a tensor that does not require grad under torch.compile "
                                  f"({NO_BACKWARD}), got one that does")
+
+
+# --- prepared calls ----------------------------------------------------------------------------------------------
+
+# MoeOperands' tensors by name -> their index in a call's addresses (MoeOperands' order, case left out).
+_FIELDS = {name: i for i, name in enumerate(MoeOperands._fields[1:])}
+_X, _OUT = _FIELDS["x"], _FIELDS["out"]
+
+
+def _key_and_addresses(w, x, expert_ids, bias, global_scales, out, pair_weights,
+                       settings: tuple) -> tuple[tuple | None, tuple | None]:
+    """Everything :func:`moe_gemv`'s validation and plan depend on, and the operands' addresses in ``_FIELDS``'
+    order (0 where absent; out's 0 when not given); (None, None) where validation must look (w not an
+    FP4Tensor, an argument that is neither a tensor nor None, a tensor without strides or address).
+
+    Keyed: w's format, layout, data shape and strides, scale strides (their shape follows, ``ops``' key says
+    why), whether it has a global scale; each other tensor's dtype, shape, strides and device (on CUDA its index,
+    where the current device is keyed too) or None; the alignment (address mod 16) of every address, which the
+    plan's alignments and Triton's specialization read; ``settings`` (out_dtype, backend, kernel, config,
+    activation, alpha, limit), each with its type (validation refuses a bool alpha, a plain tuple config, which
+    compare equal to accepted ones)."""
+    if type(w) is not FP4Tensor:
+        return None, None
+    try:
+        wd, ws, wg = w.data, w.scales, w.global_scale
+        device = wd.device
+        cuda = device.type == "cuda"
+        pw, ps, pg = wd.data_ptr(), ws.data_ptr(), 0 if wg is None else wg.data_ptr()
+        parts, pointers = [], []
+        for t in (x, expert_ids, bias, global_scales, out, pair_weights):
+            if t is None:
+                parts.append(None)
+                pointers.append(0)
+            elif isinstance(t, torch.Tensor):
+                p = t.data_ptr()
+                parts.append((t.dtype, t.shape, t.stride(), t.get_device() if cuda else t.device, p & 15))
+                pointers.append(p)
+            else:
+                return None, None
+    except Exception:  # sparse and other tensors without strides or storage: validation says what it says
+        return None, None
+    px, pi, pb, pgs, po, pp = pointers
+    where = torch.cuda.current_device() if cuda else interpreting()
+    key = ("moe", w.fmt, w.scale_layout, wd.shape, wd.stride(), ws.stride(), wg is None, device, pw & 15, ps & 15,
+           pg & 15, *parts, settings, tuple(map(type, settings)), where)
+    return key, (pw, ps, pg if global_scales is None else pgs, px, pi, pb, po, pp)  # _operand_tensors' order
+
+
+def _operand_tensors(w, x, expert_ids, bias, global_scales, out, pair_weights) -> tuple:
+    """The tensors of a call in ``_FIELDS``' order (global_scales: the given ones, else w's global scale)."""
+    return (w.data, w.scales, w.global_scale if global_scales is None else global_scales, x, expert_ids, bias, out,
+            pair_weights)
+
+
+def _plan_call(w, x, expert_ids, bias, global_scales, out, out_dtype, backend, kernel, config, activation, alpha,
+               limit, pair_weights, check_ids: bool, check_values: bool):
+    """Validate :func:`moe_gemv`'s arguments (every check, ids and values when asked), plan: the new
+    :class:`PreparedMoe` and x as its first launch reads it (copied when the plan says so)."""
+    alpha, limit = epilogue_constants(activation, alpha, limit)
+    shape, out_dtype = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
+                                           activation=activation, pair_weights=pair_weights)
+    device = w.device
+    target = resolve_target(backend, device)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if check_ids and not capturing:
+        check_expert_ids(expert_ids, w.shape[0])
+    if check_values and global_scales is not None:
+        formats.check_global_scales(global_scales, "global_scales")
+    copy_x = target.runs_triton and _needs_copy(x)
+    x_read = x.contiguous() if copy_x else x  # one copy, for the plan and launch
+    plan = plan_moe(w, x_read, expert_ids, bias, global_scales, out, out_dtype, target, kernel, config,
+                    activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
+    extents = tuple(0 if t is None else _extent(t)
+                    for t in _operand_tensors(w, x, expert_ids, bias, global_scales, out, pair_weights))
+    return PreparedMoe(plan, copy_x, shape, device, extents), x_read
+
+
+class PreparedMoe(KeptLaunch):
+    """:func:`moe_gemv` planned for one metadata (``prepare_moe`` returns it; ``moe_gemv`` keeps it in
+    ``ops``' cache): called with new operands of that metadata it checks only what a call must (out apart from
+    the inputs, the ids and global scales when asked), copies x when the plan says so, allocates out when none
+    is given, and launches the kept plan.
+
+    A spec with a ``triton_launch`` runs it through Triton's JIT on the first call; on CUDA (with Triton 3.6)
+    later calls launch the compiled kernel on the operands' addresses (``ops.KeptLaunch``),
+    :attr:`launches_by_address` then True.  Other specs (``moe_general`` with an epilogue, two steps; the
+    reference) run ``spec.launch`` on every call, with the plan kept."""
+
+    __slots__ = ("plan", "copy_x", "shape", "device", "extents", "_cuda")
+
+    def __init__(self, plan: MoePlan, copy_x: bool, shape: tuple[int, int, int], device: torch.device,
+                 extents: tuple[int, ...], direct_launch: bool = _DIRECT_LAUNCH):
+        template = None
+        if isinstance(plan.spec, TritonKernelSpec):
+            template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
+        cuda = device.type == "cuda"
+        # The JIT launches on the current device's stream: so does the kept launch (that device is keyed).
+        super().__init__(template, _FIELDS, torch.device("cuda", torch.cuda.current_device()) if cuda else device,
+                         direct_launch)
+        self.plan, self.copy_x, self.shape, self.device, self.extents = plan, copy_x, shape, device, extents
+        self._cuda = cuda
+
+    @property
+    def launches_by_address(self) -> bool:
+        """Whether calls launch the compiled kernel on the operands' addresses (compiled, on CUDA, Triton 3.6)."""
+        return self._compiled is not None
+
+    def __call__(self, w: FP4Tensor, x: torch.Tensor, expert_ids: torch.Tensor, *, bias=None, global_scales=None,
+                 out=None, pair_weights=None, check_ids: bool = True, check_values: bool = False) -> torch.Tensor:
+        """``moe_gemv`` (same meaning) with this plan, for arguments of its metadata (not checked again)."""
+        addresses = tuple(0 if t is None else t.data_ptr()
+                          for t in _operand_tensors(w, x, expert_ids, bias, global_scales, out, pair_weights))
+        return self._checked_run(w, x, expert_ids, bias, global_scales, out, pair_weights, addresses, check_ids,
+                                 check_values)
+
+    def _checked_run(self, w, x, expert_ids, bias, global_scales, out, pair_weights, addresses, check_ids,
+                     check_values) -> torch.Tensor:
+        """The checks of a call (moe_gemv's order: out apart from the inputs, ids, global scales), then the run."""
+        if out is not None and _may_share(addresses, self.extents, _OUT):
+            check_apart(out, moe_inputs(w, x, expert_ids, bias, global_scales, pair_weights))
+        if check_ids and not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            check_expert_ids(expert_ids, self.plan.case.experts)
+        if check_values and global_scales is not None:
+            formats.check_global_scales(global_scales, "global_scales")
+        return self._run(w, x, expert_ids, bias, global_scales, out, pair_weights, addresses)
+
+    def _run(self, w, x, expert_ids, bias, global_scales, out, pair_weights, addresses,
+             x_read=None) -> torch.Tensor:
+        """Launch on checked operands (``x_read``: x as read, when the caller has made it already)."""
+        plan = self.plan
+        if x_read is None:
+            x_read = x.contiguous() if self.copy_x else x
+        if out is None:
+            out = torch.empty(self.shape, dtype=plan.case.dense.out_dtype, device=self.device)
+        if self._compiled is not None:
+            self._launch((*addresses[:_X], x_read.data_ptr(), *addresses[_X + 1:_OUT], out.data_ptr(),
+                          *addresses[_OUT + 1:]))
+        else:
+            operands = moe_operands(plan, w, x_read, expert_ids, bias, global_scales, out, pair_weights)
+            if self._template is not None:
+                self._launch_jit(operands)
+            else:
+                with torch.no_grad():  # no autograd graph on any backend (inference only, moe_gemv's docstring)
+                    plan.spec.launch(operands, plan.config, plan.target)
+        return without_backward(out, (x, bias, global_scales, pair_weights), NO_BACKWARD)
+
+
+def prepare_moe(w: FP4Tensor, x: torch.Tensor, expert_ids: torch.Tensor, *, bias=None, global_scales=None, out=None,
+                out_dtype=None, backend: Backend = "auto", kernel=None, config=None, activation=None, alpha=None,
+                limit=None, pair_weights=None) -> PreparedMoe:
+    """The :class:`PreparedMoe` :func:`moe_gemv` runs for these arguments (same meaning): validated and planned
+    when their metadata is new (ids and values not read), else the one kept; raises as moe_gemv does."""
+    key, _ = _key_and_addresses(w, x, expert_ids, bias, global_scales, out, pair_weights,
+                                (out_dtype, backend, kernel, config, activation, alpha, limit))
+    call = kept_call(key)
+    if call is None:
+        call, _ = _plan_call(w, x, expert_ids, bias, global_scales, out, out_dtype, backend, kernel, config,
+                             activation, alpha, limit, pair_weights, False, False)
+        keep_call(key, call)
+    return call

@@ -13,6 +13,8 @@ format, layout, the kernel and its configuration) is a :class:`GemvPlan`; :func:
 new operands of that metadata.  :func:`gemv` is that call.  Once a call has compiled its Triton kernel on
 CUDA, later calls launch it through the compiled kernel's own launcher with the operands' addresses, skipping
 the JIT's argument binding (Triton 3.6's launcher; other Triton versions launch through the JIT every time).
+That launch is :class:`KeptLaunch`, which ``moe.PreparedMoe`` (``moe_gemv``'s prepared call) shares, with the one
+cache of prepared calls (:func:`kept_call`, :func:`keep_call`, :func:`clear_cache`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
            "plan_for", "gemv_operands", "check_arguments", "check_out", "check_apart", "gemv_inputs", "result_shape",
-           "clear_cache", "without_backward",
+           "clear_cache", "without_backward", "KeptLaunch", "kept_call", "keep_call",
            "direct_launch_supported",
            "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
@@ -356,8 +358,9 @@ def _addresses(a, b, out) -> tuple:
 
 def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[tuple | None, tuple | None]:
     """Everything validation and dispatch depend on (shapes, strides, dtypes, devices, formats, layouts, the
-    alignment of every address, the arguments, the current device), and the operands' addresses; (None, None)
-    for arguments that validation must look at (and reject).
+    alignment of every address, the arguments, config's type too (a plain tuple equal to a config is refused),
+    the current device), and the operands' addresses; (None, None) for arguments that validation must look at
+    (and reject).
 
     An FP4Tensor's scale shape follows from its data shape, format and layout (checked when it was made; its
     attributes cannot be rebound), so only the scales' strides are keyed.  On CUDA, b's and out's device index
@@ -387,29 +390,106 @@ def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[t
     where = torch.cuda.current_device() if cuda else interpreting()
     align = (pa & 15, ps & 15, pg & 15, pb & 15, pbs & 15, pbg & 15, po & 15)
     key = (a.fmt, a.scale_layout, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
-           out_dtype, backend, kernel, config, where)
+           out_dtype, backend, kernel, type(config), config, where)
     return key, (pa, ps, pb, po, pbs, pg, pbg)  # GemvAddresses' order; a plain tuple is faster to make
 
 
-class PreparedGemv:
+def _may_share(addresses: tuple, extents: tuple, out_index: int) -> bool:
+    """Whether out's address range (``addresses[out_index]`` and its extent) meets an input's: only then can they
+    share a byte (:func:`check_apart` says whether they do).  0 addresses (absent operands) meet nothing."""
+    start = addresses[out_index]
+    end = start + extents[out_index]
+    for i, p in enumerate(addresses):
+        if p and i != out_index and p < end and start < p + extents[i]:
+            return True
+    return False
+
+
+class KeptLaunch:
+    """One planned Triton launch, kept with a prepared call (:class:`PreparedGemv`, ``moe.PreparedMoe``).
+
+    ``template`` is the spec's ``TritonLaunch`` (None for specs that launch otherwise: the caller runs
+    ``spec.launch``).  The first :meth:`_launch_jit` goes through Triton's JIT, which compiles the kernel.  On
+    CUDA (with Triton 3.6) the compiled kernel is then kept with the argument list: :meth:`_launch` fills its
+    pointer arguments (the template's :class:`Src` placeholders, by ``fields``: operand name -> index in the
+    addresses the caller gives) and calls the compiled kernel's launcher directly, on the current stream of the
+    device the JIT launched on (so a launch inside ``torch.cuda.graph`` is captured like the JIT's)."""
+
+    __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_grid", "_launcher",
+                 "_direct_launch", "_current_stream", "_runtime_knobs")
+
+    def __init__(self, template, fields: dict[str, int], device: torch.device, direct_launch: bool):
+        self._template = template
+        self._fields = fields
+        self._device_index = device.index if device.type == "cuda" else None
+        self._compiled = None
+        self._direct_launch = direct_launch and device.type == "cuda"
+
+    def _launch_jit(self, operands) -> None:
+        """The template's launch through the JIT on ``operands`` (GemvOperands or MoeOperands); on CUDA keeps
+        the compiled kernel for :meth:`_launch`."""
+        t = self._template
+        compiled = t.kernel[t.grid](**fill_sources(t.args, operands), **t.options)
+        if self._direct_launch and hasattr(compiled, "packed_metadata"):
+            self._prepare_compiled(compiled)
+
+    def _prepare_compiled(self, compiled) -> None:
+        kernel, args = self._template.kernel, self._template.args
+        argv, slots = [], []
+        for i, param in enumerate(kernel.params):
+            value = args[param.name] if param.name in args else param.default
+            if isinstance(value, Src):
+                slots.append((i, self._fields[value.name]))
+            argv.append(value)
+        self._argv, self._slots = argv, tuple(slots)
+        grid = self._template.grid
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        launcher = compiled.run  # loads the module now, not on the first timed call
+        # The launcher's own C entry point when the kernel needs no scratch memory (Triton 3.6's CudaLauncher
+        # only allocates scratch in Python before calling it), else the launcher itself.
+        if (getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
+                and hasattr(launcher, "launch")):
+            self._launcher = functools.partial(_launch_c, launcher)
+        else:
+            self._launcher = launcher
+        self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
+        self._compiled = compiled
+
+    def _launch(self, addresses: tuple) -> None:
+        """The compiled kernel on operands at ``addresses`` (the order of ``fields``); only once compiled."""
+        argv = self._argv.copy()
+        for i, j in self._slots:
+            argv[i] = addresses[j]
+        k = self._compiled
+        stream = self._current_stream(self._device_index)
+        runtime = self._runtime_knobs
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
+        self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+
+
+def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
+    launcher.launch(grid_x, grid_y, grid_z, stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                    None, None, *args)
+
+
+class PreparedGemv(KeptLaunch):
     """:func:`gemv` planned for one metadata: call it with new operands of that metadata (``prepare_gemv``
     for those operands returns this object; nothing is checked again).
 
     The first call launches through Triton's JIT, which compiles the kernel.  On CUDA (with Triton 3.6) every
     later call fills the pointer arguments of the kept argument list with the operands' addresses and calls
-    the compiled kernel's launcher directly: :attr:`launches_by_address` is then True, and
+    the compiled kernel's launcher directly (:class:`KeptLaunch`): :attr:`launches_by_address` is then True, and
     :meth:`launch_at` launches on addresses alone."""
 
-    __slots__ = ("plan", "_template", "_compiled", "_argv", "_slots", "_grid", "_launcher", "_direct_launch",
-                 "_current_stream", "_runtime_knobs")
+    __slots__ = ("plan",)
 
     def __init__(self, plan: GemvPlan, direct_launch: bool = _DIRECT_LAUNCH):
-        self.plan = plan
-        self._template = None
+        template = None
         if isinstance(plan.spec, TritonKernelSpec):
-            self._template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
-        self._compiled = None
-        self._direct_launch = direct_launch
+            template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
+        super().__init__(template, _ADDRESS_INDEX, plan.device, direct_launch)
+        self.plan = plan
 
     @property
     def launches_by_address(self) -> bool:
@@ -424,7 +504,9 @@ class PreparedGemv:
     def _run(self, a, b, out, addresses: tuple | None) -> torch.Tensor:
         plan = self.plan
         if out is not None:
-            self._check_apart(a, b, out, addresses)
+            # The kept plan checked metadata only, and these are new tensors.
+            if addresses is None or _may_share(addresses, plan.extents, 3):
+                check_apart(out, gemv_inputs(a, b))
         if self._compiled is not None and addresses is not None and out is not None and not plan.copy_activation:
             self._launch(addresses)
             return out
@@ -442,48 +524,8 @@ class PreparedGemv:
             with torch.no_grad():
                 plan.spec.launch(ops, plan.config, plan.target)
             return out
-        t = self._template
-        compiled = t.kernel[t.grid](**fill_sources(t.args, ops), **t.options)
-        if self._direct_launch and plan.target.device_type == "cuda" and hasattr(compiled, "packed_metadata"):
-            self._prepare_compiled(compiled)
+        self._launch_jit(ops)
         return out
-
-    def _check_apart(self, a, b, out, addresses: tuple | None) -> None:
-        """:func:`check_apart` of out and the inputs, once their address ranges (the plan's extents from these
-        addresses) meet: the kept plan checked metadata only, and these are new tensors."""
-        extents = self.plan.extents
-        if addresses is None:
-            check_apart(out, gemv_inputs(a, b))
-            return
-        start = addresses[3]
-        end = start + extents[3]
-        for i in (0, 1, 2, 4, 5, 6):
-            p = addresses[i]
-            if p and p < end and start < p + extents[i]:
-                check_apart(out, gemv_inputs(a, b))
-                return
-
-    def _prepare_compiled(self, compiled) -> None:
-        kernel, args = self._template.kernel, self._template.args
-        argv, slots = [], []
-        for i, param in enumerate(kernel.params):
-            value = args[param.name] if param.name in args else param.default
-            if isinstance(value, Src):
-                slots.append((i, _ADDRESS_INDEX[value.name]))
-            argv.append(value)
-        self._argv, self._slots = argv, tuple(slots)
-        grid = self._template.grid
-        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        launcher = compiled.run  # loads the module now, not on the first timed call
-        # The launcher's own C entry point when the kernel needs no scratch memory (Triton 3.6's CudaLauncher
-        # only allocates scratch in Python before calling it), else the launcher itself.
-        if (getattr(launcher, "global_scratch_size", 1) == 0 and getattr(launcher, "profile_scratch_size", 1) == 0
-                and hasattr(launcher, "launch")):
-            self._launcher = functools.partial(_launch_c, launcher)
-        else:
-            self._launcher = launcher
-        self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
-        self._compiled = compiled
 
     def launch_at(self, addresses: GemvAddresses) -> None:
         """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`.
@@ -493,41 +535,39 @@ class PreparedGemv:
                                "call it with the operands)")
         self._launch(addresses)
 
-    def _launch(self, addresses: tuple) -> None:
-        argv = self._argv.copy()
-        for i, j in self._slots:
-            argv[i] = addresses[j]
-        k = self._compiled
-        stream = self._current_stream(self.plan.device.index)
-        runtime = self._runtime_knobs
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-        meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
-        self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+
+# The one cache of prepared calls (gemv's, moe_gemv's): by the key of their arguments' metadata, and by keys
+# callers give (``prepare_gemv(metadata_key=...)``).
+_CACHE: dict[object, object] = {}
 
 
-def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
-    launcher.launch(grid_x, grid_y, grid_z, stream, function, launcher.launch_cooperative_grid, launcher.launch_pdl,
-                    None, None, *args)
+def kept_call(key):
+    """The prepared call kept under ``key`` (a metadata key; None: none), or None (also for an unhashable key:
+    an argument such as a config that is not a NamedTuple, which is then never kept)."""
+    if key is None:
+        return None
+    try:
+        return _CACHE.get(key)
+    except TypeError:
+        return None
 
 
-# The one cache of prepared calls: by the key of their arguments' metadata, and by keys callers give
-# (``prepare_gemv(metadata_key=...)``).
-_CACHE: dict[object, PreparedGemv] = {}
+def keep_call(key, call):
+    """Keep ``call`` under ``key`` (not when None or unhashable); returns ``call``."""
+    if key is not None:
+        try:
+            _CACHE[key] = call
+        except TypeError:
+            pass
+    return call
 
 
 def _prepared(a, b, out, out_dtype, backend, kernel, config) -> tuple[PreparedGemv, tuple | None]:
     key, addresses = _key_and_addresses(a, b, out, out_dtype, backend, kernel, config)
-    cached = None
-    if key is not None:
-        try:
-            cached = _CACHE.get(key)
-        except TypeError:  # an unhashable argument (a config that is not a NamedTuple): no caching
-            key = None
+    cached = kept_call(key)
     if cached is None:
-        cached = PreparedGemv(plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend, kernel=kernel,
-                                       config=config))
-        if key is not None:
-            _CACHE[key] = cached
+        cached = keep_call(key, PreparedGemv(plan_for(a, b, out=out, out_dtype=out_dtype, backend=backend,
+                                                      kernel=kernel, config=config)))
     return cached, addresses
 
 
@@ -611,6 +651,6 @@ def gemv(
 
 
 def clear_cache() -> None:
-    """Forget every prepared call (they hold compiled kernels, not tensors)."""
+    """Forget every prepared call, gemv's and moe_gemv's (they hold compiled kernels, not tensors)."""
     _CACHE.clear()
 
