@@ -9,16 +9,26 @@ quantizer registry (``transformers.quantizers.register_quantization_config`` / `
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=FP4GemvConfig(), device_map="cuda")
 
 loads a checkpoint in any convention ``fp4gemv.nn.load_quantized`` reads (compressed-tensors
-``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss MXFP4) with its FP4 layers as ``FP4Linear``.
-``fp4gemv.nn.from_pretrained`` is the same call.
+``nvfp4-pack-quantized``, NVIDIA ModelOpt NVFP4, gpt-oss MXFP4) with its FP4 layers as ``FP4Linear`` and its
+FP4 MoE experts (gpt-oss's ``*_proj_blocks``, or one NVFP4 layer per expert as Qwen3-MoE exports store them)
+as ``FP4Experts``.  ``fp4gemv.nn.from_pretrained`` is the same call.
 
 How: transformers builds the model on the meta device; before weights load, every ``nn.Linear`` the
 checkpoint holds in FP4 (``fp4gemv.nn.model.fp4_modules``: key names checked against the quantization
-config) becomes a placeholder whose buffers carry the checkpoint's own names, shapes and dtypes (read from
-the safetensors headers), so transformers' loader reads those tensors as they are stored straight onto the
-target device; float tensors load as usual.  After loading, each placeholder becomes an ``FP4Linear`` made
-of views of those buffers (``FP4Linear.from_state_dict``; ``scale_layout="swizzled"`` re-lays the block scales,
-one layer at a time).  No float copy of an FP4 layer is ever made.
+config), and every MoE experts module it holds in FP4 (``fp4_experts``), becomes a placeholder whose buffers
+carry the checkpoint's own names (per-expert layers as nested submodules ``<e>.gate_proj``), shapes and
+dtypes (read from the safetensors headers), so transformers' loader reads those tensors as they are stored
+straight onto the target device; float tensors load as usual.  The experts' biases are the exception: their
+buffers take the dtype of the float module's biases (the requested dtype), so transformers casts them as it
+casts every float tensor.  An experts module's keys are complete or the load is refused before anything is
+read, naming the missing and the unknown tensors under its name.  After loading, each placeholder becomes an
+``FP4Linear`` made of views of those buffers (``FP4Linear.from_state_dict``) or an ``FP4Experts``
+(``fp4gemv.nn.model.read_experts``: gpt-oss's blocks as they are; per-expert layers stacked into
+``[E, rows, K/2]``, one experts module at a time); ``scale_layout="swizzled"`` re-lays the block scales, one
+module at a time.  No float copy of an FP4 layer is ever made.  Per-expert checkpoint keys reach the
+placeholder under their own names: transformers' per-expert converters (``experts.*.gate_proj.weight`` into
+the fused ``gate_up_proj``) rename such a key to one the model lacks, and its loader then keeps the original
+name, which the placeholder has.
 
 A checkpoint whose ``quant_method`` transformers already knows (``"compressed-tensors"``, ``"mxfp4"``)
 would make transformers refuse a second config ("The model is quantized with ... but you are passing ...",
@@ -46,7 +56,9 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checkpoints import SAFETENSORS_DTYPES, layer_keys
 from .linear import ACTIVATIONS, FP4Linear
-from .model import FP4GEMV_ONLY_METHODS, check_replacement, fp4_modules, read_quantization_config
+from .model import (FP4GEMV_ONLY_METHODS, check_agreement, check_expert_activations, check_replacement,
+                    expert_bias_dtypes, expert_keys, fp4_experts, fp4_modules, read_experts,
+                    read_quantization_config)
 
 __all__ = ["FP4GemvConfig", "FP4GemvHfQuantizer", "QUANT_METHOD", "TESTED_TRANSFORMERS"]
 
@@ -58,7 +70,8 @@ class FP4GemvConfig(QuantizationConfigMixin):
     """What ``from_pretrained`` does with a checkpoint's FP4 layers.
 
     activations: None follows the checkpoint (W4A4 where it has a static input scale or its config says
-        so, else weight-only); ``"weight-only"`` or ``"w4a4"`` overrides it.
+        so, else weight-only); ``"weight-only"`` or ``"w4a4"`` overrides it.  MoE experts (``FP4Experts``) run
+        weight-only: ``"w4a4"`` with FP4 experts in the checkpoint is refused.
     scale_layout: ``"swizzled"`` (the layout the kernels are tuned on; re-lays the stored block scales) or
         None / ``"linear"`` (keeps them as stored: no copy).
     """
@@ -91,24 +104,39 @@ class _ReadByFP4Gemv(QuantizationConfigMixin):
                          f"quantization_config=fp4gemv.nn.hf_quantizer.FP4GemvConfig()")
 
 
-class _CheckpointLayer(nn.Module):
-    """Stands for one FP4 layer while transformers loads: meta buffers named, shaped and typed as the
-    checkpoint stores them, filled by the loader; never called."""
+class _Placeholder(nn.Module):
+    """Stands for one FP4 module while transformers loads: meta buffers named (nested submodules for dotted
+    names, such as per-expert layers), shaped and typed as the checkpoint stores them (``dtypes`` overrides a
+    float tensor's: transformers casts it while loading), filled by the loader; never called.  ``replaced``:
+    the meta module it stands for (not a submodule), for the checks after loading."""
 
-    def __init__(self, linear: nn.Linear, key: str, scheme: str, headers: dict[str, tuple[list[int], str]],
-                 keys: list[str]) -> None:
+    def __init__(self, replaced: nn.Module, key: str, headers: dict[str, tuple[list[int], str]], keys: list[str],
+                 dtypes: dict[str, torch.dtype] | None = None) -> None:
         super().__init__()
-        self.__dict__["linear"] = linear  # the meta nn.Linear it replaces, for the shape check; not a submodule
-        self.key, self.scheme = key, scheme
+        self.__dict__["replaced"] = replaced
+        self.key = key
         for full_key in keys:
             shape, dtype_name = headers[full_key]
             if dtype_name not in SAFETENSORS_DTYPES:
                 raise TypeError(f"{full_key}: expected a dtype among {sorted(SAFETENSORS_DTYPES)}, got {dtype_name}")
-            self.register_buffer(full_key[len(key) + 1:], torch.empty(shape, dtype=SAFETENSORS_DTYPES[dtype_name],
-                                                                      device="meta"))
+            *path, name = full_key[len(key) + 1:].split(".")
+            owner = self
+            for part in path:
+                if part not in owner._modules:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            dtype = (dtypes or {}).get(full_key, SAFETENSORS_DTYPES[dtype_name])
+            owner.register_buffer(name, torch.empty(shape, dtype=dtype, device="meta"))
+
+    def loaded(self) -> dict[str, torch.Tensor]:
+        """The tensors the loader filled, by checkpoint key; ValueError naming any it left unloaded."""
+        meta = [n for n, b in self.named_buffers() if b.is_meta]
+        if meta:
+            raise ValueError(f"{self.key}: checkpoint tensors {meta} were not loaded")
+        return {f"{self.key}.{n}": b for n, b in self.named_buffers()}
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError(f"{self.key}: FP4 layer still a loading placeholder (the quantizer's postprocess did "
+        raise RuntimeError(f"{self.key}: FP4 module still a loading placeholder (the quantizer's postprocess did "
                            f"not run)")
 
 
@@ -152,30 +180,50 @@ class FP4GemvHfQuantizer(HfQuantizer):
         config = read_quantization_config(directory)
         headers = _headers(checkpoint_files)
         found = fp4_modules(model, headers, config)
-        if not found and any(k.endswith((".weight_packed", ".weight_blocks", ".weight_scale")) for k in headers):
-            raise ValueError(f"{directory}: FP4 tensors in the checkpoint match no nn.Linear of "
+        experts = fp4_experts(model, headers, config)
+        check_expert_activations(experts, self.quantization_config.activations)
+        if not found and not experts and any(k.endswith((".weight_packed", "_blocks", ".weight_scale"))
+                                             for k in headers):
+            raise ValueError(f"{directory}: FP4 tensors in the checkpoint match no nn.Linear or MoE experts of "
                              f"{type(model).__name__} (are its key names those of the model's modules?)")
+        placeholders = {}
         for name, key, scheme in found:
-            linear = model.get_submodule(name)
-            _replace(model, name, _CheckpointLayer(linear, key, scheme, headers, layer_keys(headers, key)))
+            placeholders[name] = _Placeholder(model.get_submodule(name), key, headers, layer_keys(headers, key))
+            placeholders[name].scheme = scheme
+        for name, key, convention in experts:
+            module = model.get_submodule(name)
+            used, missing = expert_keys(headers, key, convention, module)
+            # Refused before anything is read, under the checkpoint's names: transformers would report an unknown
+            # one after reading everything, a per-expert one under its converter's name for it
+            # ("experts.4.gate_proj.weight_packed" as "experts.gate_up_proj_packed").
+            taken = set(used)
+            extra = [k for k in headers if k.startswith(key + ".") and k not in taken]
+            if missing or extra:
+                check_agreement(missing, extra, f"the {convention} experts at {key}")
+            placeholders[name] = _Placeholder(module, key, headers, used, expert_bias_dtypes(key, convention, module))
+            placeholders[name].convention = convention
+        for name, placeholder in placeholders.items():
+            _replace(model, name, placeholder)
         self.fp4_module_names = [name for name, _, _ in found]
+        self.fp4_expert_names = [name for name, _, _ in experts]
         self.checkpoint_fmt = config.fmt
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         activations = self.quantization_config.activations
         layout = self.quantization_config.scale_layout
-        for name in self.fp4_module_names:
+        for name in self.fp4_module_names + self.fp4_expert_names:
             placeholder = model.get_submodule(name)
-            if not isinstance(placeholder, _CheckpointLayer):
+            if not isinstance(placeholder, _Placeholder):
                 raise TypeError(f"{name}: expected the loading placeholder, got {type(placeholder).__name__}")
-            meta = [n for n, b in placeholder.named_buffers() if b.is_meta]
-            if meta:
-                raise ValueError(f"{placeholder.key}: checkpoint tensors {meta} were not loaded")
-            tensors = {f"{placeholder.key}.{n}": b for n, b in placeholder.named_buffers()}
-            new = FP4Linear.from_state_dict(tensors, placeholder.key, activations=activations or placeholder.scheme,
-                                            scale_layout=layout)
-            check_replacement(placeholder.key, placeholder.linear, new, self.checkpoint_fmt)
+            tensors, key = placeholder.loaded(), placeholder.key
+            if name in self.fp4_expert_names:
+                new = read_experts(tensors, key, placeholder.convention, placeholder.replaced, self.checkpoint_fmt,
+                                   scale_layout=layout)
+            else:
+                new = FP4Linear.from_state_dict(tensors, key, activations=activations or placeholder.scheme,
+                                                scale_layout=layout)
+                check_replacement(key, placeholder.replaced, new, self.checkpoint_fmt)
             _replace(model, name, new)
         return model
 

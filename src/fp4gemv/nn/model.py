@@ -22,6 +22,13 @@ with ``quant_method``:
 
 Which layers are FP4 is read from the tensors' key names (``checkpoints.detect_convention``) and checked
 against the config: a disagreement is an error, never a silent float layer.
+
+MoE experts modules (transformers' ``GptOssExperts``, ``Qwen3MoeExperts``: ``moe.expert_kind``) held in FP4
+become ``FP4Experts`` (:func:`fp4_experts`, :func:`read_experts`): gpt-oss's fused ``<experts>.gate_up_proj_blocks``
+... (``"mxfp4"``; the config's rules apply to the experts module's name, as transformers' ``mxfp4`` quantizer
+applies them), or one NVFP4 linear layer per expert, ``<experts>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``
+(compressed-tensors or ModelOpt; the rules apply to each layer's name, a ``Linear`` for compressed-tensors'
+class targets).  Experts run weight-only: a stored input scale is read and dropped.
 """
 
 from __future__ import annotations
@@ -37,9 +44,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoints import SafetensorsDirectory, detect_convention, layer_keys, layer_tensors, write_safetensors
+from .checkpoints import (LAYER_KEYS, SafetensorsDirectory, detect_convention, layer_keys, layer_tensors,
+                          write_safetensors)
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
-from .moe import FP4Experts, expert_kind, quantize_experts
+from .moe import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, FP4Experts, expert_kind, gpt_oss_experts, nvfp4_experts,
+                  quantize_experts)
 
 __all__ = [
     "QuantizationConfig",
@@ -49,6 +58,11 @@ __all__ = [
     "load_quantized",
     "fp4_modules",
     "check_replacement",
+    "fp4_experts",
+    "expert_convention",
+    "expert_keys",
+    "read_experts",
+    "check_expert_activations",
     "check_agreement",
     "save_compressed_tensors",
     "save_modelopt",
@@ -322,6 +336,128 @@ def check_replacement(key: str, linear: nn.Linear, new: FP4Linear, fmt: str) -> 
                          f"model's Linear")
 
 
+# gpt-oss's fused expert tensors (moe.gpt_oss_experts), and the layers of per-expert checkpoints
+# (moe.nvfp4_experts) with the keys each of their conventions needs (the rest of checkpoints.LAYER_KEYS may be there).
+GPT_OSS_EXPERT_KEYS = ("gate_up_proj_blocks", "gate_up_proj_scales", "gate_up_proj_bias", "down_proj_blocks",
+                       "down_proj_scales", "down_proj_bias")
+PER_EXPERT_LAYERS = ("gate_proj", "up_proj", "down_proj")
+_REQUIRED_LAYER_KEYS = {"compressed-tensors": ("weight_packed", "weight_scale", "weight_global_scale"),
+                        "modelopt": ("weight", "weight_scale")}
+
+
+def expert_convention(keys: Container[str], key: str) -> str | None:
+    """How the checkpoint (tensor names ``keys``) holds the experts at ``key`` in FP4, by the names alone:
+    ``"gpt-oss"`` (fused ``<key>.gate_up_proj_blocks`` ...), ``"compressed-tensors"`` or ``"modelopt"`` (one NVFP4
+    linear layer per expert: the convention of ``<key>.0.gate_proj``, ``up_proj`` or ``down_proj``), or None (no
+    FP4 tensors there)."""
+    if any(f"{key}.{name}" in keys for name in GPT_OSS_EXPERT_KEYS if not name.endswith("_bias")):
+        return "gpt-oss"
+    for name in PER_EXPERT_LAYERS:
+        convention = detect_convention(keys, f"{key}.0.{name}")
+        if convention in _REQUIRED_LAYER_KEYS:
+            return convention
+    return None
+
+
+def _expert_layers(key: str, module: nn.Module) -> list[str]:
+    """The per-expert linear layers' names of the experts ``module`` at ``key``."""
+    return [f"{key}.{e}.{name}" for e in range(module.down_proj.shape[0]) for name in PER_EXPERT_LAYERS]
+
+
+def fp4_experts(model: nn.Module, keys: Container[str], config: QuantizationConfig,
+                prefix: str = "") -> list[tuple[str, str, str]]:
+    """The MoE experts modules of ``model`` (``moe.expert_kind``) that the checkpoint holds in FP4: (module name,
+    checkpoint key, :func:`expert_convention`).  Experts without FP4 tensors are left to load as float tensors.
+    Raises ValueError where the tensors, the module and the config disagree (never a silent float layer)."""
+    found, linear = [], None
+    for name, module in model.named_modules():
+        kind = expert_kind(module)
+        key = prefix + name
+        convention = None if kind is None else expert_convention(keys, key)
+        if convention is None:
+            continue
+        if (convention == "gpt-oss") != (kind == "gpt-oss"):
+            want = "gpt-oss's fused blocks" if kind == "gpt-oss" else "one NVFP4 linear layer per expert"
+            raise ValueError(f"{key}: expected {want} for {type(module).__name__}, got {convention} expert tensors")
+        if convention not in config.conventions:
+            raise ValueError(f"{key}: expected {' or '.join(config.conventions)} tensors for quant_method "
+                             f"{config.method!r}, got {convention} key names")
+        if convention == "gpt-oss":
+            layers = {key: module}
+        else:  # the config names the checkpoint's layers, each an nn.Linear where it was written
+            if linear is None:
+                linear = nn.Linear(1, 1, device="meta")
+            layers = {layer: linear for layer in _expert_layers(key, module)}
+        in_float = [layer for layer, m in layers.items() if config.scheme(layer, m) is None]
+        if in_float:
+            raise ValueError(f"{in_float[0]}: the checkpoint has {convention} FP4 tensors but the {config.method} "
+                             f"config leaves this module in float")
+        found.append((name, key, convention))
+    return found
+
+
+def expert_keys(keys: Container[str], key: str, convention: str, module: nn.Module) -> tuple[list[str], list[str]]:
+    """The checkpoint keys the experts at ``key`` are read from (those present) and the ones they need that
+    ``keys`` lacks.  Per-expert layers' biases are not read: SiLU experts have none (a stored one is left over)."""
+    if convention == "gpt-oss":
+        wanted = [f"{key}.{name}" for name in GPT_OSS_EXPERT_KEYS]
+        return [k for k in wanted if k in keys], [k for k in wanted if k not in keys]
+    used, missing = [], []
+    for layer in _expert_layers(key, module):
+        found = detect_convention(keys, layer)
+        if found not in (None, convention):
+            raise ValueError(f"{layer}: expected {convention} tensors like {key}.0, got {found} key names")
+        missing += [f"{layer}.{name}" for name in _REQUIRED_LAYER_KEYS[convention] if f"{layer}.{name}" not in keys]
+        used += [f"{layer}.{name}" for name in LAYER_KEYS[convention] if name != "bias" and f"{layer}.{name}" in keys]
+    return used, missing
+
+
+def expert_bias_dtypes(key: str, convention: str, module: nn.Module) -> dict[str, torch.dtype]:
+    """The dtype each stored bias of the experts at ``key`` is loaded in: that of the float module's bias (the
+    model's dtype), as transformers loads every float tensor."""
+    if convention != "gpt-oss":
+        return {}
+    return {f"{key}.{p}_bias": getattr(module, f"{p}_bias").dtype for p in ("gate_up_proj", "down_proj")}
+
+
+def read_experts(tensors, key: str, convention: str, module: nn.Module, fmt: str, *,
+                 scale_layout: str | None = None, device: torch.device | str | None = None) -> FP4Experts:
+    """The ``FP4Experts`` of the experts at ``key`` (:func:`fp4_experts`' convention) in place of ``module``, the
+    float experts module: its biases' dtype (:func:`expert_bias_dtypes`), gpt-oss's ``alpha`` and ``limit``, its
+    shapes checked, and the format ``fmt`` the config declares (ValueError).  tensors: a mapping from key to
+    tensor; the FP4 bytes are used as stored (``device`` moves them); scale_layout: None keeps the stored
+    (linear) scales, ``"swizzled"``."""
+    used, missing = expert_keys(tensors, key, convention, module)
+    if missing:
+        check_agreement(missing, [], f"the {convention} experts at {key}")
+    dtypes = expert_bias_dtypes(key, convention, module)
+    stored = {k: tensors[k].to(dtypes[k]) if k in dtypes else tensors[k] for k in used}
+    layout = scale_layout or "linear"
+    if convention == "gpt-oss":
+        new = gpt_oss_experts(stored, key, device=device, alpha=float(getattr(module, "alpha", GPT_OSS_ALPHA)),
+                              limit=float(getattr(module, "limit", GPT_OSS_LIMIT)), scale_layout=layout)
+    else:
+        new = nvfp4_experts(stored, key, module.down_proj.shape[0], device=device, scale_layout=layout)
+    if new.projection("down").weight.fmt.name != fmt:
+        raise ValueError(f"{key}: expected {fmt} experts as the quantization config says, got "
+                         f"{new.projection('down').weight.fmt.name}")
+    kind = expert_kind(module)
+    experts, a, b = module.down_proj.shape  # gpt-oss: [E, I, H] (transposed); Qwen3-MoE: [E, H, I]
+    want = (experts, b, a) if kind == "gpt-oss" else (experts, a, b)
+    got = (new.num_experts, new.hidden_size, new.intermediate_size)
+    if got != want:
+        raise ValueError(f"{key}: expected [E, H, I] = {list(want)} like the model's {type(module).__name__}, got "
+                         f"{list(got)}")
+    return new
+
+
+def check_expert_activations(found: list[tuple[str, str, str]], activations: str | None) -> None:
+    """Raise ValueError for ``activations="w4a4"`` when the checkpoint has FP4 experts (they run weight-only)."""
+    if activations == "w4a4" and found:
+        raise ValueError(f"{found[0][1]}: MoE experts run weight-only (FP4Experts), got activations='w4a4'; pass "
+                         f"activations=None (W4A4 where the checkpoint says so, experts weight-only)")
+
+
 def load_quantized(
     model: nn.Module,
     directory: str | Path,
@@ -332,12 +468,15 @@ def load_quantized(
     strict: bool = True,
 ) -> list[str]:
     """Load a quantized checkpoint directory into ``model``: its FP4 ``nn.Linear`` modules become ``FP4Linear``
-    (on the device of the Linear they replace), every other tensor is loaded with ``load_state_dict``.
+    and its FP4 MoE experts modules ``FP4Experts`` (:func:`fp4_experts`; on the device of the module they
+    replace, biases in its dtype), every other tensor is loaded with ``load_state_dict``.
 
     prefix: prepended to module names to form checkpoint keys (``"model."`` when the checkpoint was saved
         from a wrapper).  activations: None follows the config (and the layer's tensors); ``"weight-only"``
-        or ``"w4a4"`` overrides it.  scale_layout: None keeps the stored (linear) scales; ``"swizzled"``.
-    strict: raise ValueError when checkpoint tensors are left over or model tensors are missing.
+        or ``"w4a4"`` overrides it (experts run weight-only: ``"w4a4"`` with FP4 experts is a ValueError).
+        scale_layout: None keeps the stored (linear) scales; ``"swizzled"``.
+    strict: raise ValueError when checkpoint tensors are left over or model tensors are missing (tensors an FP4
+        layer or experts module needs are always required).
     Returns the names of the modules made FP4.
     """
     if activations is not None and activations not in ACTIVATIONS:
@@ -346,7 +485,10 @@ def load_quantized(
     tensors = SafetensorsDirectory(directory)
     replaced, consumed = [], set()
     try:
-        for name, key, scheme in fp4_modules(model, tensors, config, prefix):
+        linears = fp4_modules(model, tensors, config, prefix)
+        experts = fp4_experts(model, tensors, config, prefix)
+        check_expert_activations(experts, activations)
+        for name, key, scheme in linears:
             module = model.get_submodule(name)
             new = FP4Linear.from_state_dict(tensors, key, activations=activations or scheme, scale_layout=scale_layout,
                                      device=module.weight.device)
@@ -354,6 +496,12 @@ def load_quantized(
             _replace(model, name, new)
             replaced.append(name)
             consumed.update(layer_keys(tensors, key))
+        for name, key, convention in experts:
+            module = model.get_submodule(name)
+            _replace(model, name, read_experts(tensors, key, convention, module, config.fmt,
+                                               scale_layout=scale_layout, device=module.down_proj.device))
+            replaced.append(name)
+            consumed.update(expert_keys(tensors, key, convention, module)[0])
         rest, unexpected = {}, []
         for key in tensors:
             if key in consumed:

@@ -289,13 +289,21 @@ def _gpt_oss_projection(tensors, prefix: str, name: str, device) -> ExpertWeight
     return ExpertWeights(weight, None if bias is None else bias.to(device))
 
 
+def _in_layout(p: ExpertWeights, scale_layout: str) -> ExpertWeights:
+    return p._replace(weight=p.weight.with_scale_layout(scale_layout))
+
+
 def gpt_oss_experts(tensors: Mapping[str, torch.Tensor], prefix: str, *, device=None,
-                    backend: str = "auto") -> FP4Experts:
+                    backend: str = "auto", alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
+                    scale_layout: str = "linear") -> FP4Experts:
     """The FP4Experts of one gpt-oss MoE layer, ``prefix`` e.g. ``"model.layers.0.mlp.experts"`` (module
-    docstring: the keys), the checkpoint's bytes used as they are (``device`` moves them)."""
+    docstring: the keys), the checkpoint's bytes used as they are (``device`` moves them); ``alpha``, ``limit``:
+    the clamped SwiGLU's (``GptOssExperts``' own); ``scale_layout="swizzled"`` re-lays the block scales (a copy
+    of the scales)."""
     gate_up = _gpt_oss_projection(tensors, prefix, "gate_up_proj", device)
     down = _gpt_oss_projection(tensors, prefix, "down_proj", device)
-    return FP4Experts(gate_up, down, activation="gpt-oss", backend=backend)
+    return FP4Experts(_in_layout(gate_up, scale_layout), _in_layout(down, scale_layout), activation="gpt-oss",
+                      alpha=alpha, limit=limit, backend=backend)
 
 
 def _stacked_nvfp4(tensors, prefix: str, experts: int, name: str, device) -> ExpertWeights:
@@ -318,8 +326,11 @@ def _stacked_nvfp4(tensors, prefix: str, experts: int, name: str, device) -> Exp
 
 def nvfp4_experts(tensors: Mapping[str, torch.Tensor], prefix: str, num_experts: int, *,
                   names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), device=None,
-                  backend: str = "auto") -> FP4Experts:
+                  backend: str = "auto", scale_layout: str = "linear") -> FP4Experts:
     """SiLU-gated FP4Experts from per-expert NVFP4 linear layers ``<prefix>.<e>.<name>`` in compressed-tensors or
-    ModelOpt form (Qwen3-MoE / DeepSeek exports; module docstring), ``names``: the gate, up and down layers."""
-    gate, up, down = (_stacked_nvfp4(tensors, prefix, num_experts, name, device) for name in names)
+    ModelOpt form (Qwen3-MoE / DeepSeek exports; module docstring), ``names``: the gate, up and down layers;
+    ``scale_layout``: the stacked block scales' layout.  A stored input scale (W4A4 checkpoints) is read and
+    dropped: FP4Experts run weight-only."""
+    gate, up, down = (_in_layout(_stacked_nvfp4(tensors, prefix, num_experts, name, device), scale_layout)
+                      for name in names)
     return FP4Experts((gate, up), down, activation="silu", backend=backend)

@@ -1,4 +1,5 @@
-"""``from_pretrained``: a transformers causal LM from an FP4 checkpoint directory, its FP4 layers as FP4Linear."""
+"""``from_pretrained``: a transformers causal LM from an FP4 checkpoint directory, its FP4 layers as FP4Linear and
+its FP4 MoE experts as FP4Experts."""
 
 from __future__ import annotations
 
@@ -24,24 +25,30 @@ def from_pretrained(
     **kwargs,
 ) -> nn.Module:
     """The ``transformers.AutoModelForCausalLM`` of ``path`` (``config.json``'s architecture) with the
-    checkpoint's FP4 layers as ``FP4Linear``.
+    checkpoint's FP4 layers as ``FP4Linear`` and its FP4 MoE experts as ``FP4Experts``.
 
     path: a directory with ``config.json``, ``*.safetensors`` and a quantization config in a convention
         ``fp4gemv.nn.load_quantized`` reads (compressed-tensors ``nvfp4-pack-quantized``, NVIDIA ModelOpt
-        NVFP4 with ``hf_quant_config.json``, gpt-oss MXFP4).
+        NVFP4 with ``hf_quant_config.json``, gpt-oss MXFP4: a downloaded gpt-oss checkpoint, ``quant_method``
+        ``"mxfp4"``, as it is), experts included (gpt-oss's fused blocks, or one NVFP4 linear layer per expert
+        as Qwen3-MoE exports store them: ``fp4gemv.nn.model.fp4_experts``).
     device: where every tensor is loaded (transformers' ``device_map``, which needs ``accelerate``: without
         it the model loads on the CPU and is then moved, with a warning; None: the CPU).
-    dtype: the float tensors' dtype (embeddings, norms, lm_head, biases); None: the checkpoint's.
-    activations, scale_layout: ``fp4gemv.nn.hf_quantizer.FP4GemvConfig``'s.
+    dtype: the float tensors' dtype (embeddings, norms, lm_head, the experts' biases; an FP4Linear's bias
+        stays as stored); None: the checkpoint's.
+    activations, scale_layout: ``fp4gemv.nn.hf_quantizer.FP4GemvConfig``'s (experts run weight-only:
+        ``activations="w4a4"`` with FP4 experts is a ValueError; ``scale_layout`` applies to them too).
     kwargs: passed to ``AutoModelForCausalLM.from_pretrained``.
 
     Raises ValueError naming the checkpoint tensors no module takes and the model tensors the checkpoint lacks
-    (as ``load_quantized`` does), which transformers would report and load anyway.
+    (as ``load_quantized`` does), which transformers would report and load anyway; an FP4 experts module's
+    missing or unknown tensors before anything is read.
 
     The model is built on the meta device and each FP4 tensor is read from safetensors straight into its
-    FP4Linear buffer on ``device``; no float copy of an FP4 layer is made, so peak memory is about the
-    checkpoint's bytes.  Same as ``AutoModelForCausalLM.from_pretrained(path,
-    quantization_config=FP4GemvConfig(...))`` (this calls it).  Needs ``pip install fp4gemv[transformers]``.
+    FP4Linear or FP4Experts buffer on ``device``; no float copy of an FP4 layer is made, so peak memory is about
+    the checkpoint's bytes (plus, for per-expert checkpoints, one experts module's bytes while they are stacked).
+    Same as ``AutoModelForCausalLM.from_pretrained(path, quantization_config=FP4GemvConfig(...))`` (this calls it).
+    Needs ``pip install fp4gemv[transformers]``.
     """
     # transformers is an optional dependency (seconds to import): loaded only when a model is.
     from transformers import AutoModelForCausalLM
