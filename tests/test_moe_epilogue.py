@@ -16,7 +16,8 @@ import fp4gemv
 from fp4gemv import moe
 from fp4gemv.nn import FP4Experts
 from fp4gemv.nn.moe import ExpertWeights
-from fp4gemv.reference import MOE_ACTIVATIONS, gate_up_halves, moe_activation, routed_gemv_reference
+from fp4gemv.reference import (MOE_ACTIVATIONS, gate_up_halves, moe_activation, routed_epilogue,
+                               routed_gemv_reference)
 from fp4gemv.target import resolve_target
 from operands import (DEVICE, accumulation_bound, half_ulp, oracle_bound, random_activation, random_fp4)
 
@@ -31,47 +32,43 @@ def row_scales(global_scales, rows, activation, experts):
     """[E, M] float64: each row's global scale ([E] or [E, 2] as the activation arranges gate and up)."""
     if global_scales is None:
         return torch.ones(experts, rows, dtype=torch.float64)
-    gs = global_scales.cpu().to(torch.float64)
+    gs = global_scales.to(torch.float64)
     if gs.dim() == 1:
         return gs[:, None].expand(experts, rows)
-    half = torch.arange(rows) % 2 if MOE_ACTIVATIONS[activation] == "interleaved" else torch.arange(rows) // (rows // 2)
+    half = torch.arange(rows, device=gs.device)
+    half = half % 2 if MOE_ACTIVATIONS[activation] == "interleaved" else half // (rows // 2)
     return gs[:, half]
 
 
 def exact_and_bound(w, x, ids, out_dtype, got, *, bias=None, global_scales=None, activation=None,
                     pair_weights=None, kernel=None):
-    """(exact float64 result, the largest |got - exact| the spec moe_gemv runs may give), module docstring."""
+    """(exact float64 result, the largest |got - exact| the spec moe_gemv runs may give), module docstring; both
+    on w's device (float64 is as exact on the GPU)."""
     alpha, limit = constants(activation)
     reference = kernel == "moe_reference"
     target = resolve_target("reference" if reference else "triton", w.device)
     plan = moe.plan_moe(w, x, ids, bias, global_scales, None, out_dtype, target, None if reference else kernel,
-                        activation=activation,
-                        alpha=alpha, limit=limit, pair_weights=pair_weights)
+                        activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
     model = plan.spec.error_model(plan.case, plan.config)
     experts, m, k = w.shape
     tokens, top_k = ids.shape
-    flat = ids.reshape(-1).long().cpu()
-    valid = (flat >= 0) & (flat < experts)
+    flat = ids.reshape(-1).long()
+    valid = ((flat >= 0) & (flat < experts)).reshape(tokens, top_k, 1)
     e = flat.clamp(0, experts - 1)
-    cpu = lambda t: None if t is None else t.cpu()  # noqa: E731
-    exact = routed_gemv_reference(w.data.cpu(), w.scales.cpu(), w.fmt, w.scale_layout, cpu(w.global_scale),
-                                  x.cpu(), ids.cpu(), cpu(bias), cpu(global_scales), torch.float64, activation,
-                                  alpha, limit, cpu(pair_weights))
-    pre = routed_gemv_reference(w.data.cpu(), w.scales.cpu(), w.fmt, w.scale_layout, cpu(w.global_scale), x.cpu(),
-                                ids.cpu(), cpu(bias), cpu(global_scales), torch.float64, None) \
-        if global_scales is None or global_scales.dim() == 1 else None
-    scales = row_scales(global_scales, m, activation, experts)
-    if pre is None:  # [E, 2]: the pre-activation values with each row's scale
-        unscaled = routed_gemv_reference(w.data.cpu(), w.scales.cpu(), w.fmt, w.scale_layout, None, x.cpu(),
-                                         ids.cpu(), None, None, torch.float64)
-        pre = unscaled * scales[e].reshape(tokens, top_k, m)
-        if bias is not None:
-            pre = pre + bias.cpu().to(torch.float64)[e].reshape(tokens, top_k, m)
-        pre = torch.where(valid.reshape(tokens, top_k, 1), pre, 0.0)
+    t = torch.arange(tokens * top_k, device=flat.device) // top_k
+    f64 = lambda v: None if v is None else v.to(torch.float64)  # noqa: E731
+    exact = routed_gemv_reference(w.data, w.scales, w.fmt, w.scale_layout, w.global_scale, x, ids, bias,
+                                  global_scales, torch.float64, activation, alpha, limit, pair_weights)
+    scales = row_scales(global_scales, m, activation, experts).to(w.data.device)  # [E, M]
+    values = fp4gemv.dequantize(w, torch.float64)  # [E, M, K], w's global scale included
+    pre = torch.einsum("emk,tk->etm", values, f64(x))[e, t] * scales[e]  # [P, M]
+    magnitude = torch.einsum("emk,tk->etm", values.abs(), f64(x).abs())[e, t] * scales.abs()[e]
+    del values
+    bias_abs = torch.zeros_like(magnitude)
+    if bias is not None:
+        pre, bias_abs = pre + f64(bias)[e], f64(bias)[e].abs()
+    pre = torch.where(valid, pre.reshape(tokens, top_k, m), 0.0)
     tensor_scale = 1.0 if w.global_scale is None else abs(float(w.global_scale))
-    magnitude = torch.einsum("pmk,pk->pm", fp4gemv.dequantize(w, torch.float64).cpu().abs()[e] * scales.abs()[e][..., None],
-                             x.cpu().to(torch.float64).abs()[torch.arange(tokens * top_k) // top_k])
-    bias_abs = torch.zeros_like(magnitude) if bias is None else bias.cpu().to(torch.float64)[e].abs()
     delta = (accumulation_bound(magnitude, k, model.tensor_cores, model.fold, tensor_scale * scales.abs()[e])
              + oracle_bound(magnitude, k) + 1.01 * 2.0**-24 * (magnitude + bias_abs)).reshape(tokens, top_k, m)
     if activation is not None:
@@ -81,20 +78,28 @@ def exact_and_bound(w, x, ids, out_dtype, got, *, bias=None, global_scales=None,
         delta = 1.1 * (u.abs() + du + ones) * dg + (g.abs() + dg) * du
         delta = delta + 2.0**-18 * (h.abs() + delta) + 2.0**-126
     if pair_weights is not None:
-        pw = pair_weights.cpu().to(torch.float64).abs()[..., None]
+        pw = f64(pair_weights).abs()[..., None]
         delta = pw * delta + 2.0**-24 * (exact.abs() + pw * delta)
-    bound = torch.where(valid.reshape(tokens, top_k, 1), delta + half_ulp(got.cpu(), out_dtype), 0.0)
+    bound = torch.where(valid, delta + half_ulp(got, out_dtype).to(delta.device), 0.0)
     return exact, bound
 
 
 def assert_epilogue_exact(got, w, x, ids, out_dtype, **kw):
     exact, bound = exact_and_bound(w, x, ids, out_dtype, got, **kw)
-    g = got.cpu().to(torch.float64)
+    g = got.to(torch.float64)
     ok = torch.isfinite(g) & ((g - exact).abs() <= bound)
     if not ok.all():
         bad = (~ok).nonzero()[:5].tolist()
         detail = [(i, g[tuple(i)].item(), exact[tuple(i)].item(), bound[tuple(i)].item()) for i in bad]
         raise AssertionError(f"{int((~ok).sum())} of {g.numel()} outputs off the exact result; first: {detail}")
+
+
+def assert_epilogue_tight(got, want, out_dtype):
+    """got within the fp32 evaluation of the activation (2^-18 relative, 2^-40 of the largest) and one rounding
+    of ``want``, the same products through ``reference.routed_epilogue`` in fp32."""
+    got, want = got.to(torch.float64), want.to(torch.float64)
+    bound = 2.0**-18 * want.abs() + 2.0**-40 * want.abs().max() + half_ulp(got, out_dtype)
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max().item()
 
 
 def gate_up_activation(tokens=5, experts=8, rows=40, k=96, seed=50, fmt="mxfp4", layout="linear"):
@@ -124,6 +129,24 @@ def test_activation_and_pair_weights_match_exact(kernel, activation, fmt, layout
         assert got.shape == (5, 3, 20) and got.dtype == out_dtype
         assert_epilogue_exact(got, w, x, ids, out_dtype, bias=bias, global_scales=gs, activation=activation,
                               pair_weights=weights, kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", ["moe_weight_only", "moe_general"])
+@pytest.mark.parametrize("activation,fmt", [("gpt-oss", "mxfp4"), ("silu", "nvfp4")])
+def test_epilogue_equals_the_kernels_own_products_through_the_oracle_epilogue(kernel, activation, fmt):
+    """A tight check of the epilogue alone (the bound above is the products', loose where the tensor cores'
+    fold leaves room): the fused result against the same kernel's bare fp32 products put through
+    ``reference.routed_epilogue`` in fp32 (gate's and up's scales, bias, activation, weights), within the fp32
+    evaluation of the activation (2^-18 relative) and half an ulp."""
+    w, x, ids, bias, pw = gate_up_activation(fmt=fmt, layout="swizzled" if fmt == "nvfp4" else "linear", seed=120)
+    gs = (torch.rand(8, 2, generator=torch.Generator().manual_seed(121)) + 0.5).to(DEVICE) if fmt == "nvfp4" else None
+    alpha, limit = constants(activation)
+    got = fp4gemv.moe_gemv(w, x, ids, bias=bias, global_scales=gs, activation=activation, pair_weights=pw,
+                           out_dtype=torch.float32, backend="triton", kernel=kernel)
+    bare = fp4gemv.moe_gemv(w, x, ids, out_dtype=torch.float32, backend="triton", kernel=kernel)
+    want = routed_epilogue(bare, ids, 8, half_scales=gs, bias=bias, activation=activation, alpha=alpha, limit=limit,
+                           pair_weights=pw)
+    assert_epilogue_tight(got, want, torch.float32)
 
 
 @pytest.mark.parametrize("config", [dict(tiles=1, warps=2, split=True), dict(tiles=2, warps=1, split=False)])
@@ -274,3 +297,7 @@ def test_epilogue_on_gpu_in_a_cuda_graph_without_sync(activation, fmt):
         torch.cuda.set_sync_debug_mode("default")
     assert_epilogue_exact(out, w, x, ids, torch.bfloat16, bias=bias, global_scales=gs, activation=activation,
                           pair_weights=pw, kernel="moe_weight_only")
+    bare = fp4gemv.moe_gemv(w, x, ids, out_dtype=torch.float32)  # the same PTX step without the epilogue
+    alpha, limit = constants(activation)
+    assert_epilogue_tight(out, routed_epilogue(bare, ids, experts, half_scales=gs, bias=bias, activation=activation,
+                                               alpha=alpha, limit=limit, pair_weights=pw), torch.bfloat16)
