@@ -265,9 +265,9 @@ def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_d
         return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out=out, out_dtype=out_dtype,
                             backend=backend, check_ids=check_ids, check_values=check_values, kernel=kernel,
                             config=config, activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
-    moe.epilogue_constants(activation, alpha, limit)
-    _, out_dtype = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
-                                           activation=activation, pair_weights=pair_weights)
+    _, out_dtype, _, _ = moe.check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
+                                                 activation=activation, alpha=alpha, limit=limit,
+                                                 pair_weights=pair_weights)
     moe.refuse_gradients(x, bias, global_scales, pair_weights)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
                                         w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel,

@@ -32,10 +32,11 @@ from . import formats
 from .formats import dtype_names as _names
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
-from .kernels.spec import KernelSpec, MoeCase, MoeOperands, TritonKernelSpec
+from .kernels.spec import KernelSpec, MoeCase, MoeOperands
 from .reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, MOE_ACTIVATIONS
 from .ops import (_DIRECT_LAUNCH, ACTIVATION_DTYPES, OUT_DTYPES, KeptLaunch, _extent, _may_share, _needs_copy,
                   check_apart, check_out, gemv_operands, keep_call, kept_call, without_backward)
+from .ops import refuse_gradients as _refuse_gradients
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor, check_device_with_values
 
@@ -77,10 +78,12 @@ def epilogue_constants(activation, alpha, limit) -> tuple[float, float]:
     return float(alpha), float(limit)
 
 
-def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *, activation=None,
-                        pair_weights=None) -> tuple[tuple[int, int, int], torch.dtype]:
-    """The checks of :func:`moe_gemv` that read metadata only (eager calls and ``torch.compile`` share them):
-    the result's shape ``(T, k, M)`` (``M / 2`` with an activation) and dtype."""
+def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *, activation=None, alpha=None,
+                        limit=None, pair_weights=None) -> tuple[tuple[int, int, int], torch.dtype, float, float]:
+    """The checks of :func:`moe_gemv` that read metadata only (eager calls and ``torch.compile`` share them),
+    the activation's first (``epilogue_constants``): the result's shape ``(T, k, M)`` (``M / 2`` with an
+    activation) and dtype, and the activation's alpha and limit."""
+    alpha, limit = epilogue_constants(activation, alpha, limit)
     if not isinstance(w, FP4Tensor):
         raise TypeError(f"w: expected an FP4Tensor [E, M, K] (see fp4gemv.quantize), got {type(w).__name__}")
     if w.ndim != 3:
@@ -102,8 +105,6 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *
         _check_tensor("bias", bias, BIAS_DTYPES, 2, device)
         if tuple(bias.shape) != (experts, m):
             raise ValueError(f"bias: expected shape [E, M] = {(experts, m)}, got {tuple(bias.shape)}")
-    if activation is not None and activation not in MOE_ACTIVATIONS:
-        raise ValueError(f"activation: expected None or one of {sorted(MOE_ACTIVATIONS)}, got {activation!r}")
     if activation is not None and m % 2:
         raise ValueError(f"w: expected an even number of rows M (gate and up) with activation {activation!r}, "
                          f"got shape {tuple(w.shape)}")
@@ -130,7 +131,7 @@ def check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype, *
     if out is not None:
         check_out(out, shape, out_dtype, device, shape_name="[T, k, M / 2] = " if activation else "[T, k, M] = ",
                   owner="w", inputs=moe_inputs(w, x, expert_ids, bias, global_scales, pair_weights))
-    return shape, out_dtype
+    return shape, out_dtype, alpha, limit
 
 
 def moe_inputs(w, x, expert_ids, bias, global_scales, pair_weights):
@@ -299,13 +300,9 @@ NO_BACKWARD = ("moe_gemv has no backward (inference only): x, bias, global_scale
 
 
 def refuse_gradients(x, bias, global_scales, pair_weights=None) -> None:
-    """Under torch.compile, where a backward that raises would fail the compile: ValueError naming the input
-    that requires grad (in grad mode)."""
-    if torch.is_grad_enabled():
-        for name, t in (("x", x), ("bias", bias), ("global_scales", global_scales), ("pair_weights", pair_weights)):
-            if t is not None and t.requires_grad:
-                raise ValueError(f"{name}: expected a tensor that does not require grad under torch.compile "
-                                 f"({NO_BACKWARD}), got one that does")
+    """``ops.refuse_gradients`` of moe_gemv's float inputs."""
+    _refuse_gradients((("x", x), ("bias", bias), ("global_scales", global_scales), ("pair_weights", pair_weights)),
+                      NO_BACKWARD)
 
 
 # --- prepared calls ----------------------------------------------------------------------------------------------
@@ -364,9 +361,9 @@ def _plan_call(w, x, expert_ids, bias, global_scales, out, out_dtype, backend, k
                limit, pair_weights, check_ids: bool, check_values: bool):
     """Validate :func:`moe_gemv`'s arguments (every check, ids and values when asked), plan: the new
     :class:`PreparedMoe` and x as its first launch reads it (copied when the plan says so)."""
-    alpha, limit = epilogue_constants(activation, alpha, limit)
-    shape, out_dtype = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
-                                           activation=activation, pair_weights=pair_weights)
+    shape, out_dtype, alpha, limit = check_moe_arguments(w, x, expert_ids, bias, global_scales, out, out_dtype,
+                                                         activation=activation, alpha=alpha, limit=limit,
+                                                         pair_weights=pair_weights)
     device = w.device
     target = resolve_target(backend, device)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -398,12 +395,9 @@ class PreparedMoe(KeptLaunch):
 
     def __init__(self, plan: MoePlan, copy_x: bool, shape: tuple[int, int, int], device: torch.device,
                  extents: tuple[int, ...], direct_launch: bool = _DIRECT_LAUNCH):
-        template = None
-        if isinstance(plan.spec, TritonKernelSpec):
-            template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
         cuda = device.type == "cuda"
         # The JIT launches on the current device's stream: so does the kept launch (that device is keyed).
-        super().__init__(template, _FIELDS, torch.device("cuda", torch.cuda.current_device()) if cuda else device,
+        super().__init__(plan, _FIELDS, torch.device("cuda", torch.cuda.current_device()) if cuda else device,
                          direct_launch)
         self.plan, self.copy_x, self.shape, self.device, self.extents = plan, copy_x, shape, device, extents
         self._cuda = cuda

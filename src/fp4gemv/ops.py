@@ -36,7 +36,7 @@ from .tensor import FP4Tensor
 
 __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGemv", "GemvAddresses", "GemvPlan",
            "plan_for", "gemv_operands", "check_arguments", "check_out", "check_apart", "gemv_inputs", "result_shape",
-           "clear_cache", "without_backward", "KeptLaunch", "kept_call", "keep_call",
+           "clear_cache", "without_backward", "refuse_gradients", "KeptLaunch", "kept_call", "keep_call",
            "direct_launch_supported",
            "ACTIVATION_DTYPES", "OUT_DTYPES"]
 
@@ -150,6 +150,17 @@ def without_backward(result: torch.Tensor, inputs, message: str) -> torch.Tensor
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
         return _NoBackward.apply(message, result, *inputs)
     return result
+
+
+def refuse_gradients(inputs, message: str) -> None:
+    """Under ``torch.compile``, where a backward that raises (:func:`without_backward`) would fail the compile:
+    ValueError naming the first of ``inputs`` (``(name, tensor or None)`` pairs) that requires grad, in grad mode
+    (``message``: why the op has no backward)."""
+    if torch.is_grad_enabled():
+        for name, t in inputs:
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name}: expected a tensor that does not require grad under torch.compile "
+                                 f"({message}), got one that does")
 
 
 def check_out(out: torch.Tensor, shape: tuple[int, ...], out_dtype: torch.dtype, device: torch.device,
@@ -408,8 +419,8 @@ def _may_share(addresses: tuple, extents: tuple, out_index: int) -> bool:
 class KeptLaunch:
     """One planned Triton launch, kept with a prepared call (:class:`PreparedGemv`, ``moe.PreparedMoe``).
 
-    ``template`` is the spec's ``TritonLaunch`` (None for specs that launch otherwise: the caller runs
-    ``spec.launch``).  The first :meth:`_launch_jit` goes through Triton's JIT, which compiles the kernel.  On
+    Its template is the ``TritonLaunch`` of ``plan``'s spec (a GemvPlan or MoePlan: spec, case, config, target;
+    None for specs that launch otherwise, or take more than one kernel: the caller runs ``spec.launch``).  The first :meth:`_launch_jit` goes through Triton's JIT, which compiles the kernel.  On
     CUDA (with Triton 3.6) the compiled kernel is then kept with the argument list: :meth:`_launch` fills its
     pointer arguments (the template's :class:`Src` placeholders, by ``fields``: operand name -> index in the
     addresses the caller gives) and calls the compiled kernel's launcher directly, on the current stream of the
@@ -418,7 +429,10 @@ class KeptLaunch:
     __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_grid", "_launcher",
                  "_direct_launch", "_current_stream", "_runtime_knobs")
 
-    def __init__(self, template, fields: dict[str, int], device: torch.device, direct_launch: bool):
+    def __init__(self, plan, fields: dict[str, int], device: torch.device, direct_launch: bool):
+        template = None
+        if isinstance(plan.spec, TritonKernelSpec):
+            template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
         self._template = template
         self._fields = fields
         self._device_index = device.index if device.type == "cuda" else None
@@ -485,10 +499,7 @@ class PreparedGemv(KeptLaunch):
     __slots__ = ("plan",)
 
     def __init__(self, plan: GemvPlan, direct_launch: bool = _DIRECT_LAUNCH):
-        template = None
-        if isinstance(plan.spec, TritonKernelSpec):
-            template = plan.spec.triton_launch(plan.case, plan.config, plan.target)
-        super().__init__(template, _ADDRESS_INDEX, plan.device, direct_launch)
+        super().__init__(plan, _ADDRESS_INDEX, plan.device, direct_launch)
         self.plan = plan
 
     @property

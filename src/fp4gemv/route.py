@@ -16,6 +16,7 @@ from .formats import dtype_names as _names
 from .kernels import ROUTE_KERNELS, choose_kernel
 from .kernels.moe_route import MAX_EXPERTS, RouteCase, RouteOperands
 from .moe import ID_DTYPES
+from .ops import refuse_gradients as _refuse_gradients
 from .ops import without_backward
 from .reference import ROUTE_WEIGHTS
 from .target import Backend, resolve_target
@@ -124,8 +125,5 @@ NO_BACKWARD = ("moe_route has no backward (inference only): logits get no gradie
 
 
 def refuse_gradients(logits) -> None:
-    """Under torch.compile, where a backward that raises would fail the compile: ValueError naming ``logits``
-    when they require grad (in grad mode)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        raise ValueError(f"logits: expected a tensor that does not require grad under torch.compile "
-                         f"({NO_BACKWARD}), got one that does")
+    """``ops.refuse_gradients`` of the logits."""
+    _refuse_gradients((("logits", logits),), NO_BACKWARD)
