@@ -14,7 +14,8 @@ from . import layouts
 from .formats import FP4Format, dequantize, round_from_float64
 
 __all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference", "routed_epilogue",
-           "moe_activation", "gate_up_halves", "MOE_ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
+           "moe_activation", "gate_up_halves", "MOE_ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "route_reference",
+           "ROUTE_WEIGHTS"]
 
 # The activations a routed product can end in, and where gate and up lie in W's 2I rows: "gpt-oss" interleaved
 # (rows 2i and 2i + 1; transformers 5.17 GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]), "silu" halves
@@ -141,8 +142,6 @@ def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Form
 
 
 # --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------
-
-__all__ += ["route_reference", "ROUTE_WEIGHTS"]
 
 ROUTE_WEIGHTS = ("softmax_selected", "softmax_all")
 

@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import routed_epilogue
 from ..target import Target
 from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1, unpack_block
 from .general import _load_k, _scale_cols
-from ..reference import routed_epilogue
 from .spec import MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS",

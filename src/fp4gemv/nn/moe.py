@@ -331,6 +331,8 @@ def nvfp4_experts(tensors: Mapping[str, torch.Tensor], prefix: str, num_experts:
     ModelOpt form (Qwen3-MoE / DeepSeek exports; module docstring), ``names``: the gate, up and down layers;
     ``scale_layout``: the stacked block scales' layout.  A stored input scale (W4A4 checkpoints) is read and
     dropped: FP4Experts run weight-only."""
-    gate, up, down = (_in_layout(_stacked_nvfp4(tensors, prefix, num_experts, name, device), scale_layout)
-                      for name in names)
-    return FP4Experts((gate, up), down, activation="silu", backend=backend)
+    gate, up, down = (_stacked_nvfp4(tensors, prefix, num_experts, name, device) for name in names)
+    # gate and up stacked into halves here, in the stored (linear) layout, then re-laid once with down.
+    gate_up = _stacked_gate_up(gate, up)
+    return FP4Experts(_in_layout(gate_up, scale_layout), _in_layout(down, scale_layout), activation="silu",
+                      backend=backend)
