@@ -286,7 +286,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         print(format_decode_table(rows))
         return 0
     bench.run(bench.SHAPE_SETS[args.shapes], args.out, fmt=args.format, act=args.act, ns=ns,
-              bf16_baseline=args.bf16)
+              bf16_baseline=args.bf16, scale_layout=args.scale_layout)
     return 0
 
 
@@ -301,6 +301,9 @@ def _add_bench_parser(commands: argparse._SubParsersAction) -> None:
                    help="activation: FP4 in the weights' format (W4A4) or a float dtype (W4A16)")
     p.add_argument("--n", default=None, help="activation rows (decode batch), comma-separated, each 1..16 "
                                              "(default: 1; with --model: 1,8, 1,8,16 for an MoE model)")
+    p.add_argument("--scale-layout", choices=("swizzled", "linear"), default="swizzled",
+                   help="the weights' scale layout (the table's cases; the task's own case keeps the task's tuples): "
+                        "linear runs the decode engine from N = 9 with bf16 activations")
     p.add_argument("--bf16", action="store_true",
                    help="also time the product with bf16 weights (torch.matmul) and with e4m3 weights and activation "
                         "(torch._scaled_mm, per-tensor scales), the ratios beside")

@@ -60,21 +60,23 @@ def case_bytes(shape: Shape, fmt: str = "nvfp4", act: str = "fp4") -> int:
     return int(l * (m * k // 2 + m * k // block) + l * n * k * act_per_element + l * m * n * 2)
 
 
-def _random_fp4(batch: int, rows: int, k: int, fmt: str, g: torch.Generator, device) -> FP4Tensor:
-    """All 256 byte values (every code, both signs); scales powers of two 2^-4 .. 2^3, swizzled."""
+def _random_fp4(batch: int, rows: int, k: int, fmt: str, g: torch.Generator, device,
+                scale_layout: str = "swizzled") -> FP4Tensor:
+    """All 256 byte values (every code, both signs); scales powers of two 2^-4 .. 2^3, in ``scale_layout``."""
     f = formats.FORMATS[fmt]
     data = torch.randint(0, 256, (batch, rows, k // 2), dtype=torch.uint8, device=device, generator=g)
     rows_p, cols_p = layouts.padded_scale_shape(rows, k // f.block_size)
     powers = torch.exp2(torch.randint(-4, 4, (batch, rows_p * cols_p), device=device, generator=g).float())
     encode = formats.encode_e4m3 if f.scale_dtype == torch.float8_e4m3fn else formats.encode_e8m0
-    return FP4Tensor(data, encode(powers), fmt, "swizzled")
+    return FP4Tensor(data, encode(powers), fmt, "swizzled").with_scale_layout(scale_layout)
 
 
-def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device="cuda"):
-    """``(a, b, out)`` for ``fp4gemv.gemv``: random FP4 weights ``[L, M, K]``, an FP4 or float activation
-    ``[L, N, K]`` and the fp16 output.  For timing only (correctness is checked on the tests' full-range data)."""
+def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device="cuda", scale_layout: str = "swizzled"):
+    """``(a, b, out)`` for ``fp4gemv.gemv``: random FP4 weights ``[L, M, K]`` (scales in ``scale_layout``), an FP4
+    or float activation ``[L, N, K]`` and the fp16 output.  For timing only (correctness is checked on the tests'
+    full-range data)."""
     g = torch.Generator(device=device).manual_seed(seed)
-    a = _random_fp4(shape.l, shape.m, shape.k, fmt, g, device)
+    a = _random_fp4(shape.l, shape.m, shape.k, fmt, g, device, scale_layout)
     dtype = ACTIVATIONS[act]
     if dtype is None:
         b = _random_fp4(shape.l, shape.n, shape.k, fmt, g, device)
@@ -124,12 +126,13 @@ def _describe_plan(plan: ops.GemvPlan) -> str:
 
 
 def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline: bool = False,
-               measure: Measurements = GPU_MEASUREMENTS) -> dict:
-    """Every measurement of one case (module docstring); a row of the table."""
+               measure: Measurements = GPU_MEASUREMENTS, scale_layout: str = "swizzled") -> dict:
+    """Every measurement of one case (module docstring); a row of the table.  ``scale_layout``: the weights' (the
+    task's own case keeps the task's tuples)."""
     nbytes = case_bytes(shape, fmt, act)
     count = measure.input_count(nbytes)
     row = {"m": shape.m, "k": shape.k, "l": shape.l, "n": shape.n, "fmt": fmt, "act": act, "bytes": nbytes,
-           "inputs": count}
+           "inputs": count, "scale_layout": scale_layout}
     if (fmt, act, shape.n) == ("nvfp4", "fp4", 1):
         inputs = [random_task_input(shape.m, shape.k, shape.l, seed=i, device=measure.device) for i in range(count)]
         weights, activation, out = task.task_views(inputs[0])
@@ -138,7 +141,8 @@ def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline
         launch = task.custom_kernel
         row["host_us"] = measure.host_time_us(lambda: task.custom_kernel(inputs[0]))
     else:
-        inputs = [random_gemv_operands(shape, fmt, act, seed=i, device=measure.device) for i in range(count)]
+        inputs = [random_gemv_operands(shape, fmt, act, seed=i, device=measure.device, scale_layout=scale_layout)
+                  for i in range(count)]
         a, b, out = inputs[0]
         row["path"] = "fp4gemv.gemv"
         plan = ops.plan_for(a, b, out=out)
@@ -228,14 +232,14 @@ def format_table(rows: Sequence[dict]) -> str:
 
 
 def run(shapes: Sequence[Shape], out_dir: str, fmt: str = "nvfp4", act: str = "fp4", ns: Sequence[int] = (1,),
-        bf16_baseline: bool = False) -> list[dict]:
+        bf16_baseline: bool = False, scale_layout: str = "swizzled") -> list[dict]:
     """Measure every shape for each N, write ``bench.json`` to ``out_dir``, print the table."""
     rows = []
     for s in shapes:
         for n in ns:
             case = Shape(s.m, s.k, s.l, n)
             print(f"measuring {case.label()} {fmt} {act} N={n} ...", flush=True)
-            rows.append(bench_case(case, fmt, act, bf16_baseline))
+            rows.append(bench_case(case, fmt, act, bf16_baseline, scale_layout=scale_layout))
     os.makedirs(out_dir, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with open(os.path.join(out_dir, "bench.json"), "w") as f:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 from ..target import Target
+from .engine import Engine
 from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
@@ -28,7 +29,8 @@ from .weight_only import MAX_FLOAT_N_OVER_HMMA, WeightOnly
 
 __all__ = ["GEMV_KERNELS", "MOE_KERNELS", "DEFERRALS", "Deferral", "kernel_by_name", "choose_kernel"]
 
-GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), Stream(), WeightOnly(), Hmma(), General(), Reference())
+GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), Engine(), Stream(), WeightOnly(), Hmma(), General(),
+                                         Reference())
 MOE_KERNELS: tuple[KernelSpec, ...] = (MoeWeightOnly(), MoeGeneral(), MoeReference())
 
 
@@ -42,6 +44,9 @@ class Deferral(NamedTuple):
 
 
 DEFERRALS: tuple[Deferral, ...] = (
+    # docs/performance.md, round 14 (the decode engine): at N <= 8 it was slower than weight_only on 14336 x 4096.
+    Deferral("engine", "weight_only", lambda case: case.n <= MAX_FLOAT_N_OVER_HMMA,
+             f"N <= {MAX_FLOAT_N_OVER_HMMA} runs on weight_only (measured as fast or faster on some shapes)"),
     # docs/performance.md, the streaming skeleton: at N <= 8 the register-fed weight_only kernel is faster.
     Deferral("stream", "weight_only", lambda case: case.n < STREAM_MIN_N,
              f"N < {STREAM_MIN_N} runs faster on weight_only (measured)"),

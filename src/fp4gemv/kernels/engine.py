@@ -1,0 +1,403 @@
+"""The decode engine, first version (issue 27): NVFP4 weights times bf16 activations, N = 1..16, on Hopper.
+
+The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon, ``_gluon``):
+
+* a producer warp streams, per step of ``STEP_K`` = 1024 elements of K, the rows' packed weights, their e4m3
+  scales and the activation's slice with bulk tensor copies (TMA) into a ring of ``stages`` shared-memory slots,
+  each guarded by a "ready" mbarrier (the copies' bytes) and an "empty" one (every consumer thread's arrival);
+* ``WARPS`` consumer warps each take 256 elements of the step (warp w: K elements 256 w .. 256 w + 255 of it),
+  load their slice from shared memory (16-byte loads of 128-byte-swizzled rows) and run the weight-only kernel's
+  fold step on registers (``_mma_step``: the e2m1 codes decoded straight into ``mma.sync.m16n8k16`` A fragments,
+  the e4m3 scale folded into them, bf16 mma) -- no barrier between the consumer warps per step;
+* at the end the warps' fp32 accumulators are summed (once) and the result rounded once into ``out``.
+
+Operand layout.  A consumer thread (lane 4 g + c of warp w) holds, as the asm's 8 * tiles elements
+e = b + 2 u + 4 h + 8 t (``register``), block ``8 u + 2 c + b`` (16 elements, one int64 of packed codes) of row
+``16 t + 8 h + g`` of its step slice and that block's scale byte: exactly the weight-only kernel's fold ownership
+(thread c owns 32 consecutive elements of each 128-element chunk u).  Its activation operands are four int64 per
+element (``x0 .. x3``: elements 4 z .. 4 z + 3 of the same block) of activation row ``g + 8 h``, which is where
+the mma's B fragments of n-tile h come from (N <= 8: h = 0 only).  ``_x_operands`` builds them from the copied
+activation slice by reshapes and permutations (register renames, no data movement); ``engine_twin`` replays the
+same index maps in torch (CPU), and ``tests/test_kernels_engine.py`` checks it against the exact oracle.
+
+Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
+fp32 accumulation per warp over its K, the warps' sums added in fp32, one rounding to the output dtype.
+
+What it does not run (``why_not``): MXFP4, fp16 or FP4 activations, a batch (L > 1), swizzled scales, K not a
+multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
+round 14): N >= 9, where it is 1.1-1.4x the streaming kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+from ..formats import decode_e2m1, decode_e4m3, unpack_e2m1
+from ..target import Target
+from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent
+from ._ptx import PtxBlock
+from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
+
+__all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "WARPS", "STEP_K", "register",
+           "activation_rows"]
+
+WARPS = 4  # consumer warps; each takes 256 elements of a step
+STEP_K = 256 * WARPS
+MAX_N = 16
+FOLD_EXPONENT = fold_exponent("nvfp4", "bf16", "fold")
+
+
+class EngineConfig(NamedTuple):
+    """``tiles``: m16 tiles per program (16 * tiles rows); ``stages``: ring slots of one step each; ``maxnreg``:
+    the registers per thread the launch allows (the producer warp's group keeps ``PRODUCER_REGS`` and leaves the
+    rest to the consumer warps)."""
+
+    tiles: int = 2
+    stages: int = 2
+    maxnreg: int = 128
+
+
+TILES = (1, 2, 4)
+PRODUCER_REGS = 40
+
+
+def engine_config(case: GemvCase) -> EngineConfig:
+    """2 tiles; 2 ring slots where N > 8 (the 16-row activation slice makes a slot 50 KB), else 3 (H200, round 14
+    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16)."""
+    return EngineConfig(2, 2 if case.n > 8 else 3, 128)
+
+
+def register(b: int, u: int, h: int, t: int) -> int:
+    """The asm element of block b of chunk u, row half h, tile t (the layouts below list their registers in this
+    order)."""
+    return b + 2 * u + 4 * h + 8 * t
+
+
+def activation_rows(n: int) -> int:
+    """Rows of the activation slice a step copies: N rounded up to a power of two (16 above 8)."""
+    return 16 if n > 8 else 1 << (n - 1).bit_length()
+
+
+# --- the step: the fold step of kernels/_mma_step.py on registers -------------------------------------------------
+
+
+class _RegisterFold(_Step):
+    """One consumer step: ``8 * tiles`` elements per thread (``register``), operands in asm order: the fp32
+    accumulators (outputs, tied), the weights (int64), the scale bytes (packed four per register), ``x0 .. x3``
+    (int64) and the ``MULTIPLIERS``.  Accumulator element ``8 t + 4 nt + r`` is register r of tile t's C fragment
+    for n-tile nt."""
+
+    def __init__(self, tiles: int, n_tiles: int):
+        PtxBlock.__init__(self)
+        self.mma_type = "bf16"
+        self.spec = StepSpec("nvfp4", "bf16", "fold", tiles, 2, n_tiles, 4, 4, False)
+        pack = 8 * tiles
+        names = [("w", "l", pack), ("s", "r", pack // 4)] + [(f"x{z}", "l", pack) for z in range(4)]
+        names += [(m, "r", pack) for m in MULTIPLIERS]
+        constraints = ["=f"] * pack + [str(i) for i in range(pack)]
+        index, first = {}, 2 * pack
+        for name, kind, count in names:
+            index[name] = first
+            constraints += [kind] * count
+            first += count
+        self.constraints = ",".join(constraints)
+        op = lambda name, e=0: f"${index[name] + e}"  # noqa: E731
+        self.mul = {m: op(m) for m in MULTIPLIERS}
+        b_pairs = {}
+        for u in range(2):
+            for nt in range(n_tiles):  # n-tile nt: the h = nt elements of x (activation rows g + 8 nt); tile 0's
+                raw = []
+                for b in range(2):
+                    for z in range(4):
+                        lo, hi = self.reg("b32", f"y{nt}_{u}_{b}_{z}l"), self.reg("b32", f"y{nt}_{u}_{b}_{z}h")
+                        self.emit(f"mov.b64 {{{lo}, {hi}}}, {op(f'x{z}', register(b, u, nt, 0))};")
+                        raw += [lo, hi]
+                b_pairs[u, nt] = self.float_pairs(raw, f"b{nt}_{u}_")
+        for t in range(tiles):
+            for u in range(2):
+                words, scales = {}, []
+                for h in range(2):
+                    words[h] = []
+                    for b in range(2):
+                        lo, hi = self.reg("b32", f"w{t}_{u}_{h}_{b}l"), self.reg("b32", f"w{t}_{u}_{h}_{b}h")
+                        self.emit(f"mov.b64 {{{lo}, {hi}}}, {op('w', register(b, u, h, t))};")
+                        words[h] += [lo, hi]
+                    e = register(0, u, h, t)  # bytes e, e + 1: blocks b = 0, 1
+                    wide, raw = self.reg("b32", f"st{t}_{u}_{h}"), self.reg("b16", f"sr{t}_{u}_{h}")
+                    self.emit(f"shr.u32 {wide}, {op('s', e // 4)}, {8 * (e % 4)};", f"cvt.u16.u32 {raw}, {wide};")
+                    scales.append(self.scale_pairs_e4m3(raw, f"sc{t}_{u}_{h}", bias=True))
+                for q in range(4):  # word q: half q % 2 of block q // 2
+                    a = [self.decode(words[h][q], f"a{t}_{u}_{h}_{q}") for h in range(2)]
+                    for h in range(2):
+                        for p in a[h]:
+                            self.emit(f"mul.rn.bf16x2 {p}, {p}, {scales[h][q // 2]};")
+                    for nt in range(n_tiles):
+                        d = [f"${8 * t + 4 * nt + r}" for r in range(4)]
+                        for mm in range(2):
+                            frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
+                            self.mma(d, frag, [b_pairs[u, nt][4 * q + 2 * mm], b_pairs[u, nt][4 * q + 2 * mm + 1]], d)
+
+
+@functools.lru_cache(maxsize=None)
+def step_asm(tiles: int, n_tiles: int) -> tuple[str, str]:
+    """(asm, constraints) of one consumer step (``_RegisterFold``)."""
+    step = _RegisterFold(tiles, n_tiles)
+    return step.text(), step.constraints
+
+
+# --- layouts and index maps (shared by the kernel and engine_twin) -----------------------------------------------
+
+# The activation slice of a step, viewed as int64 [4 WARPS (w, u, c1), rows, 16 (c0, b, z)], is reshaped to bits
+# and permuted into [w, rows, (u, c1, c0, b), z]: X_SPLIT[rows] the shape after the reshape, X_ORDER the
+# permutation (16 rows: rows = (h, g); fewer: n only).
+X_SPLIT = {16: (WARPS, 2, 2, 2, 8, 2, 2, 4), "few": (WARPS, 2, 2, "n", 2, 2, 4)}
+X_ORDER = {16: (0, 3, 4, 1, 2, 5, 6, 7), "few": (0, 3, 1, 2, 4, 5, 6)}
+
+
+def _x_split(rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if rows == 16:
+        return X_SPLIT[16], X_ORDER[16]
+    return tuple(rows if v == "n" else v for v in X_SPLIT["few"]), X_ORDER["few"]
+
+
+def _layouts(tiles: int, rows: int):
+    """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16]) layouts."""
+    weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [2, 0, 0]] + ([[0, 8, 0]] if rows == 16 else [])  # z0 z1 b u (h)
+    g_lanes = [[0, 1 << i, 0] if (1 << i) < rows else [0, 0, 0] for i in range(3)]
+    activation = gl.DistributedLinearLayout(reg_bases=bases, lane_bases=[[0, 0, 8], [1, 0, 0]] + g_lanes,
+                                            warp_bases=[[4, 0, 0], [8, 0, 0]], block_bases=[],
+                                            shape=[4 * WARPS, rows, 16])
+    return weights, activation
+
+
+# --- the kernel --------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_steps, STAGES: gl.constexpr):
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                        + x_desc.block_type.nbytes)
+        tma_load(w_desc, [i * 4, row0, 0], ready.index(slot), wbuf.index(slot))
+        tma_load(s_desc, [i * 4, row0, 0], ready.index(slot), sbuf.index(slot))
+        tma_load(x_desc, [16 * i, 0, 0], ready.index(slot), xbuf.index(slot))
+
+
+@gluon.jit
+def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.constexpr):
+    """The copied bytes of a ring slot ``buf`` viewed as int64 ``[SHAPE0, SHAPE1, 16]`` (same bytes, same swizzle)."""
+    if PUBLIC_REINTERPRET:
+        view = buf.reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
+    else:
+        view = buf._reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
+    return view
+
+
+@gluon.jit
+def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr):
+    """x0 .. x3 ``[WARPS, 16 TILES, 16]`` in ``LW`` from the activation slice (module docstring): the reshape and
+    permutation are ``X_SPLIT`` / ``X_ORDER`` (written out: Gluon takes shapes as literals)."""
+    G: gl.constexpr = min(ROWS, 8)
+    B5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 4], [1, 8 // G, G, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    B4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 8 // G, G, 4], [4, 1, 1, 1], [3, 2, 1, 0])
+    if ROWS == 16:
+        x = gl.permute(gl.reshape(xt, [4, 2, 2, 2, 8, 2, 2, 4]), [0, 3, 4, 1, 2, 5, 6, 7])
+    else:
+        x = gl.permute(gl.reshape(xt, [4, 2, 2, ROWS, 2, 2, 4]), [0, 3, 1, 2, 4, 5, 6])
+    x = gl.convert_layout(gl.reshape(x, [4, 1, ROWS, 16, 4]), B5)
+    low, high = gl.split(gl.reshape(x, [4, 1, ROWS, 16, 2, 2]))  # z % 2 = 0, 1
+    x0, x2 = gl.split(low)
+    x1, x3 = gl.split(high)
+    R: gl.constexpr = 16 * TILES // ROWS
+    x0 = gl.convert_layout(gl.reshape(gl.convert_layout(x0, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
+    x1 = gl.convert_layout(gl.reshape(gl.convert_layout(x1, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
+    x2 = gl.convert_layout(gl.reshape(gl.convert_layout(x2, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
+    x3 = gl.convert_layout(gl.reshape(gl.convert_layout(x3, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
+    return x0, x1, x2, x3
+
+
+@gluon.jit
+def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m, out_stride_n,
+              m6, m2, m26, m29, m30, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+              HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
+              LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr):
+    acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
+    zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
+    for i in range(n_steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
+        s = sbuf.index(slot).load(LW)
+        x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
+        acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
+                                                           zero + m26, zero + m29, zero + m30],
+                                        dtype=gl.float32, is_pure=True, pack=8 * TILES)
+        # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
+        async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+    out = gl.sum(acc, axis=0) * FOLD
+    if HAS_GSA:
+        out = out * gl.load(gsa_ptr)
+    LO: gl.constexpr = gl.SliceLayout(0, LW)
+    r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]  # 16 t + 8 h + g
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]  # 8 u + 2 c + b
+    # Element (t, h, u, b) of lane (g, c) is C[row 8 u + g of tile t][column 8 h + 2 c + b] (_RegisterFold).
+    rows = row0 + 16 * (r // 16) + 8 * (j // 8) + r % 8
+    n = 8 * ((r // 8) % 2) + 2 * ((j // 2) % 4) + j % 2
+    gl.store(out_ptr + rows.to(gl.int64) * out_stride_m + n * out_stride_n, out.to(out_ptr.dtype.element_ty),
+             mask=(rows < M) & (n < N))
+
+
+@gluon.jit
+def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_stride_m, out_stride_n,
+                       m6, m2, m26, m29, m30, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+                       HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
+                       LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
+                       PRODUCER_REGS: gl.constexpr):
+    row0 = gl.program_id(0) * (16 * TILES)
+    n_steps = K // 1024
+    wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+    xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=128)  # every consumer thread
+    gl.warp_specialize([
+        (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m,
+                     out_stride_n, m6, m2, m26, m29, m30, TILES, STAGES, ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS,
+                     LW, LX, W64, X64)),
+        (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_steps, STAGES)),
+    ], [1], [PRODUCER_REGS])
+
+
+# --- the spec ----------------------------------------------------------------------------------------------------
+
+
+class Engine(TritonKernelSpec):
+    """NVFP4 weights (linear scales, one matrix) times bf16 activations, N = 1..16, K a multiple of 1024, on sm_90
+    and newer: the warp-specialized TMA engine (module docstring)."""
+
+    name = "engine"
+    config_type = EngineConfig
+
+    def why_not(self, case: GemvCase, target: Target) -> str | None:
+        if target.mode != "ptx" or target.device_type != "cuda" or target.capability is None \
+                or target.capability < (9, 0):
+            return f"needs bulk tensor copies and warp specialization (sm_90 or newer, PTX mode; this is " \
+                   f"{target.describe()})"
+        if case.fmt.name != "nvfp4":
+            return f"needs NVFP4 weights, got {case.fmt.name}"
+        if case.fp4_activation or case.b.dtype != torch.bfloat16:
+            return "needs bf16 activations"
+        if case.batch != 1:
+            return f"needs one matrix (L = 1), got L = {case.batch}"
+        if case.n > MAX_N:
+            return f"needs N <= {MAX_N}, got N = {case.n}"
+        if case.k % STEP_K:
+            return f"needs K a multiple of {STEP_K}, got K = {case.k}"
+        if case.a.scale_layout != "linear":
+            return "needs linear scales"
+        if case.a.align < 16 or case.a.scale_align < 16 or case.a.scale_tile_align < 16:
+            return "needs the weights' and scales' rows at 16-byte aligned addresses (bulk copies)"
+        if case.b.align < 16:
+            return "b: needs rows contiguous along K at 16-byte aligned addresses (bulk copies)"
+        return None
+
+    def error_model(self, case: GemvCase, config: EngineConfig) -> ErrorModel:
+        return ErrorModel(tensor_cores=True, fold=FOLD_EXPONENT)
+
+    def default_config(self, case: GemvCase, target: Target) -> EngineConfig:
+        return engine_config(case)
+
+    def check_config(self, config: EngineConfig, case: GemvCase | None = None) -> None:
+        """ValueError naming ``config`` unless tiles is 1, 2 or 4, stages from 1 to 8 and maxnreg a multiple of 8
+        from 64 to 255 (what ``setmaxnreg`` allocates)."""
+        if config.tiles not in TILES:
+            raise ValueError(f"config: expected tiles 1, 2 or 4, got {config}")
+        if not isinstance(config.stages, int) or not 1 <= config.stages <= 8:
+            raise ValueError(f"config: expected stages from 1 to 8, got {config}")
+        if not isinstance(config.maxnreg, int) or not 64 <= config.maxnreg <= 255 or config.maxnreg % 8:
+            raise ValueError(f"config: expected maxnreg a multiple of 8 from 64 to 255, got {config}")
+
+    def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
+        return None  # the tensor descriptors are built from each call's tensors: launch() runs every call
+
+    def launch(self, ops: GemvOperands, config: EngineConfig, target: Target) -> None:
+        kernel, grid, args, options = engine_launch(ops, config)
+        kernel[grid](*args, **options)
+
+
+def engine_launch(ops: GemvOperands, config: EngineConfig):
+    """(kernel, grid, positional arguments, keyword arguments) of one call: the descriptors of this call's tensors
+    (weights int64 [K/1024, M, 16], scales [K/1024, M, 16] bytes, activation int64 [K/64, N, 16])."""
+    case = ops.case
+    m, k, n = case.m, case.k, case.n
+    rows = activation_rows(n)
+    weights = ops.a_data[0].view(torch.uint8)  # [M, K/2]
+    scales = ops.a_scales[0].view(torch.uint8)  # [M, K/16]
+    activation = ops.b_data[0]  # [N, K] bf16
+    # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
+    w_desc = TensorDescriptor(weights, [k // 256, m, 128], [128, weights.stride(0), 1],
+                              [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
+    s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1], [WARPS, 16 * config.tiles, 16],
+                              gl.NVMMASharedLayout(0, 8, rank=3))
+    # 128-byte swizzle where the copied slice has 8 or more 128-byte lines (it spreads the 8 row groups' 16-byte
+    # loads over the banks); N = 1 reads one line, which every lane shares.
+    swizzle = 128 if rows >= 2 else 0
+    x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
+                              gl.NVMMASharedLayout(swizzle, 16, rank=3))
+    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1)
+    lw, lx = _layouts(config.tiles, rows)
+    gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
+    args = (w_desc, s_desc, x_desc, ops.out, gsa, m, n, k, ops.out.stride(1), ops.out.stride(2),
+            *MULTIPLIERS.values())
+    options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
+                   FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
+                   W64=gl.NVMMASharedLayout(128, 64, rank=3), X64=gl.NVMMASharedLayout(swizzle, 64, rank=3),
+                   PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
+    grid = (-(-m // (16 * config.tiles)),)
+    return engine_gemv_kernel, grid, args, options
+
+
+# --- the twin: the kernel's index maps replayed in torch -----------------------------------------------------------
+
+
+def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2) -> torch.Tensor:
+    """The engine's result ``[M, N]`` in float64 (before global scales), computed through its operand maps.
+
+    ``a_data`` uint8 ``[M, K/2]``, ``a_scales`` e4m3 bytes ``[M, K/16]`` (linear), ``b`` bf16 ``[N, K]``.  Per
+    step: the weight slice ``[WARPS, 16 tiles, 16]`` (warp, row, block) and the activation slice, reshaped and
+    permuted with the kernel's ``X_SPLIT`` / ``X_ORDER`` into the per-element x0 .. x3; each mma C element is then
+    the sum, over the four lanes c and the asm's elements, of the products the kernel pairs: A from the element's
+    own row and block, B from the lane whose g is the C column's (its activation row g + 8 h, n-tile h).  A wrong
+    index map gives a wrong result (the test checks it against the exact oracle)."""
+    m, k = a_data.shape[0], 2 * a_data.shape[1]
+    n = b.shape[0]
+    rows = activation_rows(n)
+    split, order = _x_split(rows)
+    rows_p = -(-m // (16 * tiles)) * 16 * tiles
+    w = decode_e2m1(unpack_e2m1(a_data)).double() * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
+    w = torch.nn.functional.pad(w, (0, 0, 0, rows_p - m))
+    x = torch.nn.functional.pad(b.double(), (0, 0, 0, rows - n)) if rows >= n else b.double()
+    out = torch.zeros(rows_p, 16, dtype=torch.float64)
+    for step in range(k // STEP_K):
+        ks = slice(step * STEP_K, (step + 1) * STEP_K)
+        # Activation slice as the copy lays it out: [4 WARPS, rows, 16 int64] of 4 elements each -> [..., 4 elements]
+        xt = x[:, ks].reshape(rows, 4 * WARPS, 16, 4).permute(1, 0, 2, 3)
+        xo = xt.reshape(*split, 4).permute(*order, len(order)).reshape(WARPS, rows, 16, 4, 4)  # [w, row, j, z, e]
+        xo = xo.reshape(WARPS, rows, 16, 16)  # element 4 z + e of block j
+        for p in range(rows_p // (16 * tiles)):
+            ws = w[p * 16 * tiles:(p + 1) * 16 * tiles, ks].reshape(16 * tiles, WARPS, 16, 16).permute(1, 0, 2, 3)
+            # A[w, r, j, e] times B from lane g = column % 8 of n-tile column // 8 (row g + 8 h of the slice)
+            for col in range(min(n, 16)):
+                src = (col % 8) % rows + (8 * (col // 8) if rows == 16 else 0)
+                out[p * 16 * tiles:(p + 1) * 16 * tiles, col] += (ws * xo[:, src][:, None]).sum(dim=(0, 2, 3))
+    return out[:m, :n]

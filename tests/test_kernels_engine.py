@@ -1,0 +1,161 @@
+"""The decode engine (kernels/engine.py): its index maps replayed in torch against the exact result (CPU), its
+refusals and dispatch, its sm_90 machine code under the installed Triton (bulk copies, mbarriers, tensor cores, no
+local memory), and on a GPU its result against the exact oracle (tail rows, N from 1 to 16, a global scale, NaN
+scales, every output dtype)."""
+
+import textwrap
+
+import pytest
+import torch
+
+import operands as O
+from fp4gemv import FP4Tensor, gemv, select_kernel
+from fp4gemv.formats import decode_e2m1, decode_e4m3, unpack_e2m1
+from fp4gemv.kernels import choose_kernel, engine
+from fp4gemv.kernels.engine import STEP_K, Engine, EngineConfig, engine_config, engine_twin
+from fp4gemv.ops import gemv_operands
+from fp4gemv.reference import quantized_gemv_reference
+from fp4gemv.target import SM90, Target
+
+
+def _exact(a_data, a_scales, b):
+    w = decode_e2m1(unpack_e2m1(a_data)).double() * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
+    return w @ b.double().T
+
+
+def _raw(m, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.randint(0x18, 0x58, (m, k // 16), dtype=torch.uint8, generator=g)
+    return a, s, torch.randn(n, k, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("m, k, n", [(70, 2048, 1), (64, 1024, 2), (40, 1024, 5), (33, 2048, 8), (96, 1024, 9),
+                                     (32, 1024, 16)])
+def test_twin_matches_exact_result(tiles, m, k, n):
+    a, s, b = _raw(m, k, n, seed=m + n)
+    torch.testing.assert_close(engine_twin(a, s, b, tiles), _exact(a, s, b), rtol=1e-12, atol=1e-12)
+
+
+def test_twin_fails_with_a_wrong_activation_permutation(monkeypatch):
+    """The twin checks the maps: the activation slice permuted with two chunk bits swapped is off."""
+    a, s, b = _raw(32, 1024, 16, seed=1)
+    wrong = dict(engine.X_ORDER)
+    wrong[16] = (0, 3, 4, 2, 1, 5, 6, 7)
+    monkeypatch.setattr(engine, "X_ORDER", wrong)
+    assert not torch.allclose(engine_twin(a, s, b, 2), _exact(a, s, b), rtol=1e-6)
+
+
+def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat16, batch=None):
+    shape = (m, k) if batch is None else (batch, m, k)
+    a = O.random_fp4(shape, fmt, layout, seed=1, device="cpu")
+    b = O.random_activation((n, k), dtype, seed=2, device="cpu")
+    return gemv_operands(a, b, torch.empty((batch or 1, m, n), dtype=torch.bfloat16)).case
+
+
+@pytest.mark.parametrize("case, target, words", [
+    (_case(layout="swizzled"), SM90, "linear scales"),
+    (_case(fmt="mxfp4"), SM90, "NVFP4"),
+    (_case(dtype=torch.float16), SM90, "bf16 activations"),
+    (_case(batch=2), SM90, "L = 2"),
+    (_case(k=3072 + 512), SM90, "K a multiple of 1024"),
+    (_case(n=17), SM90, "N <= 16"),
+    (_case(), Target("cpu", None, 0, "triton"), "sm_90 or newer"),
+    (_case(), Target("cuda", (8, 9), 84, "ptx"), "sm_90 or newer"),
+    (_case(), Target("cuda", (9, 0), 132, "triton"), "PTX mode"),
+], ids=["swizzled", "mxfp4", "fp16", "batch", "k", "n", "cpu", "sm89", "triton-mode"])
+def test_refusals_name_the_reason(case, target, words):
+    assert words in Engine().why_not(case, target)
+
+
+def test_dispatch_on_sm90_from_nine_rows_with_linear_scales():
+    for n, expected in ((1, "weight_only"), (8, "weight_only"), (9, "engine"), (16, "engine")):
+        assert choose_kernel(_case(n=n), SM90).name == expected, n
+    assert choose_kernel(_case(layout="swizzled"), SM90).name == "stream"
+
+
+def test_default_config_and_bad_configs():
+    assert engine_config(_case(n=16)) == EngineConfig(2, 2, 128)
+    assert engine_config(_case(n=8)) == EngineConfig(2, 3, 128)
+    spec = Engine()
+    for bad, words in ((EngineConfig(3, 2, 128), "tiles"), (EngineConfig(2, 0, 128), "stages"),
+                       (EngineConfig(2, 2, 100), "maxnreg")):
+        with pytest.raises(ValueError, match=words):
+            spec.check_config(bad)
+
+
+_COMPILE = textwrap.dedent("""
+    import collections, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from aot import jit_specialization, sass_listing, registers, local_memory
+    import operands as O
+    from fp4gemv.ops import gemv_operands
+    from fp4gemv.kernels.engine import engine_launch, engine_config
+    for n in (1, 8, 16):
+        a = O.random_fp4((4096, 4096), "nvfp4", "linear", seed=1, device="cpu")
+        b = O.random_activation((n, 4096), torch.bfloat16, seed=2, device="cpu")
+        ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
+        config = engine_config(ops.case)
+        kernel, grid, args, options = engine_launch(ops, config)
+        kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
+        sig, const, attrs, _ = jit_specialization(kernel, args, kw)
+        c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+        ops_ = collections.Counter(op.split(".")[0] for _, op, _ in sass_listing(c))
+        print(n, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], local_memory(c))
+""")
+
+
+def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
+    lines = compile_for_sm90(_COMPILE).strip().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        n, maxnreg, regs, tma, mma, syncs, local = line.split(" ", 6)
+        assert int(regs) <= int(maxnreg), line
+        assert int(tma) == 3, line  # weights, scales and activation through the copy engine
+        assert int(mma) == (64 if int(n) > 8 else 32), line  # 2 tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
+        assert int(syncs) > 0, line  # mbarrier waits and arrivals
+        assert local == "[]", line
+
+
+# --- GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", O.OUT_DTYPES)
+@pytest.mark.parametrize("m, k, n", [(4096, 4096, 16), (1000, 2048, 9), (7168 + 48, 1024, 13), (96, 1024, 1),
+                                     (4144, 2048, 8)])
+def test_ptx_exact(out_dtype, m, k, n):
+    a = O.random_fp4((m, k), "nvfp4", "linear", seed=m + n, global_scale=0.375 if n % 2 else None, device="cuda")
+    b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
+    default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
+    for config in (default, EngineConfig(1, 4, 128), EngineConfig(4, 2, 168)):
+        out = O.poisoned((m, n), out_dtype, device="cuda")
+        gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
+        O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.FOLD_EXPONENT)
+
+
+@pytest.mark.gpu
+def test_nan_scales_give_nan_rows():
+    a = O.random_fp4((256, 2048), "nvfp4", "linear", seed=5, device="cuda")
+    scales = a.scales.clone()
+    scales[5, 1], scales[255, 127] = 0x7F, 0xFF
+    a = FP4Tensor(a.data, scales, "nvfp4", "linear")
+    b = O.random_activation((12, 2048), torch.bfloat16, seed=6, device="cuda")
+    out = torch.full((256, 12), -7777.0, device="cuda")
+    gemv(a, b, out=out, out_dtype=torch.float32, backend="triton-ptx", kernel="engine")
+    out, a, b = O.on_oracle_device(out, a, b)
+    exact = quantized_gemv_reference(a, b, torch.float64)
+    assert torch.equal(out.isnan(), exact.isnan()) and exact.isnan().any()
+    ok = O.within_bound(out, a, b, torch.float32, tensor_cores=True, fold=engine.FOLD_EXPONENT) | exact.isnan()
+    assert ok.all()
+
+
+@pytest.mark.gpu
+def test_chosen_on_the_gpu_from_nine_rows_with_linear_scales():
+    a = O.random_fp4((4096, 4096), "nvfp4", "linear", seed=1, device="cuda")
+    assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "engine"
+    assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
+    assert STEP_K == 1024
