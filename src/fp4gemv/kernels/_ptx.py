@@ -11,19 +11,21 @@ __all__ = ["AsmOperands", "PtxBlock", "decode_word_f16", "E2M1_BYTE_TABLES", "E2
 class AsmOperands:
     """Numbering of an ``inline_asm_elementwise`` call's operands: ``n_out`` outputs of ``pack`` registers
     each, then (``tied``) an input tied to each output register, then named inputs of ``pack`` registers each,
-    in order (element e of input ``name`` is ``self(name, e)``)."""
+    in order (element e of input ``name`` is ``self(name, e)``).  A name given as ``(name, kind, registers)``
+    takes that many registers instead: an 8-bit input packs four elements per 32-bit register (``pack // 4``)."""
 
-    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str]], out_kind: str = "f",
-                 tied: bool = True):
+    def __init__(self, n_out: int, pack: int, names: list[tuple[str, str] | tuple[str, str, int]],
+                 out_kind: str = "f", tied: bool = True):
         self.pack = pack
         outputs = n_out * pack
         self.constraints = [f"={out_kind}"] * outputs + ([str(i) for i in range(outputs)] if tied else [])
         self.index: dict[str, int] = {}
         first = 2 * outputs if tied else outputs
-        for name, kind in names:
+        for name, kind, *registers in names:
+            count = registers[0] if registers else pack
             self.index[name] = first
-            self.constraints += [kind] * pack
-            first += pack
+            self.constraints += [kind] * count
+            first += count
 
     def __call__(self, name: str, e: int = 0) -> str:
         return f"${self.index[name] + e}"

@@ -39,7 +39,7 @@ from ..formats import decode_e2m1, decode_e4m3, unpack_e2m1
 from ..target import Target
 from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent
-from ._ptx import PtxBlock
+from ._ptx import AsmOperands, PtxBlock
 from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
 
 __all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "WARPS", "STEP_K", "register",
@@ -96,16 +96,9 @@ class _RegisterFold(_Step):
         self.mma_type = "bf16"
         self.spec = StepSpec("nvfp4", "bf16", "fold", tiles, 2, n_tiles, 4, 4, False)
         pack = 8 * tiles
-        names = [("w", "l", pack), ("s", "r", pack // 4)] + [(f"x{z}", "l", pack) for z in range(4)]
-        names += [(m, "r", pack) for m in MULTIPLIERS]
-        constraints = ["=f"] * pack + [str(i) for i in range(pack)]
-        index, first = {}, 2 * pack
-        for name, kind, count in names:
-            index[name] = first
-            constraints += [kind] * count
-            first += count
-        self.constraints = ",".join(constraints)
-        op = lambda name, e=0: f"${index[name] + e}"  # noqa: E731
+        names = [("w", "l"), ("s", "r", pack // 4)] + [(f"x{z}", "l") for z in range(4)]
+        op = AsmOperands(1, pack, names + [(m, "r") for m in MULTIPLIERS])
+        self.constraints = op.constraint_string()
         self.mul = {m: op(m) for m in MULTIPLIERS}
         b_pairs = {}
         for u in range(2):
@@ -164,15 +157,24 @@ def _x_split(rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(rows if v == "n" else v for v in X_SPLIT["few"]), X_ORDER["few"]
 
 
+@functools.lru_cache(maxsize=None)
 def _layouts(tiles: int, rows: int):
-    """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16]) layouts."""
+    """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16], the int64 views of
+    the weight and activation slots) layouts; made once per (tiles, rows): every launch passes them."""
     weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
     bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [2, 0, 0]] + ([[0, 8, 0]] if rows == 16 else [])  # z0 z1 b u (h)
     g_lanes = [[0, 1 << i, 0] if (1 << i) < rows else [0, 0, 0] for i in range(3)]
     activation = gl.DistributedLinearLayout(reg_bases=bases, lane_bases=[[0, 0, 8], [1, 0, 0]] + g_lanes,
                                             warp_bases=[[4, 0, 0], [8, 0, 0]], block_bases=[],
                                             shape=[4 * WARPS, rows, 16])
-    return weights, activation
+    return (weights, activation, gl.NVMMASharedLayout(128, 64, rank=3),
+            gl.NVMMASharedLayout(_x_swizzle(rows), 64, rank=3))
+
+
+def _x_swizzle(rows: int) -> int:
+    """The activation slot's swizzle: 128 bytes where the slice has 8 or more 128-byte lines (it spreads the 8 row
+    groups' 16-byte loads over the banks); N = 1 reads one line, which every lane shares."""
+    return 128 if rows >= 2 else 0
 
 
 # --- the kernel --------------------------------------------------------------------------------------------------
@@ -349,19 +351,16 @@ def engine_launch(ops: GemvOperands, config: EngineConfig):
                               [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
     s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1], [WARPS, 16 * config.tiles, 16],
                               gl.NVMMASharedLayout(0, 8, rank=3))
-    # 128-byte swizzle where the copied slice has 8 or more 128-byte lines (it spreads the 8 row groups' 16-byte
-    # loads over the banks); N = 1 reads one line, which every lane shares.
-    swizzle = 128 if rows >= 2 else 0
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
-                              gl.NVMMASharedLayout(swizzle, 16, rank=3))
+                              gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
     asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1)
-    lw, lx = _layouts(config.tiles, rows)
+    lw, lx, w64, x64 = _layouts(config.tiles, rows)
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
     args = (w_desc, s_desc, x_desc, ops.out, gsa, m, n, k, ops.out.stride(1), ops.out.stride(2),
             *MULTIPLIERS.values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=gl.NVMMASharedLayout(128, 64, rank=3), X64=gl.NVMMASharedLayout(swizzle, 64, rank=3),
+                   W64=w64, X64=x64,
                    PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
     grid = (-(-m // (16 * config.tiles)),)
     return engine_gemv_kernel, grid, args, options
@@ -386,7 +385,7 @@ def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, t
     rows_p = -(-m // (16 * tiles)) * 16 * tiles
     w = decode_e2m1(unpack_e2m1(a_data)).double() * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
     w = torch.nn.functional.pad(w, (0, 0, 0, rows_p - m))
-    x = torch.nn.functional.pad(b.double(), (0, 0, 0, rows - n)) if rows >= n else b.double()
+    x = torch.nn.functional.pad(b.double(), (0, 0, 0, rows - n))
     out = torch.zeros(rows_p, 16, dtype=torch.float64)
     for step in range(k // STEP_K):
         ks = slice(step * STEP_K, (step + 1) * STEP_K)
@@ -397,7 +396,7 @@ def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, t
         for p in range(rows_p // (16 * tiles)):
             ws = w[p * 16 * tiles:(p + 1) * 16 * tiles, ks].reshape(16 * tiles, WARPS, 16, 16).permute(1, 0, 2, 3)
             # A[w, r, j, e] times B from lane g = column % 8 of n-tile column // 8 (row g + 8 h of the slice)
-            for col in range(min(n, 16)):
+            for col in range(n):
                 src = (col % 8) % rows + (8 * (col // 8) if rows == 16 else 0)
                 out[p * 16 * tiles:(p + 1) * 16 * tiles, col] += (ws * xo[:, src][:, None]).sum(dim=(0, 2, 3))
     return out[:m, :n]
