@@ -24,9 +24,10 @@ def plan_of(w, x, expert_ids, out_dtype, bias=None, global_scales=None, backend=
                         kernel, config)
 
 
-def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None, kernel=None, config=None):
+def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=None, kernel=None, config=None,
+                    backend="triton"):
     """(exact float64 result [T, k, M], the largest |got - exact| the spec moe_gemv runs may give) per pair."""
-    plan = plan_of(w, x, expert_ids, out_dtype, bias, global_scales, kernel=kernel, config=config)
+    plan = plan_of(w, x, expert_ids, out_dtype, bias, global_scales, backend=backend, kernel=kernel, config=config)
     model = plan.spec.error_model(plan.case, plan.config)
     experts, m, k = w.shape
     tokens, top_k = expert_ids.shape
@@ -52,8 +53,9 @@ def exact_and_bound(w, x, expert_ids, out_dtype, got, bias=None, global_scales=N
     return exact, bound.reshape(tokens, top_k, m)
 
 
-def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None, kernel=None, config=None):
-    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales, kernel, config)
+def assert_routed_exact(got, w, x, expert_ids, out_dtype, bias=None, global_scales=None, kernel=None, config=None,
+                        backend="triton"):
+    exact, bound = exact_and_bound(w, x, expert_ids, out_dtype, got, bias, global_scales, kernel, config, backend)
     g = got.cpu().to(torch.float64)
     ok = torch.isfinite(g) & ((g - exact).abs() <= bound)
     if not ok.all():
@@ -174,7 +176,7 @@ def test_kernel_table_names_why_a_kernel_cannot_run():
                    torch.bfloat16).spec.name == "moe_general"
     with pytest.raises(ValueError, match="kernel: 'moe_weight_only' cannot run .*needs fp16 or bf16 activations"):
         routed(w, x.float(), ids, kernel="moe_weight_only")
-    with pytest.raises(ValueError, match="kernel: expected one of 'moe_weight_only', 'moe_general'"):
+    with pytest.raises(ValueError, match="kernel: expected one of 'moe_weight_only', 'moe_engine', 'moe_general'"):
         routed(w, x, ids, kernel="weight_only")
     got = routed(w, x, ids, kernel="moe_general")
     assert_routed_exact(got, w, x, ids, torch.bfloat16, kernel="moe_general")

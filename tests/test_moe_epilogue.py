@@ -41,12 +41,12 @@ def row_scales(global_scales, rows, activation, experts):
 
 
 def exact_and_bound(w, x, ids, out_dtype, got, *, bias=None, global_scales=None, activation=None,
-                    pair_weights=None, kernel=None):
-    """(exact float64 result, the largest |got - exact| the spec moe_gemv runs may give), module docstring; both
-    on w's device (float64 is as exact on the GPU)."""
+                    pair_weights=None, kernel=None, backend="triton"):
+    """(exact float64 result, the largest |got - exact| the spec moe_gemv runs may give on ``backend``), module
+    docstring; both on w's device (float64 is as exact on the GPU)."""
     alpha, limit = constants(activation)
     reference = kernel == "moe_reference"
-    target = resolve_target("reference" if reference else "triton", w.device)
+    target = resolve_target("reference" if reference else backend, w.device)
     plan = moe.plan_moe(w, x, ids, bias, global_scales, None, out_dtype, target, None if reference else kernel,
                         activation=activation, alpha=alpha, limit=limit, pair_weights=pair_weights)
     model = plan.spec.error_model(plan.case, plan.config)

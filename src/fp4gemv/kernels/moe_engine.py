@@ -1,0 +1,539 @@
+"""The routed expert GEMV on the decode engine (issues 26 and 27): ``out[t, j] = W[ids[t, j]] @ x[t]`` with every
+product through the engine's consumer step (``kernels/engine.py``: the same PTX and operand layouts).
+
+Two launches per call:
+
+* **Chunks** (``moe_chunks_kernel``, one Triton program): the ``T * k`` pairs sorted by expert (a bitonic sort of
+  ``expert * P_PAD + pair``) and cut into *chunks* of at most ``rows`` pairs of one expert (an expert with more pairs
+  gets several chunks, which re-read its rows from L2); ids outside ``[0, E)`` share one chunk list of their own
+  (expert ``E``).  It writes a small int32 *plan* (``plan_layout``): the chunk count, each chunk's expert, first
+  sorted position and pair count, and the sorted pairs.
+* **The engine** (``moe_engine_kernel``, Gluon, warp-specialized, persistent): work items are (chunk, row tile),
+  chunk-major, so CTAs side by side share an expert and its activation rows.  Each CTA takes items ``pid, pid +
+  nprog, ...``; its producer warp streams each item's K steps by bulk tensor copies into the mbarrier ring: the
+  expert's ``16 * tiles`` weight rows (8 copies of ``[8 tiles, 128 B]``: one per warp chunk and row half; K tails
+  and rows past the last expert read as zeros) and the chunk's activation rows, gathered one copy of ``[16, 64]``
+  elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count repeat its first and are never
+  stored).  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes
+  loaded straight from global memory a step ahead (any scale layout, any alignment, through
+  ``spec.ScaleAddressing``; past K: zero), and at each item's end sum their accumulators, apply the global scale,
+  the bias, the activation and the pair weight in fp32, and round once into ``out[t, j]``.
+
+Activation rows: the slot holds ``[rows, 16, 64]`` elements (row-major, one copy per row); the consumer permutes it
+into the engine's ``[16, rows, 64]`` order (``engine._layouts``' activation layout with its first two coordinates
+swapped, so the permutation moves no data).
+
+Gate and up (``activation``): a tile's two row halves are its weight copies' two halves -- the ``8 tiles`` rows
+from ``16 tiles * tile`` and the next ``8 tiles`` (gpt-oss: gate and up interleaved, pair i in rows 2i, 2i + 1), or
+rows ``8 tiles * tile`` of the gate half and the same rows of the up half (silu: halves ``M / 2`` apart) -- so each
+tile yields ``8 tiles`` activated rows.
+
+Exactness: the engine's (exact products, one fp32 accumulation per warp, the warps' sums in fp32), then the
+epilogue in fp32 and one rounding.  An id outside ``[0, E)`` (unchecked: CUDA graphs, ``torch.compile``) reads no
+weights (rows past the last expert are zeros) and writes zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..target import SM90, Target
+from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._mma_step import MULTIPLIERS
+from .engine import FOLD_EXPONENT, TILES, WARPS, _layouts, _x_operands, step_asm
+from .spec import ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources
+
+__all__ = ["MoeEngine", "MoeEngineConfig", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
+           "moe_engine_kernel", "chunk_plan", "MAX_PAIRS", "MAX_EXPERTS"]
+
+# Pairs per call: the chunk launch sorts them in one program.
+MAX_PAIRS = 256
+# Experts per call: a histogram bin each, plus one for ids outside [0, E).
+MAX_EXPERTS = 1023
+ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
+# The producer warp's registers: it keeps a chunk's activation row indices (up to 16) through the item's steps;
+# at 56 with 8 rows Triton 3.9's allocation spills (48 under 3.6) (sm_90 compile, tests/test_kernels_moe_engine.py).
+PRODUCER_REGS = 64
+# The epilogue's register layout of [rows, 16 columns, 2] (gate and up of a pair in one thread).
+_PAIRED = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+
+
+class MoeEngineConfig(NamedTuple):
+    """``tiles``: m16 tiles per item (16 * tiles weight rows); ``stages``: ring slots; ``rows``: activation rows per
+    chunk (a power of two up to 16: pairs of one expert per pass); ``ctas_per_sm``: the persistent grid's CTAs per
+    SM; ``maxnreg``: registers per thread."""
+
+    tiles: int = 2
+    stages: int = 3
+    rows: int = 8
+    ctas_per_sm: int = 2
+    maxnreg: int = 128
+
+
+def moe_engine_config(case: MoeCase, target: Target) -> MoeEngineConfig:
+    """2 tiles, 2 CTAs per SM, 3 ring slots; rows: the tokens (x's rows) as a power of two, at most 8 (one n-tile;
+    rows past a chunk's pairs are not copied, so the spare ones cost shared memory only, and an expert with more
+    than 8 pairs -- more than 8 tokens on one expert -- takes a second pass); 128 registers: a CTA is 8 warps (the
+    four consumers, the producer and three idle), so 2 CTAs fit an SM's 64K registers at 128, 1 at 168 (ncu, H200)."""
+    rows = min(8, 1 << (max(case.tokens, 1) - 1).bit_length())
+    return MoeEngineConfig(2, 3, rows, 2, 128)
+
+
+def plan_layout(pairs: int, experts: int) -> dict[str, int]:
+    """Offsets (int32 elements) of the plan's parts and its size: ``count`` (chunks), ``expert``, ``start``,
+    ``pairs_in`` (per chunk, ``pad`` each), ``sorted`` (the pairs by expert), and the chunk launch's scratch."""
+    pad = max(16, triton.next_power_of_2(pairs))
+    bins = triton.next_power_of_2(experts + 1)
+    offsets = dict(count=0, expert=1, start=1 + pad, pairs_in=1 + 2 * pad, sorted=1 + 3 * pad, mark=1 + 4 * pad,
+                   bin_start=1 + 5 * pad, bin_count=1 + 5 * pad + bins, bin_first=1 + 5 * pad + 2 * bins)
+    offsets["size"] = 1 + 5 * pad + 3 * bins
+    offsets["pad"], offsets["bins"] = pad, bins
+    return offsets
+
+
+# --- the chunk launch ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def moe_chunks_kernel(ids_ptr, plan_ptr, P, TOP_K, E, ids_stride_t, ids_stride_j, ROWS: tl.constexpr,
+                      P_PAD: tl.constexpr, BINS: tl.constexpr, EXPERT: tl.constexpr, START: tl.constexpr,
+                      PAIRS_IN: tl.constexpr, SORTED: tl.constexpr, MARK: tl.constexpr, BIN_START: tl.constexpr,
+                      BIN_COUNT: tl.constexpr, BIN_FIRST: tl.constexpr):
+    pairs = tl.arange(0, P_PAD)
+    ok = pairs < P
+    ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=ok, other=0)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)  # bad ids share bin E
+    counts = tl.histogram(key, BINS, mask=ok)
+    bins = tl.arange(0, BINS)
+    chunks = (counts + ROWS - 1) // ROWS
+    first = tl.cumsum(chunks, axis=0) - chunks
+    # The pairs in expert order, by pair index within an expert (each sort key is unique).
+    order = tl.sort(tl.where(ok, key, BINS) * P_PAD + pairs)
+    tl.store(plan_ptr + SORTED + pairs, order % P_PAD, mask=ok)
+    # Chunk c belongs to the last bin whose first chunk is at or before c: marks, then a running maximum.
+    tl.store(plan_ptr + MARK + pairs, -1)
+    tl.store(plan_ptr + BIN_START + bins, tl.cumsum(counts, axis=0) - counts)
+    tl.store(plan_ptr + BIN_COUNT + bins, counts)
+    tl.store(plan_ptr + BIN_FIRST + bins, first)
+    tl.debug_barrier()
+    tl.store(plan_ptr + MARK + first, bins, mask=chunks > 0)
+    tl.debug_barrier()
+    owner = tl.associative_scan(tl.load(plan_ptr + MARK + pairs), 0, _max_combine)
+    n_chunks = tl.sum(chunks, axis=0)
+    live = pairs < n_chunks
+    owner = tl.where(live, owner, 0)
+    q = pairs - tl.load(plan_ptr + BIN_FIRST + owner)
+    tl.store(plan_ptr + EXPERT + pairs, owner, mask=live)
+    tl.store(plan_ptr + START + pairs, tl.load(plan_ptr + BIN_START + owner) + q * ROWS, mask=live)
+    tl.store(plan_ptr + PAIRS_IN + pairs, tl.minimum(tl.load(plan_ptr + BIN_COUNT + owner) - q * ROWS, ROWS),
+             mask=live)
+    tl.store(plan_ptr, n_chunks)
+
+
+def chunk_launch(case: MoeCase, rows: int) -> TritonLaunch:
+    """The chunk launch of ``case`` (its plan's layout ``plan_layout``) for ``rows`` pairs per chunk."""
+    lay = plan_layout(case.pairs, case.experts)
+    args = dict(ids_ptr=Src("expert_ids", case.ids_dtype), plan_ptr=None, P=case.pairs, TOP_K=case.top_k,
+                E=case.experts, ids_stride_t=case.ids_strides[0], ids_stride_j=case.ids_strides[1], ROWS=rows,
+                P_PAD=lay["pad"], BINS=lay["bins"], EXPERT=lay["expert"], START=lay["start"],
+                PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"], MARK=lay["mark"], BIN_START=lay["bin_start"],
+                BIN_COUNT=lay["bin_count"], BIN_FIRST=lay["bin_first"])
+    return TritonLaunch(moe_chunks_kernel, (1,), args, dict(num_warps=4))
+
+
+def chunk_plan(expert_ids: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
+    """The plan (int32, ``plan_layout``) of ``expert_ids`` ``[T, k]``, in torch: what the chunk launch writes, for
+    the tests (scratch parts left zero)."""
+    tokens, top_k = expert_ids.shape
+    pairs = tokens * top_k
+    lay = plan_layout(pairs, experts)
+    plan = torch.zeros(lay["size"], dtype=torch.int32)
+    ids = expert_ids.reshape(-1).long().cpu()
+    key = torch.where((ids >= 0) & (ids < experts), ids, experts)
+    order = torch.argsort(key * lay["pad"] + torch.arange(pairs))
+    plan[lay["sorted"]:lay["sorted"] + pairs] = order.int()
+    c, pos = 0, 0
+    for e in range(experts + 1):
+        n = int((key == e).sum())
+        for q in range(-(-n // rows)):
+            plan[lay["expert"] + c], plan[lay["start"] + c] = e, pos + q * rows
+            plan[lay["pairs_in"] + c] = min(rows, n - q * rows)
+            c += 1
+        pos += n
+    plan[0] = c
+    return plan
+
+
+# --- the engine ---------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _chunk(plan_ptr, item, ROW_TILES, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
+    """(row tile, expert, first sorted position, pairs) of work item ``item``."""
+    c = item // ROW_TILES
+    return (item - c * ROW_TILES, gl.load(plan_ptr + EXPERT + c), gl.load(plan_ptr + START + c),
+            gl.load(plan_ptr + PAIRS_IN + c))
+
+
+@gluon.jit
+def _row_bases(tile, HALF, TILES: gl.constexpr, SILU: gl.constexpr):
+    """The first weight rows (within the expert) of the tile's two row halves."""
+    if SILU:
+        base0 = tile * (8 * TILES)
+        base1 = base0 + HALF
+    else:
+        base0 = tile * (16 * TILES)
+        base1 = base0 + 8 * TILES
+    return base0, base1
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES, TOP_K,
+              TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
+              EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(plan_ptr) * ROW_TILES
+    f = 0
+    for item in range(pid, n_items, nprog):
+        tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
+        base0, base1 = _row_bases(tile, HALF, TILES, SILU)
+        first_row = gl.minimum(expert, E) * M  # expert E (bad ids): rows past the last expert, read as zeros
+        xrows = ()
+        for r in gl.static_range(ROWS):
+            xrows = xrows + (gl.load(plan_ptr + SORTED + start + gl.minimum(count - 1, r)) // TOP_K,)
+        for i in range(n_steps):
+            slot = f % STAGES
+            bar = ready.index(slot)
+            mbarrier.wait(empty.index(slot), ((f // STAGES) & 1) ^ 1)
+            mbarrier.expect(bar, 8 * w_desc.block_type.nbytes)
+            wslot = wbuf.index(slot)
+            for q in gl.static_range(4):
+                tma_load(w_desc, [first_row + base0, (4 * i + q) * 128], bar, wslot.slice(2 * q * (8 * TILES), 8 * TILES))
+                tma_load(w_desc, [first_row + base1, (4 * i + q) * 128], bar,
+                         wslot.slice((2 * q + 1) * (8 * TILES), 8 * TILES))
+            # One arrival per activation row (the barrier counts 1 + ROWS): rows past the chunk's pairs are not
+            # copied (their columns are never stored).
+            xslot = xbuf.index(slot)
+            for r in gl.static_range(ROWS):
+                mbarrier.expect(bar, x_desc.block_type.nbytes, pred=r < count)
+                tma_load(x_desc, [xrows[r], 16 * i, 0], bar, xslot.slice(r, 1), pred=r < count)
+                mbarrier.arrive(bar, pred=r >= count)
+            f += 1
+
+
+@gluon.jit
+def _scale_bytes(sf_ptr, plan_ptr, item, i, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4,
+                 sf_col_tile, TILES: gl.constexpr, SILU: gl.constexpr, LW: gl.constexpr,
+                 EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
+    """The e4m3 scale bytes of item ``item``'s step ``i`` in the weights' register layout ``LW`` ([warp, weight
+    row of the slot, block]); zeros past K and for an item past the last."""
+    live = item < n_items
+    tile, expert, start, count = _chunk(plan_ptr, gl.where(live, item, 0), ROW_TILES, EXPERT, START, PAIRS_IN)
+    base0, base1 = _row_bases(tile, HALF, TILES, SILU)
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))[:, None, None]
+    r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))[None, :, None]
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))[None, None, :]
+    row = gl.minimum(gl.where(r < 8 * TILES, base0 + r, base1 + r - 8 * TILES), M - 1)
+    col = 64 * i + 16 * w + j
+    e = gl.where(expert < E, expert, 0).to(gl.int64)
+    off = e * sf_e + (row // 128) * sf_row_tile + (row % 32) * sf_r32 + ((row % 128) // 32) * sf_r4 \
+        + (col // 4) * sf_col_tile + col % 4
+    return gl.load(sf_ptr + off, mask=(col < K // 16) & live, other=0)
+
+
+@gluon.jit
+def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.constexpr):
+    """A ring slot's bytes ``buf`` viewed as int64 ``[SHAPE0, SHAPE1, 16]`` (same bytes, same swizzle)."""
+    if PUBLIC_REINTERPRET:
+        view = buf.reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
+    else:
+        view = buf._reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
+    return view
+
+
+@gluon.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K, gs_e, gs_h,
+                     bias_e, bias_m, out_t, out_j, pw_t, pw_j, TILES: gl.constexpr, ACTIVATION: gl.constexpr,
+                     HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SORTED: gl.constexpr):
+    """What the item's epilogue reads from memory, loaded when the item starts (its latency hidden behind the
+    steps): each column's pair and pair weight, the global scales, the bias of gate (or of the row) and
+    of up, and whether the expert is valid."""
+    LO: gl.constexpr = gl.SliceLayout(2, _PAIRED)
+    n = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]
+    col_ok = n < count
+    pair = gl.load(plan_ptr + SORTED + start + n, mask=col_ok, other=0)
+    pw = gl.zeros([1, 16], gl.float32, LO) + 1.0
+    if HAS_PW:
+        pw = gl.load(pw_ptr + (pair // TOP_K).to(gl.int64) * pw_t + (pair % TOP_K) * pw_j, mask=col_ok,
+                     other=0).to(gl.float32)
+    valid = expert < E
+    e = gl.where(valid, expert, 0).to(gl.int64)
+    gs0 = 1.0
+    gs1 = 1.0
+    if HAS_GS:
+        gs0 = gl.load(gs_ptr + e * gs_e)
+        gs1 = gl.load(gs_ptr + e * gs_e + gs_h)
+    R: gl.constexpr = 16 * TILES if ACTIVATION == 0 else 8 * TILES
+    rows = gl.arange(0, R, layout=gl.SliceLayout(1, LO))[:, None]
+    b0 = gl.zeros([R, 1], gl.float32, LO)
+    b1 = gl.zeros([R, 1], gl.float32, LO)
+    if HAS_BIAS:
+        if ACTIVATION == 0:
+            b0 = gl.load(bias_ptr + e * bias_e + gl.minimum(tile * R + rows, M - 1) * bias_m).to(gl.float32)
+        else:
+            pair_row = gl.minimum(tile * R + rows, HALF - 1)
+            if ACTIVATION == 1:
+                gate_row = 2 * pair_row
+                up_row = gate_row + 1
+            else:
+                gate_row = pair_row
+                up_row = pair_row + HALF
+            b0 = gl.load(bias_ptr + e * bias_e + gate_row * bias_m).to(gl.float32)
+            b1 = gl.load(bias_ptr + e * bias_e + up_row * bias_m).to(gl.float32)
+    return pair, col_ok, pw, valid, gs0, gs1, b0, b1
+
+
+@gluon.jit
+def _epilogue(acc, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid, gs0,
+              gs1, b0, b1, TILES: gl.constexpr, ACTIVATION: gl.constexpr, FOLD: gl.constexpr):
+    """The item's result: the warps' sums in fp32, in (row of the tile, column) order, then global scale, bias,
+    activation and pair weight, rounded once into out."""
+    acc = gl.sum(acc, axis=0) * FOLD  # [16 TILES, 16]: element (16 t + 8 h + g, 8 u + 2 c + b)
+    # C[row 8 u + g of tile t][column 8 h + 2 c + b] (engine._RegisterFold): to (row, column) order.
+    acc = gl.reshape(gl.permute(gl.reshape(acc, [TILES, 2, 8, 2, 4, 2]), [0, 3, 2, 1, 4, 5]), [16 * TILES, 16])
+    LO: gl.constexpr = gl.SliceLayout(2, _PAIRED)
+    if ACTIVATION == 0:
+        out = gl.convert_layout(acc, LO) * gs0 + b0
+        rows = tile * (16 * TILES) + gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
+        row_ok = rows < M
+    else:
+        if ACTIVATION == 1:  # rows 2 i, 2 i + 1 of the tile
+            pairs = gl.permute(gl.reshape(acc, [8 * TILES, 2, 16]), [0, 2, 1])
+        else:  # the tile's two halves
+            pairs = gl.permute(gl.reshape(acc, [2, 8 * TILES, 16]), [1, 2, 0])
+        gate, up = gl.split(gl.convert_layout(pairs, _PAIRED))
+        gate = gate * gs0 + b0
+        up = up * gs1 + b1
+        if ACTIVATION == 1:
+            gate = gl.where(gate > limit, limit, gate)
+            up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
+            out = gate * _sigmoid(gate * alpha) * (up + 1.0)
+        else:
+            out = gate * _sigmoid(gate) * up
+        rows = tile * (8 * TILES) + gl.arange(0, 8 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
+        row_ok = rows < HALF
+    out = gl.where(valid, out * pw, 0.0)
+    offsets = (pair // TOP_K).to(gl.int64) * out_t + (pair % TOP_K).to(gl.int64) * out_j
+    gl.store(out_ptr + offsets + rows.to(gl.int64) * out_m, out.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
+
+
+@gluon.jit
+def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
+              n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
+              out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
+              TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
+              ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
+              FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr,
+              LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+              PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    n_items = gl.load(plan_ptr) * ROW_TILES
+    zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
+    # The scale bytes are loaded two steps ahead (flat step f of this CTA: item pid + (f // n_steps) nprog, step
+    # f % n_steps): one step ahead left their DRAM latency partly exposed.
+    s_next = _scale_bytes(sf_ptr, plan_ptr, pid, 0, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
+                          sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
+    s_after = _scale_bytes(sf_ptr, plan_ptr, pid + (1 // n_steps) * nprog, 1 % n_steps, n_items, ROW_TILES, M, HALF,
+                           E, K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START,
+                           PAIRS_IN)
+    f = 0
+    for item in range(pid, n_items, nprog):
+        tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
+        acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
+        pair, col_ok, pw, valid, gs0, gs1, b0, b1 = _epilogue_inputs(
+            plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K, gs_e, gs_h, bias_e,
+            bias_m, out_t, out_j, pw_t, pw_j, TILES, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SORTED)
+        for i in range(n_steps):
+            s = s_next
+            s_next = s_after
+            ahead = f + 2
+            s_after = _scale_bytes(sf_ptr, plan_ptr, pid + (ahead // n_steps) * nprog, ahead % n_steps, n_items,
+                                   ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES,
+                                   SILU, LW, EXPERT, START, PAIRS_IN)
+            slot = f % STAGES
+            mbarrier.wait(ready.index(slot), (f // STAGES) & 1)
+            w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
+            xt = _as_int64(xbuf.index(slot), ROWS, 16, X64).load(LXR)
+            x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW)
+            acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
+                                                               zero + m26, zero + m29, zero + m30],
+                                            dtype=gl.float32, is_pure=True, pack=8 * TILES)
+            async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+            f += 1
+        _epilogue(acc, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid,
+                  gs0, gs1, b0, b1, TILES, ACTIVATION, FOLD)
+
+
+@gluon.jit
+def moe_engine_kernel(w_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
+                      ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
+                      out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
+                      TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, ACTIVATION: gl.constexpr,
+                      HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, FOLD: gl.constexpr,
+                      ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr,
+                      W64: gl.constexpr, X64: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+                      PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+    n_steps = (K + 1023) // 1024
+    SILU: gl.constexpr = ACTIVATION == 2
+    # A slot: [4 warp chunks x 2 row halves x 8 TILES rows, 128 B] of weights; [ROWS, 16, 64] activation elements.
+    wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64 * TILES, 128], w_desc.layout)
+    xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, 16, 64], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1 + ROWS)  # the weights' copies, one arrival per activation row
+        mbarrier.init(empty.index(s), count=128)  # every consumer thread
+    gl.warp_specialize([
+        (_consumer, (wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
+                     n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e,
+                     bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, TILES, STAGES,
+                     ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, FOLD, ASM, CONSTRAINTS, LW, LXR, W64, X64,
+                     EXPERT, START, PAIRS_IN, SORTED)),
+        (_producer, (w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES, TOP_K,
+                     TILES, STAGES, ROWS, SILU, EXPERT, START, PAIRS_IN, SORTED)),
+    ], [1], [PRODUCER_REGS])
+
+
+@functools.lru_cache(maxsize=None)
+def _row_major(tiles: int, rows: int):
+    """The activation slot's register layout for ``[rows, 16, 16]`` int64 (row-major copies): the engine's
+    ``[16, rows, 16]`` layout with its first two coordinates swapped, so permuting it back moves no data."""
+    lx = _layouts(tiles, rows)[1]
+    swap = lambda bases: [[b[1], b[0], b[2]] for b in bases]  # noqa: E731
+    return gl.DistributedLinearLayout(reg_bases=swap(lx.reg_bases), lane_bases=swap(lx.lane_bases),
+                                      warp_bases=swap(lx.warp_bases), block_bases=[], shape=[rows, 16, 16])
+
+
+# --- the spec ------------------------------------------------------------------------------------------------------
+
+
+class MoeEngine(TritonKernelSpec):
+    """NVFP4 experts (either scale layout, K a multiple of 64) times bf16 x, on sm_90 and newer: the routed decode
+    engine (module docstring)."""
+
+    name = "moe_engine"
+    config_type = MoeEngineConfig
+
+    def why_not(self, case: MoeCase, target: Target) -> str | None:
+        d = case.dense
+        if target.mode != "ptx" or target.device_type != "cuda" or target.capability is None \
+                or target.capability < (9, 0):
+            return f"needs bulk tensor copies and warp specialization (sm_90 or newer, PTX mode; this is " \
+                   f"{target.describe()})"
+        if d.fmt.name != "nvfp4":
+            return f"w: needs NVFP4 experts, got {d.fmt.name}"
+        if d.fp4_activation or d.b.dtype != torch.bfloat16:
+            return "x: needs bfloat16"
+        if case.pairs > MAX_PAIRS:
+            return f"takes T * k <= {MAX_PAIRS} pairs (sorted in one program), got {case.pairs}"
+        if case.experts > MAX_EXPERTS:
+            return f"takes E <= {MAX_EXPERTS} experts, got {case.experts}"
+        if d.k % 64:
+            return f"needs K a multiple of 64 (the activation's copies), got K = {d.k}"
+        a = d.a
+        if a.align < 16 or a.batch_stride != d.m * a.row_stride:
+            return "w: needs the experts' rows back to back at 16-byte aligned addresses (bulk copies)"
+        if d.b.align < 16:
+            return "x: needs rows contiguous along K at 16-byte aligned addresses (bulk copies)"
+        return None
+
+    def error_model(self, case: MoeCase, config: MoeEngineConfig) -> ErrorModel:
+        return ErrorModel(tensor_cores=True, fold=FOLD_EXPONENT)
+
+    def default_config(self, case: MoeCase, target: Target) -> MoeEngineConfig:
+        return moe_engine_config(case, target)
+
+    def check_config(self, config: MoeEngineConfig, case: MoeCase | None = None) -> None:
+        """ValueError naming ``config`` unless tiles is 1, 2 or 4, stages 1 to 8, rows a power of two up to 16,
+        ctas_per_sm 1 to 4 and maxnreg a multiple of 8 from 64 to 255."""
+        if config.tiles not in TILES:
+            raise ValueError(f"config: expected tiles 1, 2 or 4, got {config}")
+        if not isinstance(config.stages, int) or not 1 <= config.stages <= 8:
+            raise ValueError(f"config: expected stages from 1 to 8, got {config}")
+        if config.rows not in (1, 2, 4, 8, 16):
+            raise ValueError(f"config: expected rows 1, 2, 4, 8 or 16, got {config}")
+        if not isinstance(config.ctas_per_sm, int) or not 1 <= config.ctas_per_sm <= 4:
+            raise ValueError(f"config: expected ctas_per_sm from 1 to 4, got {config}")
+        if not isinstance(config.maxnreg, int) or not 64 <= config.maxnreg <= 255 or config.maxnreg % 8:
+            raise ValueError(f"config: expected maxnreg a multiple of 8 from 64 to 255, got {config}")
+
+    def triton_launch(self, case: MoeCase, config: MoeEngineConfig, target: Target) -> TritonLaunch | None:
+        return None  # two launches, the descriptors built from each call's tensors: launch() runs every call
+
+    def launch(self, ops: MoeOperands, config: MoeEngineConfig, target: Target) -> None:
+        for kernel, grid, args, options in moe_engine_launches(ops, config, target):
+            kernel[grid](*args, **options)
+
+
+def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Target = SM90):
+    """The call's two launches, each (kernel, grid, positional arguments, keyword arguments)."""
+    case = ops.case
+    d = case.dense
+    e, m, k = case.experts, d.m, d.k
+    lay = plan_layout(case.pairs, e)
+    plan = torch.empty(lay["size"], dtype=torch.int32, device=ops.w_data.device)
+    chunks = chunk_launch(case, config.rows)
+    chunk_args = fill_sources(chunks.args, ops)
+    chunk_args["plan_ptr"] = plan
+    first = (moe_chunks_kernel, chunks.grid, (), {**chunk_args, **chunks.options})
+
+    data = ops.w_data.view(torch.uint8)
+    weights = data.as_strided((e * m, k // 2), (data.stride(1), 1))
+    tiles, rows = config.tiles, config.rows
+    w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128],
+                              gl.NVMMASharedLayout(128, 8, rank=2))
+    x = ops.x
+    x_desc = TensorDescriptor(x, [x.shape[0], k // 64, 64], [x.stride(0), 64, 1], [1, 16, 64],
+                              gl.NVMMASharedLayout(128, 16, rank=3))
+    activation = ACTIVATION_CODES[case.activation]
+    half = m // 2 if activation else m
+    row_tiles = -(-(half if activation else m) // ((8 if activation else 16) * tiles))
+    lw, _, w64, _ = _layouts(tiles, rows)
+    lxr = _row_major(tiles, rows)
+    x64 = gl.NVMMASharedLayout(128, 64, rank=3)
+    asm, constraints = step_asm(tiles, 2 if rows > 8 else 1)
+    sc = d.a.scales
+    gs = ops.global_scales if ops.global_scales is not None else ops.w_scales
+    bias = ops.bias if ops.bias is not None else ops.w_scales
+    pw = ops.pair_weights if ops.pair_weights is not None else ops.w_scales
+    sms = target.sm_count or SM90.sm_count
+    grid = (max(1, min(min(case.pairs, lay["pad"]) * row_tiles, config.ctas_per_sm * sms)),)
+    args = (w_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k, row_tiles,
+            case.top_k, sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
+            case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
+            case.alpha, case.limit, *MULTIPLIERS.values())
+    options = dict(TILES=tiles, STAGES=config.stages, ROWS=rows, ACTIVATION=activation,
+                   HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
+                   HAS_PW=case.pair_weights_dtype is not None, FOLD=2.0 ** FOLD_EXPONENT, ASM=asm,
+                   CONSTRAINTS=constraints, LW=lw, LXR=lxr, W64=w64, X64=x64, EXPERT=lay["expert"],
+                   START=lay["start"], PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"], PRODUCER_REGS=PRODUCER_REGS,
+                   num_warps=WARPS, maxnreg=config.maxnreg)
+    return [first, (moe_engine_kernel, grid, args, options)]
+

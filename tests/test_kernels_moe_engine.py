@@ -1,0 +1,319 @@
+"""The routed decode engine (kernels/moe_engine.py): its chunk plan in the interpreter against torch, the index maps
+its Gluon kernel adds to the dense engine's (the activation slot's row-major layout, the epilogue's reordering of
+the C fragments), refusals, dispatch and configurations, the sm_90 compile; on the GPU every product and epilogue
+against the exact oracle (tails, chunks of several passes, bad ids, configurations, CUDA graphs without a sync)."""
+
+import itertools
+import textwrap
+
+import pytest
+import torch
+
+import fp4gemv
+from fp4gemv import moe
+from fp4gemv.kernels import MOE_KERNELS, choose_kernel, engine
+from fp4gemv.kernels.moe_engine import (MoeEngine, MoeEngineConfig, _row_major, chunk_launch, chunk_plan,
+                                        moe_engine_config, plan_layout)
+from fp4gemv.kernels.spec import fill_sources
+from fp4gemv.target import SM90, Target
+from operands import DEVICE, random_activation, random_fp4
+from test_moe import assert_routed_exact, random_ids
+from test_moe_epilogue import assert_epilogue_exact
+
+# --- the chunk plan -----------------------------------------------------------------------------------------------
+
+
+def _ids_cases():
+    g = torch.Generator().manual_seed(3)
+    yield "top-4 of 32, T = 16", torch.stack([torch.randperm(32, generator=g)[:4] for _ in range(16)]), 32
+    yield "T = 1", torch.tensor([[5, 1, 30, 2]]), 32
+    yield "every token on expert 3", torch.full((16, 1), 3), 8
+    yield "duplicates in a token", torch.tensor([[1, 1, 1, 2], [2, 1, 0, 0]]), 4
+    yield "bad ids", torch.tensor([[-1, 3, 7], [7, 0, -5], [2, 2, 100]]), 7
+    yield "top-8 of 128, T = 32", torch.stack([torch.randperm(128, generator=g)[:8] for _ in range(32)]), 128
+
+
+@pytest.mark.parametrize("rows", [1, 4, 16])
+@pytest.mark.parametrize("name,ids,experts", list(_ids_cases()), ids=[c[0] for c in _ids_cases()])
+def test_chunk_launch_writes_the_plan(name, ids, experts, rows):
+    """The chunk kernel (interpreted) against ``chunk_plan`` (torch): chunk count, each chunk's expert, first
+    sorted position and pair count, and the sorted pairs."""
+    ids = ids.to(torch.int32)
+    tokens, top_k = ids.shape
+    w = random_fp4((experts, 16, 64), "nvfp4", "linear", seed=1, device="cpu")
+    x = random_activation((tokens, 64), torch.bfloat16, seed=2, device="cpu")
+    out = torch.empty((tokens, top_k, 16), dtype=torch.bfloat16)
+    plan = moe.plan_moe(w, x, ids, None, None, out, torch.bfloat16, SM90, "moe_engine", None)
+    ops = moe.moe_operands(plan, w, x, ids, None, None, out)
+    launch = chunk_launch(ops.case, rows)
+    lay = plan_layout(tokens * top_k, experts)
+    got = torch.full((lay["size"],), -99, dtype=torch.int32)
+    args = fill_sources(launch.args, ops)
+    args["plan_ptr"] = got
+    launch.kernel[launch.grid](**args, **launch.options)
+    want = chunk_plan(ids, experts, rows)
+    n = int(want[0])
+    assert int(got[0]) == n
+    for part in ("expert", "start", "pairs_in"):
+        assert torch.equal(got[lay[part]:lay[part] + n], want[lay[part]:lay[part] + n]), part
+    p = tokens * top_k
+    assert torch.equal(got[lay["sorted"]:lay["sorted"] + p], want[lay["sorted"]:lay["sorted"] + p])
+
+
+def test_chunk_plan_covers_every_pair_once_in_expert_order():
+    ids = torch.tensor([[3, 1, 3], [0, 3, 5]], dtype=torch.int32)
+    plan = chunk_plan(ids, 4, 2)
+    lay = plan_layout(6, 4)
+    n = int(plan[0])
+    experts = plan[lay["expert"]:lay["expert"] + n].tolist()
+    starts = plan[lay["start"]:lay["start"] + n].tolist()
+    counts = plan[lay["pairs_in"]:lay["pairs_in"] + n].tolist()
+    order = plan[lay["sorted"]:lay["sorted"] + 6].tolist()
+    # expert 0: pair 3; expert 1: pair 1; expert 3: pairs 0, 2, 4 (two chunks); bad id 5 -> bin 4: pair 5.
+    assert (experts, starts, counts) == ([0, 1, 3, 3, 4], [0, 1, 2, 4, 5], [1, 1, 2, 1, 1])
+    assert order == [3, 1, 0, 2, 4, 5]
+
+
+# --- the kernel's index maps ---------------------------------------------------------------------------------------
+
+
+def _linear_map(layout, shape):
+    """{(register, lane, warp): coordinate} of a Gluon linear layout (XOR of the bases of the set bits)."""
+    out = {}
+    for reg, lane, warp in itertools.product(range(1 << len(layout.reg_bases)), range(32),
+                                             range(1 << len(layout.warp_bases))):
+        c = [0] * len(shape)
+        for bases, index in ((layout.reg_bases, reg), (layout.lane_bases, lane), (layout.warp_bases, warp)):
+            for bit, basis in enumerate(bases):
+                if index >> bit & 1:
+                    c = [a ^ b for a, b in zip(c, basis)]
+        out[reg, lane, warp] = tuple(c)
+    return out
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16])
+def test_row_major_slot_layout_is_the_engines_permuted(tiles, rows):
+    """Each thread's register of the row-major activation slot ``[rows, 16, 16]`` holds, permuted to ``[16, rows,
+    16]``, what the dense engine's layout gives it: the permutation in the kernel moves no data."""
+    dense = engine._layouts(tiles, rows)[1]
+    row_major = _row_major(tiles, rows)
+    a, b = _linear_map(dense, [16, rows, 16]), _linear_map(row_major, [rows, 16, 16])
+    assert all(b[key] == (c[1], c[0], c[2]) for key, c in a.items())
+    assert len(set(b.values())) == rows * 16 * 16  # every element held
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_epilogue_reorders_the_fragments_into_rows_and_columns(tiles):
+    """The epilogue's reshape and permutation take element (16 t + 8 h + g, 8 u + 2 c + b) -- C[row 8 u + g of tile
+    t][column 8 h + 2 c + b] (the dense engine's fragment map) -- to (16 t + 8 u + g, 8 h + 2 c + b)."""
+    r = torch.arange(16 * tiles)[:, None]
+    j = torch.arange(16)[None, :]
+    row = 16 * (r // 16) + 8 * (j // 8) + r % 8
+    col = 8 * ((r // 8) % 2) + 2 * ((j // 2) % 4) + j % 2
+    code = row * 16 + col
+    moved = code.reshape(tiles, 2, 8, 2, 4, 2).permute(0, 3, 2, 1, 4, 5).reshape(16 * tiles, 16)
+    assert torch.equal(moved, torch.arange(16 * tiles * 16).reshape(16 * tiles, 16))
+
+
+# --- refusals, dispatch, configurations ----------------------------------------------------------------------------
+
+
+def _moe_case(fmt="nvfp4", experts=32, m=256, k=2880, tokens=4, top_k=4, dtype=torch.bfloat16):
+    w = random_fp4((experts, m, k), fmt, "linear", seed=1, device="cpu")
+    x = random_activation((tokens, k), dtype, seed=2, device="cpu")
+    ids = torch.zeros((tokens, top_k), dtype=torch.int32)
+    return moe.moe_case(w, x, ids, None, None, torch.bfloat16, (top_k * m, m, 1))
+
+
+@pytest.mark.parametrize("kw,target,words", [
+    (dict(fmt="mxfp4"), SM90, "NVFP4"),
+    (dict(dtype=torch.float16), SM90, "bfloat16"),
+    (dict(k=2880 - 32), SM90, "multiple of 64"),
+    (dict(tokens=65), SM90, "256 pairs"),
+    (dict(), Target("cuda", (8, 9), 84, "ptx"), "sm_90"),
+    (dict(), Target("cuda", (9, 0), 132, "triton"), "PTX mode"),
+])
+def test_refusals_name_the_reason(kw, target, words):
+    assert words in MoeEngine().why_not(_moe_case(**kw), target)
+
+
+def test_runs_by_name_only_while_moe_weight_only_is_faster():
+    """Measured slower than moe_weight_only on every case it runs (round 15): listed after it, so chosen by name."""
+    names = [k.name for k in MOE_KERNELS]
+    assert names.index("moe_engine") == names.index("moe_weight_only") + 1
+    assert choose_kernel(_moe_case(), SM90, kernels=MOE_KERNELS).name == "moe_weight_only"
+    assert choose_kernel(_moe_case(), SM90, "moe_engine", kernels=MOE_KERNELS).name == "moe_engine"
+
+
+def test_default_config_and_bad_configs():
+    assert moe_engine_config(_moe_case(tokens=1), SM90).rows == 1
+    assert moe_engine_config(_moe_case(tokens=3), SM90).rows == 4
+    assert moe_engine_config(_moe_case(tokens=16, experts=32), SM90) == MoeEngineConfig(2, 3, 8, 2, 128)
+    spec = MoeEngine()
+    for bad, words in ((MoeEngineConfig(tiles=3), "tiles"), (MoeEngineConfig(stages=0), "stages"),
+                       (MoeEngineConfig(rows=3), "rows"), (MoeEngineConfig(ctas_per_sm=5), "ctas_per_sm"),
+                       (MoeEngineConfig(maxnreg=100), "maxnreg")):
+        with pytest.raises(ValueError, match=words):
+            spec.check_config(bad)
+
+
+_COMPILE = textwrap.dedent("""
+    import collections, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from aot import jit_specialization, sass_listing, registers, local_memory
+    import operands as O
+    from fp4gemv import moe
+    from fp4gemv.target import SM90
+    from fp4gemv.kernels.moe_engine import moe_engine_launches, MoeEngineConfig
+
+    def build(experts, m, k, tokens, top_k, activation, layout, rows):
+        w = O.random_fp4((experts, m, k), "nvfp4", layout, seed=1, device="cpu")
+        x = O.random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
+        ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
+        alpha, limit = moe.epilogue_constants(activation, None, None)
+        out = torch.empty((tokens, top_k, m // 2 if activation else m), dtype=torch.bfloat16)
+        config = MoeEngineConfig(2, 3, rows, 2, 128)
+        plan = moe.plan_moe(w, x, ids, None, None, out, torch.bfloat16, SM90, "moe_engine", config,
+                            activation=activation, alpha=alpha, limit=limit)
+        return moe_engine_launches(moe.moe_operands(plan, w, x, ids, None, None, out), config, SM90)[1]
+
+    for case in ((32, 5760, 2880, 1, 4, "gpt-oss", "linear", 1), (32, 2880, 2880, 64, 1, None, "linear", 8),
+                 (128, 1536, 2048, 8, 8, "silu", "swizzled", 4)):
+        kernel, grid, args, options = build(*case)
+        kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
+        sig, const, attrs, _ = jit_specialization(kernel, args, kw)
+        c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+        listing = [op.split(".")[0] for _, op, _ in sass_listing(c)]
+        ops_ = collections.Counter(listing)
+        mma = [i for i, op in enumerate(listing) if op == "HMMA"]
+        step_local = sum(op in ("LDL", "STL") for op in listing[mma[0]:mma[-1]])
+        stack = sum(int(s.split(":")[1]) for s in local_memory(c))
+        print(case[-1], options["maxnreg"], registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], stack,
+              step_local)
+""")
+
+
+def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(compile_for_sm90):
+    lines = compile_for_sm90(_COMPILE).strip().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        rows, maxnreg, regs, tma, mma, syncs, stack, step_local = map(int, line.split())
+        assert regs <= maxnreg, line
+        assert tma == 8 + rows, line  # 8 weight copies (4 warp chunks x 2 row halves), one per row
+        assert mma == 32, line  # 2 tiles x 2 chunks x 4 words x 2 k16
+        assert syncs > 0, line
+        # No local memory in the step; Triton 3.9 keeps one 8-byte value on the stack (stored at entry, loaded once
+        # per item), 3.6 none.
+        assert step_local == 0 and stack <= 8, line
+
+
+# --- GPU ------------------------------------------------------------------------------------------------------------
+
+
+def _gpu_ids(tokens, top_k, experts, seed):
+    return random_ids(tokens, top_k, experts, seed)
+
+
+def _run(w, x, ids, config=None, **kw):
+    return fp4gemv.moe_gemv(w, x, ids, backend="auto", kernel="moe_engine", config=config, check_ids=False, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+def test_gpt_oss_layer_shapes_exact(tokens):
+    """gpt-oss-20b's gate_up (bias, interleaved clamped SwiGLU) and down (bias, pair weights, fp32 out), NVFP4
+    experts with per-expert global scales, K = 2880 (a partial last step)."""
+    experts, hidden, inter, top_k = 32, 2880, 2880, 4
+    wg = random_fp4((experts, 2 * inter, hidden), "nvfp4", "linear", seed=tokens)
+    wd = random_fp4((experts, hidden, inter), "nvfp4", "swizzled", seed=tokens + 1)
+    g = torch.Generator().manual_seed(tokens)
+    gs = (torch.rand(experts, 2, generator=g) + 0.5).cuda()
+    gsd = (torch.rand(experts, generator=g) + 0.5).cuda()
+    bg = random_activation((experts, 2 * inter), torch.bfloat16, seed=3)
+    bd = random_activation((experts, hidden), torch.bfloat16, seed=4)
+    x = random_activation((tokens, hidden), torch.bfloat16, seed=5)
+    ids = _gpu_ids(tokens, top_k, experts, seed=6)
+    h = _run(wg, x, ids, bias=bg, global_scales=gs, activation="gpt-oss")
+    assert_epilogue_exact(h, wg, x, ids, torch.bfloat16, bias=bg, global_scales=gs, activation="gpt-oss",
+                          kernel="moe_engine", backend="auto")
+    pw = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).cuda()
+    flat = ids.reshape(-1, 1)
+    y = _run(wd, h.reshape(-1, inter), flat, bias=bd, global_scales=gsd, out_dtype=torch.float32,
+             pair_weights=pw.reshape(-1, 1))
+    assert_epilogue_exact(y, wd, h.reshape(-1, inter), flat, torch.float32, bias=bd, global_scales=gsd,
+                          pair_weights=pw.reshape(-1, 1), kernel="moe_engine", backend="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, MoeEngineConfig(1, 4, 1, 1, 168), MoeEngineConfig(4, 2, 16, 2, 200),
+                                    MoeEngineConfig(2, 3, 2, 3, 168)])
+def test_silu_halves_with_gate_and_up_scales_exact(config):
+    """Qwen3-shaped gate_up (silu on halves, [E, 2] global scales, swizzled scales), T = 8, top-8 of 128, and a
+    tail: 20 pairs (a half tile), K = 192 (one partial step)."""
+    for experts, rows, k, tokens, top_k in ((128, 1536, 2048, 8, 8), (8, 40, 192, 5, 3)):
+        w = random_fp4((experts, rows, k), "nvfp4", "swizzled", seed=rows)
+        x = random_activation((tokens, k), torch.bfloat16, seed=k)
+        ids = _gpu_ids(tokens, top_k, experts, seed=rows + k)
+        gs = (torch.rand(experts, 2, generator=torch.Generator().manual_seed(1)) + 0.5).cuda()
+        out = torch.full((tokens, top_k, rows // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        _run(w, x, ids, config=config, global_scales=gs, activation="silu", out=out)
+        assert_epilogue_exact(out, w, x, ids, torch.bfloat16, global_scales=gs, activation="silu",
+                              kernel="moe_engine", backend="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("experts,m,k,tokens,top_k,ids_kind", [
+    (4, 1000, 1024, 16, 1, "one expert"),      # 16 pairs of one expert: several chunks, tail rows
+    (6, 96, 4096, 3, 4, "duplicates"),         # a token naming an expert twice
+    (32, 2880, 768, 16, 4, "top-k"),           # Qwen3's down K (one partial step)
+    (128, 256, 2048, 2, 8, "top-k"),
+])
+def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind):
+    w = random_fp4((experts, m, k), "nvfp4", "linear", seed=m, global_scale=0.375 if m % 3 == 0 else None)
+    x = random_activation((tokens, k), torch.bfloat16, seed=k)
+    if ids_kind == "one expert":
+        ids = torch.full((tokens, top_k), 2, dtype=torch.int32, device="cuda")
+    elif ids_kind == "duplicates":
+        ids = torch.tensor([[1, 1, 0, 5], [5, 2, 2, 2], [0, 3, 4, 1]], dtype=torch.int64, device="cuda")
+    else:
+        ids = _gpu_ids(tokens, top_k, experts, seed=m + k)
+    out = torch.full((tokens, top_k, m), float("nan"), dtype=out_dtype, device="cuda")
+    _run(w, x, ids, out=out, out_dtype=out_dtype)
+    assert_routed_exact(out, w, x, ids, out_dtype, kernel="moe_engine", backend="auto")
+
+
+@pytest.mark.gpu
+def test_bad_ids_write_zeros_in_a_cuda_graph_without_sync():
+    experts, m, k = 8, 512, 2048
+    w = random_fp4((experts, m, k), "nvfp4", "linear", seed=9)
+    x = random_activation((4, k), torch.bfloat16, seed=10)
+    ids = torch.tensor([[0, -1], [7, 8], [3, 3], [100, 1]], dtype=torch.int32, device="cuda")
+    out = torch.full((4, 2, m), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(w, x, ids, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            _run(w, x, ids, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    bad = (ids < 0) | (ids >= experts)
+    assert (out[bad] == 0).all()
+    assert_routed_exact(out, w, x, ids, torch.bfloat16, kernel="moe_engine", backend="auto")
+
+
+@pytest.mark.gpu
+def test_runs_by_name_on_the_gpu():
+    w = random_fp4((8, 256, 1024), "nvfp4", "linear", seed=1)
+    x = random_activation((2, 1024), torch.bfloat16, seed=2)
+    ids = torch.zeros((2, 2), dtype=torch.int32, device="cuda")
+    target = fp4gemv.target.resolve_target("auto", w.device)
+    assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target, None).spec.name == "moe_weight_only"
+    assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target, "moe_engine").spec.name == "moe_engine"
