@@ -1,0 +1,140 @@
+"""Device script (round 15 of docs/performance.md): the routed decode engine (``moe_gemv(kernel="moe_engine")``)
+against ``moe_weight_only`` on NVFP4 experts of gpt-oss-20b, gpt-oss-120b and Qwen3-30B-A3B shapes, T = 1, 8, 16.
+
+    PYTHONPATH=src python benchmarks/moe_engine_models.py [sweep]   -> moe_engine_time.json in $OUT (or .)
+
+First ``split_times``: gpt-oss-20b's gate_up (NVFP4, bias, the gpt-oss activation) with the chunk launch alone, the
+engine launch alone and both.  Then per model and T: the routed GEMVs of one layer (gate_up with its activation,
+then down times the routing weights into fp32, as ``bench.moe`` times them; NVFP4 experts from
+``bench.moe.random_projection`` with per-expert global scales, Qwen3's gate and up in halves with ``[E, 2]``
+scales), each kernel, against the best read of the distinct experts' bytes; ``sweep`` adds engine configurations on
+gpt-oss-20b.  Timing: ``bench.timing.device_time_us`` (one CUDA graph over 8 copies, L2 flushed, median of 15).
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import fp4gemv
+from fp4gemv.bench.moe import random_projection, router_logits, route, route_softmax_topk, projection_bytes
+from fp4gemv.bench.stream import best_read
+from fp4gemv.bench.timing import device_time_us
+from fp4gemv.kernels.moe_engine import MoeEngineConfig
+
+OUT = os.environ.get("OUT", ".")
+MODELS = {  # experts, hidden, intermediate, top_k, activation, bias, stacked silu
+    "gpt-oss-20b": (32, 2880, 2880, 4, "gpt-oss", True),
+    "gpt-oss-120b": (128, 2880, 2880, 4, "gpt-oss", True),
+    "qwen3-30b-a3b": (128, 2048, 768, 8, "silu", False),
+}
+COPIES = 8
+rows_out = []
+
+
+def med(t):
+    return statistics.median(t)
+
+
+def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None):
+    e, h, i, k, act, bias = MODELS[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [(random_projection(e, 2 * i, h, g, "nvfp4", bias), random_projection(e, h, i, g, "nvfp4", bias))
+              for _ in range(COPIES)]
+    if act == "silu":  # [E, 2] scales: gate's and up's (the same here)
+        layers = [(gu._replace(global_scales=torch.stack([gu.global_scales, gu.global_scales], 1)), dn)
+                  for gu, dn in layers]
+    for tokens in tokens_list:
+        logits = [router_logits(type("M", (), {"experts": e})(), tokens, seed=1000 * tokens + c) for c in range(COPIES)]
+        routes = [route(lg, k) if act == "gpt-oss" else route_softmax_topk(lg, k) for lg in logits]
+        distinct = [int(torch.unique(ids).numel()) for ids, _ in routes]
+        nbytes = int(statistics.mean(distinct) * (projection_bytes(2 * i, h, "nvfp4", True)
+                                                   + projection_bytes(h, i, "nvfp4", True)))
+        read_name, read_us = best_read(nbytes)
+        x = torch.randn(tokens, h, device="cuda", generator=g).to(torch.bfloat16)
+        h_in = torch.randn(tokens * k, i, device="cuda", generator=g).to(torch.bfloat16)
+        gu_out = torch.empty(tokens, k, i, device="cuda", dtype=torch.bfloat16)
+        d_out = torch.empty(tokens * k, 1, h, device="cuda", dtype=torch.float32)
+        alpha, limit = (1.702, 7.0) if act == "gpt-oss" else (None, None)
+
+        def part(which, kernel, config):
+            def launch(c):
+                (gu, dn), (ids, w) = layers[c], routes[c]
+                if which in ("both", "gate_up"):
+                    fp4gemv.moe_gemv(gu.weight, x, ids, bias=gu.bias, global_scales=gu.global_scales, out=gu_out,
+                                     check_ids=False, kernel=kernel, config=config, activation=act, alpha=alpha,
+                                     limit=limit)
+                if which in ("both", "down"):
+                    fp4gemv.moe_gemv(dn.weight, h_in, ids.reshape(-1, 1), bias=dn.bias,
+                                     global_scales=dn.global_scales, out=d_out, out_dtype=torch.float32,
+                                     check_ids=False, kernel=kernel, config=config if which == "down" else
+                                     (config if config is None else config), pair_weights=w.reshape(-1, 1))
+            return launch
+
+        for kernel in kernels:
+            for config in ([None] if kernel != "moe_engine" or configs is None else [None] + configs):
+                try:
+                    both = med(device_time_us(part("both", kernel, config), range(COPIES)))
+                    gate = med(device_time_us(part("gate_up", kernel, config), range(COPIES)))
+                    down = med(device_time_us(part("down", kernel, config), range(COPIES)))
+                except Exception as exc:  # noqa: BLE001
+                    print(name, tokens, kernel, config, "FAILED", repr(exc)[:300], flush=True)
+                    continue
+                row = dict(model=name, tokens=tokens, kernel=kernel, config=None if config is None else list(config),
+                           distinct=statistics.mean(distinct), mbytes=nbytes / 1e6, read=read_name, read_us=read_us,
+                           routed_us=both, gate_up_us=gate, down_us=down, fraction=read_us / both)
+                rows_out.append(row)
+                print(f"{name:14s} T={tokens:2d} {kernel:16s} {str(config):60s} routed {both:7.1f} us "
+                      f"(gate_up {gate:6.1f}, down {down:6.1f}) read {read_us:6.1f} -> {read_us / both:.2f}",
+                      flush=True)
+                with open(os.path.join(OUT, "moe_engine_time.json"), "w") as f:
+                    json.dump(rows_out, f, indent=1)
+    del layers
+    torch.cuda.empty_cache()
+
+
+def split_times():
+    """gpt-oss-20b gate_up (NVFP4, act) T = 1, 8: the chunk launch alone, the engine launch alone, both."""
+    from fp4gemv import moe
+    from fp4gemv.target import resolve_target
+    from fp4gemv.kernels.moe_engine import moe_engine_launches
+    e, h, i, k, act, bias = MODELS["gpt-oss-20b"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gus = [random_projection(e, 2 * i, h, g, "nvfp4", bias) for _ in range(COPIES)]
+    for tokens in (1, 8, 16):
+        logits = [router_logits(type("M", (), {"experts": e})(), tokens, seed=1000 * tokens + c) for c in range(COPIES)]
+        routes = [route(lg, k) for lg in logits]
+        x = torch.randn(tokens, h, device="cuda", generator=g).to(torch.bfloat16)
+        out = torch.empty(tokens, k, i, device="cuda", dtype=torch.bfloat16)
+        target = resolve_target("auto", x.device)
+        launches = []
+        for c in range(COPIES):
+            gu, ids = gus[c], routes[c][0]
+            plan = moe.plan_moe(gu.weight, x, ids, gu.bias, gu.global_scales, out, torch.bfloat16, target,
+                                "moe_engine", None, activation="gpt-oss", alpha=1.702, limit=7.0)
+            ops = moe.moe_operands(plan, gu.weight, x, ids, gu.bias, gu.global_scales, out)
+            launches.append(moe_engine_launches(ops, plan.config, target))
+
+        def only(which):
+            def launch(c):
+                for j, (kern, grid, args, opts) in enumerate(launches[c]):
+                    if which == "both" or which == j:
+                        kern[grid](*args, **opts)
+            return launch
+        res = {w: med(device_time_us(only(w), range(COPIES))) for w in (0, 1, "both")}
+        print(f"split gpt-oss-20b gate_up T={tokens}: chunk {res[0]:.1f} us, engine {res[1]:.1f} us, both {res['both']:.1f} us", flush=True)
+        rows_out.append(dict(split=True, tokens=tokens, chunk_us=res[0], engine_us=res[1], both_us=res["both"]))
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    sweep = len(sys.argv) > 1 and sys.argv[1] == "sweep"
+    C = MoeEngineConfig
+    configs = [C(2, 3, 8, 1, 168), C(4, 2, 8, 1, 168), C(4, 3, 8, 1, 200), C(2, 4, 8, 2, 128), C(2, 2, 8, 2, 128),
+               C(1, 6, 8, 2, 128), C(2, 3, 4, 2, 128)] if sweep else None
+    split_times()
+    for name in MODELS:
+        run(name, configs=configs if name == "gpt-oss-20b" else None)
+    print("total", time.time() - t0)
