@@ -16,7 +16,7 @@ from fp4gemv.kernels.moe_engine import (MoeEngine, MoeEngineConfig, _row_major, 
                                         moe_engine_config, plan_layout)
 from fp4gemv.kernels.spec import fill_sources
 from fp4gemv.target import SM90, Target
-from operands import DEVICE, random_activation, random_fp4
+from operands import random_activation, random_fp4
 from test_moe import assert_routed_exact, random_ids
 from test_moe_epilogue import assert_epilogue_exact
 

@@ -283,6 +283,26 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_st
 # --- the spec ----------------------------------------------------------------------------------------------------
 
 
+def target_reason(target: Target) -> str | None:
+    """Why ``target`` cannot run an engine kernel (bulk tensor copies, warp specialization, inline PTX), or None."""
+    if target.mode != "ptx" or target.device_type != "cuda" or target.capability is None \
+            or target.capability < (9, 0):
+        return f"needs bulk tensor copies and warp specialization (sm_90 or newer, PTX mode; this is " \
+               f"{target.describe()})"
+    return None
+
+
+def check_ring_config(config) -> None:
+    """ValueError naming ``config`` unless its tiles is 1, 2 or 4, stages from 1 to 8 and maxnreg a multiple of 8
+    from 64 to 255 (what ``setmaxnreg`` allocates): the fields every engine configuration has."""
+    if config.tiles not in TILES:
+        raise ValueError(f"config: expected tiles 1, 2 or 4, got {config}")
+    if not isinstance(config.stages, int) or not 1 <= config.stages <= 8:
+        raise ValueError(f"config: expected stages from 1 to 8, got {config}")
+    if not isinstance(config.maxnreg, int) or not 64 <= config.maxnreg <= 255 or config.maxnreg % 8:
+        raise ValueError(f"config: expected maxnreg a multiple of 8 from 64 to 255, got {config}")
+
+
 class Engine(TritonKernelSpec):
     """NVFP4 weights (linear scales, one matrix) times bf16 activations, N = 1..16, K a multiple of 1024, on sm_90
     and newer: the warp-specialized TMA engine (module docstring)."""
@@ -291,10 +311,8 @@ class Engine(TritonKernelSpec):
     config_type = EngineConfig
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
-        if target.mode != "ptx" or target.device_type != "cuda" or target.capability is None \
-                or target.capability < (9, 0):
-            return f"needs bulk tensor copies and warp specialization (sm_90 or newer, PTX mode; this is " \
-                   f"{target.describe()})"
+        if target_reason(target) is not None:
+            return target_reason(target)
         if case.fmt.name != "nvfp4":
             return f"needs NVFP4 weights, got {case.fmt.name}"
         if case.fp4_activation or case.b.dtype != torch.bfloat16:
@@ -320,14 +338,7 @@ class Engine(TritonKernelSpec):
         return engine_config(case)
 
     def check_config(self, config: EngineConfig, case: GemvCase | None = None) -> None:
-        """ValueError naming ``config`` unless tiles is 1, 2 or 4, stages from 1 to 8 and maxnreg a multiple of 8
-        from 64 to 255 (what ``setmaxnreg`` allocates)."""
-        if config.tiles not in TILES:
-            raise ValueError(f"config: expected tiles 1, 2 or 4, got {config}")
-        if not isinstance(config.stages, int) or not 1 <= config.stages <= 8:
-            raise ValueError(f"config: expected stages from 1 to 8, got {config}")
-        if not isinstance(config.maxnreg, int) or not 64 <= config.maxnreg <= 255 or config.maxnreg % 8:
-            raise ValueError(f"config: expected maxnreg a multiple of 8 from 64 to 255, got {config}")
+        check_ring_config(config)
 
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
         return None  # the tensor descriptors are built from each call's tensors: launch() runs every call

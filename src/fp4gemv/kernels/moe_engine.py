@@ -43,9 +43,10 @@ import triton
 import triton.language as tl
 
 from ..target import SM90, Target
-from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
 from ._mma_step import MULTIPLIERS
-from .engine import FOLD_EXPONENT, TILES, WARPS, _layouts, _x_operands, step_asm
+from .engine import (FOLD_EXPONENT, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
+                     target_reason)
 from .spec import ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources
 
 __all__ = ["MoeEngine", "MoeEngineConfig", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
@@ -253,16 +254,6 @@ def _scale_bytes(sf_ptr, plan_ptr, item, i, n_items, ROW_TILES, M, HALF, E, K, s
 
 
 @gluon.jit
-def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.constexpr):
-    """A ring slot's bytes ``buf`` viewed as int64 ``[SHAPE0, SHAPE1, 16]`` (same bytes, same swizzle)."""
-    if PUBLIC_REINTERPRET:
-        view = buf.reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
-    else:
-        view = buf._reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
-    return view
-
-
-@gluon.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
 
@@ -443,10 +434,8 @@ class MoeEngine(TritonKernelSpec):
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         d = case.dense
-        if target.mode != "ptx" or target.device_type != "cuda" or target.capability is None \
-                or target.capability < (9, 0):
-            return f"needs bulk tensor copies and warp specialization (sm_90 or newer, PTX mode; this is " \
-                   f"{target.describe()})"
+        if target_reason(target) is not None:
+            return target_reason(target)
         if d.fmt.name != "nvfp4":
             return f"w: needs NVFP4 experts, got {d.fmt.name}"
         if d.fp4_activation or d.b.dtype != torch.bfloat16:
@@ -471,18 +460,13 @@ class MoeEngine(TritonKernelSpec):
         return moe_engine_config(case, target)
 
     def check_config(self, config: MoeEngineConfig, case: MoeCase | None = None) -> None:
-        """ValueError naming ``config`` unless tiles is 1, 2 or 4, stages 1 to 8, rows a power of two up to 16,
-        ctas_per_sm 1 to 4 and maxnreg a multiple of 8 from 64 to 255."""
-        if config.tiles not in TILES:
-            raise ValueError(f"config: expected tiles 1, 2 or 4, got {config}")
-        if not isinstance(config.stages, int) or not 1 <= config.stages <= 8:
-            raise ValueError(f"config: expected stages from 1 to 8, got {config}")
+        """ValueError naming ``config`` unless ``engine.check_ring_config`` accepts it, rows is a power of two up to
+        16 and ctas_per_sm 1 to 4."""
+        check_ring_config(config)
         if config.rows not in (1, 2, 4, 8, 16):
             raise ValueError(f"config: expected rows 1, 2, 4, 8 or 16, got {config}")
         if not isinstance(config.ctas_per_sm, int) or not 1 <= config.ctas_per_sm <= 4:
             raise ValueError(f"config: expected ctas_per_sm from 1 to 4, got {config}")
-        if not isinstance(config.maxnreg, int) or not 64 <= config.maxnreg <= 255 or config.maxnreg % 8:
-            raise ValueError(f"config: expected maxnreg a multiple of 8 from 64 to 255, got {config}")
 
     def triton_launch(self, case: MoeCase, config: MoeEngineConfig, target: Target) -> TritonLaunch | None:
         return None  # two launches, the descriptors built from each call's tensors: launch() runs every call
