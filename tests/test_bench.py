@@ -153,6 +153,14 @@ def test_prefill_table_has_every_time_and_ratio():
     assert fields[6:9] == ["0.50", "0.56", "0.62"] and "nvfp4 1.0e-03" in lines[1]
 
 
+def test_prefill_bench_refuses_moe_models_naming_model(capsys):
+    from fp4gemv.cli import main
+
+    assert main(["bench", "--prefill", "--model", "gpt-oss-20b"]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "llama3-8b or llama3-70b" in err and "'gpt-oss-20b'" in err
+
+
 def test_prefill_bench_needs_positive_token_counts(capsys):
     from fp4gemv.cli import main
 

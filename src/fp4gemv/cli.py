@@ -239,6 +239,10 @@ def _run_prefill(args: argparse.Namespace) -> int:
     if not tokens or min(tokens) < 1:
         print(f"error: --n: expected comma-separated positive integers with --prefill, got {text!r}", file=sys.stderr)
         return 2
+    if args.model in MOE_MODELS:
+        print(f"error: --model: --prefill takes llama3-8b or llama3-70b (the MoE models have no prefill benchmark), "
+              f"got {args.model!r}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: fp4gemv bench measures GPU kernels: no CUDA GPU found", file=sys.stderr)
         return 2
