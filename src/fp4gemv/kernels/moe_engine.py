@@ -13,9 +13,9 @@ Two launches per call:
   nprog, ...``; its producer warp streams each item's K steps by bulk tensor copies into the mbarrier ring: the
   expert's ``16 * tiles`` weight rows (8 copies of ``[8 tiles, 128 B]``: one per warp chunk and row half; K tails
   and rows past the last expert read as zeros) and the chunk's activation rows, gathered one copy of ``[16, 64]``
-  elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count repeat its first and are never
-  stored).  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes
-  loaded straight from global memory a step ahead (any scale layout, any alignment, through
+  elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count are not copied -- one plain
+  arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes
+  loaded straight from global memory two steps ahead (any scale layout, any alignment, through
   ``spec.ScaleAddressing``; past K: zero), and at each item's end sum their accumulators, apply the global scale,
   the bias, the activation and the pair weight in fp32, and round once into ``out[t, j]``.
 
@@ -31,6 +31,10 @@ tile yields ``8 tiles`` activated rows.
 Exactness: the engine's (exact products, one fp32 accumulation per warp, the warps' sums in fp32), then the
 epilogue in fp32 and one rounding.  An id outside ``[0, E)`` (unchecked: CUDA graphs, ``torch.compile``) reads no
 weights (rows past the last expert are zeros) and writes zeros.
+
+Measured (docs/performance.md, round 15): exact, but 1.2-1.9x slower than ``moe_weight_only`` on gpt-oss and
+Qwen3 shapes, and 1.3-1.5x the dense engine's time on the same bytes; so ``MOE_KERNELS`` lists it after
+``moe_weight_only`` and it runs by name (``kernel="moe_engine"``).
 """
 
 from __future__ import annotations
@@ -348,7 +352,7 @@ def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_p
     n_items = gl.load(plan_ptr) * ROW_TILES
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     # The scale bytes are loaded two steps ahead (flat step f of this CTA: item pid + (f // n_steps) nprog, step
-    # f % n_steps): one step ahead left their DRAM latency partly exposed.
+    # f % n_steps); one step ahead measured level with it (docs/performance.md, round 15).
     s_next = _scale_bytes(sf_ptr, plan_ptr, pid, 0, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
                           sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
     s_after = _scale_bytes(sf_ptr, plan_ptr, pid + (1 // n_steps) * nprog, 1 % n_steps, n_items, ROW_TILES, M, HALF,
