@@ -6,7 +6,8 @@ the routed expert GEMV (``spec.MoeCase``).  :func:`choose_kernel` takes the firs
 case on the target and is not deferred.  A new kernel is its module plus one line in ``GEMV_KERNELS`` or
 ``MOE_KERNELS`` (and a deferral line, where measurements call for one); kernel modules share device code
 through ``_common``, ``_decode``, ``_mma_step`` and ``_ptx``, and the routed kernels call their dense twins'
-pieces (``moe_weight_only`` weight_only's step, ``moe_gemv`` general's loads).
+pieces (``moe_weight_only`` weight_only's step, ``moe_engine`` the engine's; ``moe_gemv`` and ``general`` share
+the scale addressing and masked loads of ``_common``).
 """
 
 from __future__ import annotations

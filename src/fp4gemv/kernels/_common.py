@@ -8,8 +8,8 @@ import triton.language as tl
 
 from ..target import KERNELS_INTERPRETED
 
-__all__ = ["scale_row_offset", "decode_scale", "to_bfloat16_rne", "apply_global_scales", "store_rounded",
-           "pow2_at_most"]
+__all__ = ["scale_row_offset", "scale_col_offset", "load_k", "decode_scale", "to_bfloat16_rne", "apply_global_scales",
+           "store_rounded", "pow2_at_most"]
 
 # e8m0 byte 0 is 2^-127, an fp32 subnormal (bits 0x00400000); byte 255 is NaN.
 _E8M0_ZERO_BYTE_BITS = tl.constexpr(0x00400000)
@@ -23,6 +23,27 @@ _E4M3_NAN_BY_HAND = tl.constexpr(KERNELS_INTERPRETED)
 def scale_row_offset(rows, stride_row_tile, stride_r32, stride_r4):
     """Byte offset of each row's scales under ``spec.ScaleAddressing`` (the row part of its formula)."""
     return (rows // 128) * stride_row_tile + (rows % 32) * stride_r32 + ((rows % 128) // 32) * stride_r4
+
+
+@triton.jit
+def scale_col_offset(j, stride_col_tile, FORMAT: tl.constexpr):
+    """Byte offset of the scales of 16-element blocks ``j`` under ``spec.ScaleAddressing`` (the column part of its
+    formula, ``stride_col_tile`` its col_tile); an MXFP4 scale covers two blocks."""
+    if FORMAT == "nvfp4":
+        # Scale columns come in runs of 4 contiguous bytes in every supported layout.
+        return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, 2), 2)
+    else:
+        col = j // 2
+        return (col // 4) * stride_col_tile + col % 4
+
+
+@triton.jit
+def load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
+    """Load, masking K-blocks past the end (zeros) only when the last step is partial."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=k_ok, other=0)
 
 
 @triton.jit

@@ -33,33 +33,14 @@ import triton
 import triton.language as tl
 
 from ..target import Target
-from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
+from ._common import (apply_global_scales, decode_scale, load_k, pow2_at_most, scale_col_offset, scale_row_offset,
+                      store_rounded)
 from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
 from .block_sum_tiles import w4a4_config
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 from .spec import too_many_rows
 
 __all__ = ["GeneralConfig", "General", "gemv_kernel"]
-
-
-@triton.jit
-def _scale_cols(j, stride_col_tile, FORMAT: tl.constexpr):
-    """Offsets of the scales of 16-element blocks ``j``; an MXFP4 scale covers two of them."""
-    if FORMAT == "nvfp4":
-        # Scale columns come in runs of 4 contiguous bytes in every supported layout.
-        return tl.max_contiguous(tl.multiple_of((j // 4) * stride_col_tile + j % 4, 2), 2)
-    else:
-        col = j // 2
-        return (col // 4) * stride_col_tile + col % 4
-
-
-@triton.jit
-def _load_k(ptrs, k_ok, EVEN_K: tl.constexpr):
-    """Load, masking K-blocks past the end (zeros) only when the last step is partial."""
-    if EVEN_K:
-        return tl.load(ptrs)
-    else:
-        return tl.load(ptrs, mask=k_ok, other=0)
 
 
 @triton.jit
@@ -108,13 +89,13 @@ def gemv_kernel(
     for j0 in range(0, NB, BLOCKS):
         j = j0 + cols
         k_ok = j < NB
-        a = _load_k(a_rows + j[None, :], k_ok[None, :], EVEN_K)
-        sfa_col = _scale_cols(j, sfa_stride_col_tile, FORMAT)
-        sfa = decode_scale(_load_k(sfa_rows[:, None] + sfa_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
+        a = load_k(a_rows + j[None, :], k_ok[None, :], EVEN_K)
+        sfa_col = scale_col_offset(j, sfa_stride_col_tile, FORMAT)
+        sfa = decode_scale(load_k(sfa_rows[:, None] + sfa_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
         if FP4_ACTIVATION:
-            b = _load_k(b_rows + j[None, :], k_ok[None, :], EVEN_K)
-            sfb_col = _scale_cols(j, sfb_stride_col_tile, FORMAT)
-            sfb = decode_scale(_load_k(sfb_rows[:, None] + sfb_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
+            b = load_k(b_rows + j[None, :], k_ok[None, :], EVEN_K)
+            sfb_col = scale_col_offset(j, sfb_stride_col_tile, FORMAT)
+            sfb = decode_scale(load_k(sfb_rows[:, None] + sfb_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
             scale = sfa[:, None, :] * sfb[None, :, :]
             # [ROWS, 1, BLOCKS] weight blocks against [1, N_PAD, BLOCKS] activation blocks.
             if USE_PTX:
@@ -126,7 +107,7 @@ def gemv_kernel(
             acc += block * scale
         else:
             k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
-            x = _load_k(b_rows[:, :, None] + k_idx[None, :, :] * b_stride_k, k_ok[None, :, None], EVEN_K)
+            x = load_k(b_rows[:, :, None] + k_idx[None, :, :] * b_stride_k, k_ok[None, :, None], EVEN_K)
             w = doubled_e2m1(unpack_block(a)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
             block = tl.sum(w[:, None, :, :] * x.to(tl.float32)[None, :, :, :], axis=3)
             acc += block * sfa[:, None, :]

@@ -33,9 +33,8 @@ import triton.language as tl
 
 from ..reference import routed_epilogue
 from ..target import Target
-from ._common import decode_scale, pow2_at_most, scale_row_offset, store_rounded
+from ._common import decode_scale, load_k, pow2_at_most, scale_col_offset, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1, unpack_block
-from .general import _load_k, _scale_cols
 from .spec import MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS",
@@ -160,11 +159,11 @@ def expert_tile_dot(w_rows, sfw_rows, x_cols, x_stride_k, NB, sfw_stride_col_til
     for j0 in range(0, NB, BLOCKS):
         j = j0 + cols
         k_ok = j < NB
-        w = _load_k(w_rows + j[None, :], k_ok[None, :], EVEN_K)
-        sfw_col = _scale_cols(j, sfw_stride_col_tile, FORMAT)
-        sfw = decode_scale(_load_k(sfw_rows[:, None] + sfw_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
+        w = load_k(w_rows + j[None, :], k_ok[None, :], EVEN_K)
+        sfw_col = scale_col_offset(j, sfw_stride_col_tile, FORMAT)
+        sfw = decode_scale(load_k(sfw_rows[:, None] + sfw_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
         k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
-        x = _load_k(x_cols + k_idx[None, :, :] * x_stride_k, k_ok[None, :, None], EVEN_K)
+        x = load_k(x_cols + k_idx[None, :, :] * x_stride_k, k_ok[None, :, None], EVEN_K)
         w_dbl = doubled_e2m1(unpack_block(w)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
         block = tl.sum(w_dbl[:, None, :, :] * x.to(tl.float32)[None, :, :, :], axis=3)
         acc += block * sfw[:, None, :]
