@@ -213,10 +213,6 @@ def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(comp
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 
-def _gpu_ids(tokens, top_k, experts, seed):
-    return random_ids(tokens, top_k, experts, seed)
-
-
 def _run(w, x, ids, config=None, **kw):
     return fp4gemv.moe_gemv(w, x, ids, backend="auto", kernel="moe_engine", config=config, check_ids=False, **kw)
 
@@ -235,7 +231,7 @@ def test_gpt_oss_layer_shapes_exact(tokens):
     bg = random_activation((experts, 2 * inter), torch.bfloat16, seed=3)
     bd = random_activation((experts, hidden), torch.bfloat16, seed=4)
     x = random_activation((tokens, hidden), torch.bfloat16, seed=5)
-    ids = _gpu_ids(tokens, top_k, experts, seed=6)
+    ids = random_ids(tokens, top_k, experts, seed=6)
     h = _run(wg, x, ids, bias=bg, global_scales=gs, activation="gpt-oss")
     assert_epilogue_exact(h, wg, x, ids, torch.bfloat16, bias=bg, global_scales=gs, activation="gpt-oss",
                           kernel="moe_engine", backend="auto")
@@ -256,7 +252,7 @@ def test_silu_halves_with_gate_and_up_scales_exact(config):
     for experts, rows, k, tokens, top_k in ((128, 1536, 2048, 8, 8), (8, 40, 192, 5, 3)):
         w = random_fp4((experts, rows, k), "nvfp4", "swizzled", seed=rows)
         x = random_activation((tokens, k), torch.bfloat16, seed=k)
-        ids = _gpu_ids(tokens, top_k, experts, seed=rows + k)
+        ids = random_ids(tokens, top_k, experts, seed=rows + k)
         gs = (torch.rand(experts, 2, generator=torch.Generator().manual_seed(1)) + 0.5).cuda()
         out = torch.full((tokens, top_k, rows // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
         _run(w, x, ids, config=config, global_scales=gs, activation="silu", out=out)
@@ -280,7 +276,7 @@ def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind)
     elif ids_kind == "duplicates":
         ids = torch.tensor([[1, 1, 0, 5], [5, 2, 2, 2], [0, 3, 4, 1]], dtype=torch.int64, device="cuda")
     else:
-        ids = _gpu_ids(tokens, top_k, experts, seed=m + k)
+        ids = random_ids(tokens, top_k, experts, seed=m + k)
     out = torch.full((tokens, top_k, m), float("nan"), dtype=out_dtype, device="cuda")
     _run(w, x, ids, out=out, out_dtype=out_dtype)
     assert_routed_exact(out, w, x, ids, out_dtype, kernel="moe_engine", backend="auto")

@@ -14,10 +14,11 @@ Two launches per call:
   expert's ``16 * tiles`` weight rows (8 copies of ``[8 tiles, 128 B]``: one per warp chunk and row half; K tails
   and rows past the last expert read as zeros) and the chunk's activation rows, gathered one copy of ``[16, 64]``
   elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count are not copied -- one plain
-  arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes
-  loaded straight from global memory two steps ahead (any scale layout, any alignment, through
-  ``spec.ScaleAddressing``; past K: zero), and at each item's end sum their accumulators, apply the global scale,
-  the bias, the activation and the pair weight in fp32, and round once into ``out[t, j]``.
+  arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).  The four
+  consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes loaded straight from
+  global memory two steps ahead (any scale layout, any alignment, through ``spec.ScaleAddressing``; past K: zero),
+  and at each item's end sum their accumulators, apply the global scale, the bias, the activation and the pair
+  weight in fp32, and round once into ``out[t, j]``.
 
 Activation rows: the slot holds ``[rows, 16, 64]`` elements (row-major, one copy per row); the consumer permutes it
 into the engine's ``[16, rows, 64]`` order (``engine._layouts``' activation layout with its first two coordinates
@@ -51,6 +52,7 @@ from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
 from ._mma_step import MULTIPLIERS
 from .engine import (FOLD_EXPONENT, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
                      target_reason)
+from .moe_weight_only import ACTIVATION_CODES
 from .spec import ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources
 
 __all__ = ["MoeEngine", "MoeEngineConfig", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
@@ -60,7 +62,6 @@ __all__ = ["MoeEngine", "MoeEngineConfig", "moe_engine_config", "plan_layout", "
 MAX_PAIRS = 256
 # Experts per call: a histogram bin each, plus one for ids outside [0, E).
 MAX_EXPERTS = 1023
-ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
 # The producer warp's registers: it keeps a chunk's activation row indices (up to 16) through the item's steps;
 # at 56 with 8 rows Triton 3.9's allocation spills (48 under 3.6) (sm_90 compile, tests/test_kernels_moe_engine.py).
 PRODUCER_REGS = 64
@@ -224,7 +225,8 @@ def _producer(w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_
             mbarrier.expect(bar, 8 * w_desc.block_type.nbytes)
             wslot = wbuf.index(slot)
             for q in gl.static_range(4):
-                tma_load(w_desc, [first_row + base0, (4 * i + q) * 128], bar, wslot.slice(2 * q * (8 * TILES), 8 * TILES))
+                tma_load(w_desc, [first_row + base0, (4 * i + q) * 128], bar,
+                         wslot.slice(2 * q * (8 * TILES), 8 * TILES))
                 tma_load(w_desc, [first_row + base1, (4 * i + q) * 128], bar,
                          wslot.slice((2 * q + 1) * (8 * TILES), 8 * TILES))
             # One arrival per activation row (the barrier counts 1 + ROWS): rows past the chunk's pairs are not
@@ -238,11 +240,14 @@ def _producer(w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_
 
 
 @gluon.jit
-def _scale_bytes(sf_ptr, plan_ptr, item, i, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4,
+def _scale_bytes(sf_ptr, plan_ptr, f, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4,
                  sf_col_tile, TILES: gl.constexpr, SILU: gl.constexpr, LW: gl.constexpr,
                  EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
-    """The e4m3 scale bytes of item ``item``'s step ``i`` in the weights' register layout ``LW`` ([warp, weight
-    row of the slot, block]); zeros past K and for an item past the last."""
+    """The e4m3 scale bytes of this CTA's flat step ``f`` (item ``pid + (f // n_steps) nprog``, its step
+    ``f % n_steps``) in the weights' register layout ``LW`` ([warp, weight row of the slot, block]); zeros past K
+    and for an item past the last."""
+    item = gl.program_id(0) + (f // n_steps) * gl.num_programs(0)
+    i = f % n_steps
     live = item < n_items
     tile, expert, start, count = _chunk(plan_ptr, gl.where(live, item, 0), ROW_TILES, EXPERT, START, PAIRS_IN)
     base0, base1 = _row_bases(tile, HALF, TILES, SILU)
@@ -351,13 +356,12 @@ def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_p
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
-    # The scale bytes are loaded two steps ahead (flat step f of this CTA: item pid + (f // n_steps) nprog, step
-    # f % n_steps); one step ahead measured level with it (docs/performance.md, round 15).
-    s_next = _scale_bytes(sf_ptr, plan_ptr, pid, 0, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
+    # The scale bytes are loaded two steps ahead; one step ahead measured level with it (docs/performance.md,
+    # round 15).
+    s_next = _scale_bytes(sf_ptr, plan_ptr, 0, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
                           sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
-    s_after = _scale_bytes(sf_ptr, plan_ptr, pid + (1 // n_steps) * nprog, 1 % n_steps, n_items, ROW_TILES, M, HALF,
-                           E, K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START,
-                           PAIRS_IN)
+    s_after = _scale_bytes(sf_ptr, plan_ptr, 1, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
+                           sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
     f = 0
     for item in range(pid, n_items, nprog):
         tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
@@ -368,10 +372,8 @@ def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_p
         for i in range(n_steps):
             s = s_next
             s_next = s_after
-            ahead = f + 2
-            s_after = _scale_bytes(sf_ptr, plan_ptr, pid + (ahead // n_steps) * nprog, ahead % n_steps, n_items,
-                                   ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES,
-                                   SILU, LW, EXPERT, START, PAIRS_IN)
+            s_after = _scale_bytes(sf_ptr, plan_ptr, f + 2, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e,
+                                   sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
             slot = f % STAGES
             mbarrier.wait(ready.index(slot), (f // STAGES) & 1)
             w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
@@ -512,7 +514,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     bias = ops.bias if ops.bias is not None else ops.w_scales
     pw = ops.pair_weights if ops.pair_weights is not None else ops.w_scales
     sms = target.sm_count or SM90.sm_count
-    grid = (max(1, min(min(case.pairs, lay["pad"]) * row_tiles, config.ctas_per_sm * sms)),)
+    grid = (max(1, min(case.pairs * row_tiles, config.ctas_per_sm * sms)),)  # chunks <= pairs
     args = (w_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k, row_tiles,
             case.top_k, sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
             case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
