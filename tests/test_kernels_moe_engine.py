@@ -17,7 +17,7 @@ from fp4gemv.kernels.moe_engine import (MoeEngine, MoeEngineConfig, _row_major, 
 from fp4gemv.kernels.spec import fill_sources
 from fp4gemv.target import SM90, Target
 from operands import random_activation, random_fp4
-from test_moe import assert_routed_exact, random_ids
+from test_moe import assert_routed_exact, exact_and_bound, random_ids
 from test_moe_epilogue import assert_epilogue_exact
 
 # --- the chunk plan -----------------------------------------------------------------------------------------------
@@ -105,15 +105,24 @@ def test_row_major_slot_layout_is_the_engines_permuted(tiles, rows):
 
 @pytest.mark.parametrize("tiles", [1, 2, 4])
 def test_epilogue_reorders_the_fragments_into_rows_and_columns(tiles):
-    """The epilogue's reshape and permutation take element (16 t + 8 h + g, 8 u + 2 c + b) -- C[row 8 u + g of tile
-    t][column 8 h + 2 c + b] (the dense engine's fragment map) -- to (16 t + 8 u + g, 8 h + 2 c + b)."""
+    """The epilogue's reshape and permutation (``_warp_sums``) take each warp's element (16 t + 8 h + g, 8 u + 2 c +
+    b) -- C[row 8 u + g of tile t][column 8 h + 2 c + b] (the dense engine's fragment map) -- to (16 t + 8 u + g,
+    8 h + 2 c + b), and the shared-memory views give gate and up rows: (2 i, 2 i + 1) for gpt-oss, (i, i + 8 tiles)
+    for SiLU halves."""
     r = torch.arange(16 * tiles)[:, None]
     j = torch.arange(16)[None, :]
     row = 16 * (r // 16) + 8 * (j // 8) + r % 8
     col = 8 * ((r // 8) % 2) + 2 * ((j // 2) % 4) + j % 2
-    code = row * 16 + col
-    moved = code.reshape(tiles, 2, 8, 2, 4, 2).permute(0, 3, 2, 1, 4, 5).reshape(16 * tiles, 16)
-    assert torch.equal(moved, torch.arange(16 * tiles * 16).reshape(16 * tiles, 16))
+    code = (torch.arange(4)[:, None, None] * 16 * tiles + row) * 16 + col  # [warp, element] -> its (warp, row, col)
+    moved = code.reshape(4, tiles, 2, 8, 2, 4, 2).permute(0, 1, 4, 3, 2, 5, 6).reshape(4, 16 * tiles, 16)
+    assert torch.equal(moved, torch.arange(4 * 16 * tiles * 16).reshape(4, 16 * tiles, 16))
+    rows = torch.arange(16 * tiles)[None, :, None].expand(4, -1, 16)  # what the buffer holds: its row
+    gpt = rows.reshape(4, 8 * tiles, 2, 16).permute(0, 1, 3, 2)  # [warp, pair row, column, gate/up]
+    silu = rows.reshape(4, 2, 8 * tiles, 16).permute(0, 2, 3, 1)
+    i = torch.arange(8 * tiles)[None, :, None]
+    for view, up in ((gpt, 2 * i + 1), (silu, i + 8 * tiles)):
+        gate = 2 * i if view is gpt else i
+        assert torch.equal(view[..., 0], gate.expand(4, -1, 16)) and torch.equal(view[..., 1], up.expand(4, -1, 16))
 
 
 # --- refusals, dispatch, configurations ----------------------------------------------------------------------------
@@ -280,6 +289,87 @@ def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind)
     out = torch.full((tokens, top_k, m), float("nan"), dtype=out_dtype, device="cuda")
     _run(w, x, ids, out=out, out_dtype=out_dtype)
     assert_routed_exact(out, w, x, ids, out_dtype, kernel="moe_engine", backend="auto")
+
+
+def _padded_scales(w, pad):
+    """``w`` with its linear scale rows ``pad`` bytes longer in memory (a strided view): rows at 16-byte aligned
+    addresses where K / 16 is not a multiple of 16, as ``scale_copy`` needs."""
+    rows = torch.full((*w.scales.shape[:-1], w.scales.shape[-1] + pad), 0x7F, dtype=w.scales.dtype,
+                      device=w.scales.device)  # NaN bytes in the padding: read them and the test fails
+    rows[..., :w.scales.shape[-1]] = w.scales
+    return fp4gemv.FP4Tensor(w.data, rows[..., :w.scales.shape[-1]], w.fmt.name, "linear", w.global_scale)
+
+
+_PATHS = [(False, False), (True, False), (True, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_copy,one_box", _PATHS)
+def test_copy_paths_exact(scale_copy, one_box):
+    """Each way the steps' bytes arrive (scales loaded or copied; weights in eight copies or one), on cases where
+    they apply: K = 1280 (one box, a partial last step), gpt-oss's gate_up at K = 2880 with scale rows padded to
+    192 bytes (copies of scales past K read zeros, not the padding's NaN bytes), SiLU halves with linear scales."""
+    from fp4gemv.kernels.moe_engine import one_box_reason, scale_copy_reason
+    config = lambda tokens: MoeEngineConfig(2, 3, min(8, 1 << (tokens - 1).bit_length()), 2, 128,  # noqa: E731
+                                            scale_copy, one_box)
+    # plain, K = 1280: several chunks of one expert, a row tail
+    w = random_fp4((4, 1000, 1280), "nvfp4", "linear", seed=21, global_scale=0.375)
+    x = random_activation((12, 1280), torch.bfloat16, seed=22)
+    ids = torch.tensor([[2]] * 10 + [[0], [3]], dtype=torch.int32, device="cuda")
+    plan = moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, SM90, "moe_engine", config(12))
+    assert scale_copy_reason(plan.case) is None and one_box_reason(plan.case) is None
+    out = torch.full((12, 1, 1000), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(w, x, ids, config=config(12), out=out)
+    assert_routed_exact(out, w, x, ids, torch.bfloat16, kernel="moe_engine", backend="auto")
+    # gpt-oss gate_up, padded scale rows
+    experts, hidden, inter, tokens = 8, 2880, 320, 5
+    wg = _padded_scales(random_fp4((experts, 2 * inter, hidden), "nvfp4", "linear", seed=23), 12)
+    x = random_activation((tokens, hidden), torch.bfloat16, seed=24)
+    ids = random_ids(tokens, 4, experts, seed=25)
+    bg = random_activation((experts, 2 * inter), torch.bfloat16, seed=26)
+    plan = moe.plan_moe(wg, x, ids, bg, None, None, torch.bfloat16, SM90, "moe_engine", config(tokens),
+                        activation="gpt-oss", alpha=1.702, limit=7.0)
+    assert scale_copy_reason(plan.case) is None and one_box_reason(plan.case) is not None
+    h = _run(wg, x, ids, config=config(tokens), bias=bg, activation="gpt-oss")
+    assert_epilogue_exact(h, wg, x, ids, torch.bfloat16, bias=bg, activation="gpt-oss", kernel="moe_engine",
+                          backend="auto")
+    # SiLU halves, linear scales
+    w = random_fp4((16, 384, 2048), "nvfp4", "linear", seed=27)
+    x = random_activation((8, 2048), torch.bfloat16, seed=28)
+    ids = random_ids(8, 4, 16, seed=29)
+    gs = (torch.rand(16, 2, generator=torch.Generator().manual_seed(2)) + 0.5).cuda()
+    out = torch.full((8, 4, 192), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(w, x, ids, config=config(8), global_scales=gs, activation="silu", out=out)
+    assert_epilogue_exact(out, w, x, ids, torch.bfloat16, global_scales=gs, activation="silu", kernel="moe_engine",
+                          backend="auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_copy,one_box", _PATHS)
+def test_nan_and_inf_scales_stay_in_their_rows(scale_copy, one_box):
+    """An e4m3 NaN scale byte (0x7F) and the largest scale (448) with the largest codes: NaN in that row's outputs
+    only; every other output exact (the oracle computes the same NaN and the finite rest)."""
+    w = random_fp4((4, 96, 2048), "nvfp4", "linear", seed=31)
+    scales = w.scales.clone()
+    scales[1, 5, 17] = 0x7F  # NaN
+    scales[2, 40, :] = 0x7E  # 448
+    data = w.data.clone()
+    data[2, 40, :] = 0x77  # 6 * 6: large finite products
+    w = fp4gemv.FP4Tensor(data, scales, "nvfp4", "linear")
+    x = random_activation((3, 2048), torch.bfloat16, seed=32)
+    ids = torch.tensor([[1, 2], [0, 1], [3, 2]], dtype=torch.int32, device="cuda")
+    out = torch.full((3, 2, 96), float("nan"), dtype=torch.float32, device="cuda")
+    config = MoeEngineConfig(2, 3, 4, 2, 128, scale_copy, one_box)
+    _run(w, x, ids, config=config, out=out, out_dtype=torch.float32)
+    nan = torch.zeros(out.shape, dtype=torch.bool)
+    nan[0, 0, 5] = nan[1, 1, 5] = True  # the pairs on expert 1, row 5
+    got = out.cpu().double()
+    assert torch.isnan(got[nan]).all()
+    exact, bound = exact_and_bound(w, x, ids, torch.float32, out, kernel="moe_engine", config=config,
+                                   backend="auto")
+    assert torch.isnan(exact[nan]).all()
+    assert torch.isfinite(got[~nan]).all()
+    assert ((got - exact).abs()[~nan] <= bound[~nan]).all()
 
 
 @pytest.mark.gpu

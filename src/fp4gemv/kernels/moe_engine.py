@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from ..target import SM90, Target
-from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
 from ._mma_step import MULTIPLIERS
 from .engine import (FOLD_EXPONENT, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
                      target_reason)
@@ -65,20 +65,30 @@ MAX_EXPERTS = 1023
 # The producer warp's registers: it keeps a chunk's activation row indices (up to 16) through the item's steps;
 # at 56 with 8 rows Triton 3.9's allocation spills (48 under 3.6) (sm_90 compile, tests/test_kernels_moe_engine.py).
 PRODUCER_REGS = 64
-# The epilogue's register layout of [rows, 16 columns, 2] (gate and up of a pair in one thread).
-_PAIRED = gl.constexpr(gl.BlockedLayout([1, 1, 2], [8, 4, 1], [4, 1, 1], [2, 1, 0]))
+# The scale slot ([16 TILES rows, 64 bytes], unswizzled) viewed as [rows, 4 warp chunks, 16 bytes].
+_SCALE_VIEW = gl.constexpr(gl.NVMMASharedLayout(0, 8, rank=3))
+# The epilogue's loads of the four warps' accumulators (each thread holds all four of its outputs): [warp, row,
+# column] for plain products, [warp, pair row, column, gate or up] with an activation; and the outputs' layouts.
+_SUM_ROWS = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 4, 1], [0, 2, 1])
+_SUM_PAIRS = gl.BlockedLayout([4, 1, 1, 2], [1, 4, 8, 1], [1, 4, 1, 1], [3, 0, 2, 1])
+_PAIR_OUT = gl.SliceLayout(2, gl.SliceLayout(0, _SUM_PAIRS))
 
 
 class MoeEngineConfig(NamedTuple):
     """``tiles``: m16 tiles per item (16 * tiles weight rows); ``stages``: ring slots; ``rows``: activation rows per
     chunk (a power of two up to 16: pairs of one expert per pass); ``ctas_per_sm``: the persistent grid's CTAs per
-    SM; ``maxnreg``: registers per thread."""
+    SM (0: one item per CTA, a grid of every possible item); ``maxnreg``: registers per thread; ``scale_copy``: the
+    scale bytes through the ring by bulk copy where the scales allow it (``scale_copy_reason``), else loaded from
+    global memory; ``one_box``: a step's weights as one bulk copy where the tile's rows are contiguous (no SiLU
+    halves), else eight."""
 
     tiles: int = 2
     stages: int = 3
     rows: int = 8
     ctas_per_sm: int = 2
     maxnreg: int = 128
+    scale_copy: bool = True
+    one_box: bool = True
 
 
 def moe_engine_config(case: MoeCase, target: Target) -> MoeEngineConfig:
@@ -204,12 +214,15 @@ def _row_bases(tile, HALF, TILES: gl.constexpr, SILU: gl.constexpr):
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES, TOP_K,
-              TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
-              EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES,
+              TOP_K, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
+              SCALE_COPY: gl.constexpr, ONE_BOX: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+              PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
+    W_BYTES: gl.constexpr = 64 * TILES * 128
+    S_BYTES: gl.constexpr = 16 * TILES * 64 if SCALE_COPY else 0
     f = 0
     for item in range(pid, n_items, nprog):
         tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
@@ -222,13 +235,20 @@ def _producer(w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_
             slot = f % STAGES
             bar = ready.index(slot)
             mbarrier.wait(empty.index(slot), ((f // STAGES) & 1) ^ 1)
-            mbarrier.expect(bar, 8 * w_desc.block_type.nbytes)
+            mbarrier.expect(bar, W_BYTES + S_BYTES)
             wslot = wbuf.index(slot)
-            for q in gl.static_range(4):
-                tma_load(w_desc, [first_row + base0, (4 * i + q) * 128], bar,
-                         wslot.slice(2 * q * (8 * TILES), 8 * TILES))
-                tma_load(w_desc, [first_row + base1, (4 * i + q) * 128], bar,
-                         wslot.slice((2 * q + 1) * (8 * TILES), 8 * TILES))
+            if ONE_BOX:  # [4 warp chunks, 16 TILES rows, 128 B]
+                tma_load(w_desc, [4 * i, first_row + base0, 0], bar, wslot)
+            else:
+                for q in gl.static_range(4):
+                    tma_load(w_desc, [first_row + base0, (4 * i + q) * 128], bar,
+                             wslot.slice(2 * q * (8 * TILES), 8 * TILES))
+                    tma_load(w_desc, [first_row + base1, (4 * i + q) * 128], bar,
+                             wslot.slice((2 * q + 1) * (8 * TILES), 8 * TILES))
+            if SCALE_COPY:  # [16 TILES rows, 64 bytes]: the two row halves
+                sslot = sbuf.index(slot)
+                tma_load(s_desc, [first_row + base0, 64 * i], bar, sslot.slice(0, 8 * TILES))
+                tma_load(s_desc, [first_row + base1, 64 * i], bar, sslot.slice(8 * TILES, 8 * TILES))
             # One arrival per activation row (the barrier counts 1 + ROWS): rows past the chunk's pairs are not
             # copied (their columns are never stored).
             xslot = xbuf.index(slot)
@@ -263,6 +283,15 @@ def _scale_bytes(sf_ptr, plan_ptr, f, n_steps, n_items, ROW_TILES, M, HALF, E, K
 
 
 @gluon.jit
+def _reinterpret(buf, DTYPE: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+    if PUBLIC_REINTERPRET:
+        view = buf.reinterpret(DTYPE, SHAPE, LAYOUT)
+    else:
+        view = buf._reinterpret(DTYPE, SHAPE, LAYOUT)
+    return view
+
+
+@gluon.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
 
@@ -270,18 +299,17 @@ def _sigmoid(x):
 @gluon.jit
 def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K, gs_e, gs_h,
                      bias_e, bias_m, out_t, out_j, pw_t, pw_j, TILES: gl.constexpr, ACTIVATION: gl.constexpr,
-                     HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SORTED: gl.constexpr):
-    """What the item's epilogue reads from memory, loaded when the item starts (its latency hidden behind the
-    steps): each column's pair and pair weight, the global scales, the bias of gate (or of the row) and
-    of up, and whether the expert is valid."""
-    LO: gl.constexpr = gl.SliceLayout(2, _PAIRED)
+                     HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SORTED: gl.constexpr,
+                     LO: gl.constexpr):
+    """What the item's epilogue reads from memory, loaded when the item starts and kept in their own dtypes until
+    the epilogue (a conversion here would wait for the loads): each column's pair and pair weight, the global
+    scales, the bias of gate (or of the row) and of up, and whether the expert is valid."""
     n = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]
     col_ok = n < count
     pair = gl.load(plan_ptr + SORTED + start + n, mask=col_ok, other=0)
-    pw = gl.zeros([1, 16], gl.float32, LO) + 1.0
+    pw = gl.full([1, 16], 1.0, gl.float32, LO)
     if HAS_PW:
-        pw = gl.load(pw_ptr + (pair // TOP_K).to(gl.int64) * pw_t + (pair % TOP_K) * pw_j, mask=col_ok,
-                     other=0).to(gl.float32)
+        pw = gl.load(pw_ptr + (pair // TOP_K).to(gl.int64) * pw_t + (pair % TOP_K) * pw_j, mask=col_ok, other=0)
     valid = expert < E
     e = gl.where(valid, expert, 0).to(gl.int64)
     gs0 = 1.0
@@ -295,7 +323,7 @@ def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, co
     b1 = gl.zeros([R, 1], gl.float32, LO)
     if HAS_BIAS:
         if ACTIVATION == 0:
-            b0 = gl.load(bias_ptr + e * bias_e + gl.minimum(tile * R + rows, M - 1) * bias_m).to(gl.float32)
+            b0 = gl.load(bias_ptr + e * bias_e + gl.minimum(tile * R + rows, M - 1) * bias_m)
         else:
             pair_row = gl.minimum(tile * R + rows, HALF - 1)
             if ACTIVATION == 1:
@@ -304,32 +332,49 @@ def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, co
             else:
                 gate_row = pair_row
                 up_row = pair_row + HALF
-            b0 = gl.load(bias_ptr + e * bias_e + gate_row * bias_m).to(gl.float32)
-            b1 = gl.load(bias_ptr + e * bias_e + up_row * bias_m).to(gl.float32)
+            b0 = gl.load(bias_ptr + e * bias_e + gate_row * bias_m)
+            b1 = gl.load(bias_ptr + e * bias_e + up_row * bias_m)
     return pair, col_ok, pw, valid, gs0, gs1, b0, b1
 
 
 @gluon.jit
-def _epilogue(acc, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid, gs0,
-              gs1, b0, b1, TILES: gl.constexpr, ACTIVATION: gl.constexpr, FOLD: gl.constexpr):
-    """The item's result: the warps' sums in fp32, in (row of the tile, column) order, then global scale, bias,
-    activation and pair weight, rounded once into out."""
-    acc = gl.sum(acc, axis=0) * FOLD  # [16 TILES, 16]: element (16 t + 8 h + g, 8 u + 2 c + b)
-    # C[row 8 u + g of tile t][column 8 h + 2 c + b] (engine._RegisterFold): to (row, column) order.
-    acc = gl.reshape(gl.permute(gl.reshape(acc, [TILES, 2, 8, 2, 4, 2]), [0, 3, 2, 1, 4, 5]), [16 * TILES, 16])
-    LO: gl.constexpr = gl.SliceLayout(2, _PAIRED)
+def _warp_sums(acc, ebuf, TILES: gl.constexpr, ACTIVATION: gl.constexpr, LSUM: gl.constexpr, LO: gl.constexpr):
+    """The four warps' accumulators summed, in (row, column) order (plain) or as (gate, up) of each pair row: one
+    trip through shared memory.  Each thread stores its C fragments at their (warp, row, column) places -- C[row
+    8 u + g of tile t][column 8 h + 2 c + b] is accumulator element (16 t + 8 h + g, 8 u + 2 c + b) -- and loads
+    every warp's value of its outputs (``LSUM``: the warps in its registers), so the sum is thread-local."""
+    rc = gl.reshape(gl.permute(gl.reshape(acc, [4, TILES, 2, 8, 2, 4, 2]), [0, 1, 4, 3, 2, 5, 6]),
+                    [4, 16 * TILES, 16])
+    ebuf.store(rc)
     if ACTIVATION == 0:
-        out = gl.convert_layout(acc, LO) * gs0 + b0
+        total = gl.convert_layout(gl.sum(ebuf.load(LSUM), axis=0), LO)
+        gate = total
+        up = total
+    else:
+        if ACTIVATION == 1:  # rows 2 i, 2 i + 1 of the tile
+            view = ebuf.reshape([4, 8 * TILES, 2, 16]).permute([0, 1, 3, 2])
+        else:  # the tile's two halves
+            view = ebuf.reshape([4, 2, 8 * TILES, 16]).permute([0, 2, 3, 1])
+        gate, up = gl.split(gl.sum(view.load(LSUM), axis=0))
+        gate = gl.convert_layout(gate, LO)
+        up = gl.convert_layout(up, LO)
+    return gate, up
+
+
+@gluon.jit
+def _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid,
+              gs0, gs1, b0, b1, TILES: gl.constexpr, ACTIVATION: gl.constexpr, FOLD: gl.constexpr,
+              LSUM: gl.constexpr, LO: gl.constexpr):
+    """The item's result: the warps' sums in fp32 (``_warp_sums``), then global scale, bias, activation and pair
+    weight, rounded once into out."""
+    gate, up = _warp_sums(acc, ebuf, TILES, ACTIVATION, LSUM, LO)
+    if ACTIVATION == 0:
+        out = gate * FOLD * gs0 + b0.to(gl.float32)
         rows = tile * (16 * TILES) + gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
         row_ok = rows < M
     else:
-        if ACTIVATION == 1:  # rows 2 i, 2 i + 1 of the tile
-            pairs = gl.permute(gl.reshape(acc, [8 * TILES, 2, 16]), [0, 2, 1])
-        else:  # the tile's two halves
-            pairs = gl.permute(gl.reshape(acc, [2, 8 * TILES, 16]), [1, 2, 0])
-        gate, up = gl.split(gl.convert_layout(pairs, _PAIRED))
-        gate = gate * gs0 + b0
-        up = up * gs1 + b1
+        gate = gate * FOLD * gs0 + b0.to(gl.float32)
+        up = up * FOLD * gs1 + b1.to(gl.float32)
         if ACTIVATION == 1:
             gate = gl.where(gate > limit, limit, gate)
             up = gl.where(up > limit, limit, gl.where(up < -limit, -limit, up))
@@ -338,44 +383,52 @@ def _epilogue(acc, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, li
             out = gate * _sigmoid(gate) * up
         rows = tile * (8 * TILES) + gl.arange(0, 8 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
         row_ok = rows < HALF
-    out = gl.where(valid, out * pw, 0.0)
+    out = gl.where(valid, out * pw.to(gl.float32), 0.0)
     offsets = (pair // TOP_K).to(gl.int64) * out_t + (pair % TOP_K).to(gl.int64) * out_j
     gl.store(out_ptr + offsets + rows.to(gl.int64) * out_m, out.to(out_ptr.dtype.element_ty), mask=row_ok & col_ok)
 
 
 @gluon.jit
-def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
+def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
               n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
               out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
               TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
-              FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr,
-              LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+              SCALE_COPY: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
+              S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
+              LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
               PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
-    # The scale bytes are loaded two steps ahead; one step ahead measured level with it (docs/performance.md,
-    # round 15).
-    s_next = _scale_bytes(sf_ptr, plan_ptr, 0, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
-                          sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
-    s_after = _scale_bytes(sf_ptr, plan_ptr, 1, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32,
-                           sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
+    # Without the scales' copies, their bytes are loaded two steps ahead; one step ahead measured level with it
+    # (docs/performance.md, round 15).
+    s_next = zero.to(gl.uint8)
+    s_after = zero.to(gl.uint8)
+    if not SCALE_COPY:
+        s_next = _scale_bytes(sf_ptr, plan_ptr, 0, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile,
+                              sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
+        s_after = _scale_bytes(sf_ptr, plan_ptr, 1, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile,
+                               sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
     f = 0
     for item in range(pid, n_items, nprog):
         tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
         pair, col_ok, pw, valid, gs0, gs1, b0, b1 = _epilogue_inputs(
             plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K, gs_e, gs_h, bias_e,
-            bias_m, out_t, out_j, pw_t, pw_j, TILES, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SORTED)
+            bias_m, out_t, out_j, pw_t, pw_j, TILES, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SORTED, LO)
         for i in range(n_steps):
-            s = s_next
-            s_next = s_after
-            s_after = _scale_bytes(sf_ptr, plan_ptr, f + 2, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e,
-                                   sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START, PAIRS_IN)
             slot = f % STAGES
+            if not SCALE_COPY:
+                s = s_next
+                s_next = s_after
+                s_after = _scale_bytes(sf_ptr, plan_ptr, f + 2, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e,
+                                       sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START,
+                                       PAIRS_IN)
             mbarrier.wait(ready.index(slot), (f // STAGES) & 1)
+            if SCALE_COPY:
+                s = _reinterpret(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
             w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
             xt = _as_int64(xbuf.index(slot), ROWS, 16, X64).load(LXR)
             x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW)
@@ -384,37 +437,49 @@ def _consumer(wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_p
                                             dtype=gl.float32, is_pure=True, pack=8 * TILES)
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
             f += 1
-        _epilogue(acc, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid,
-                  gs0, gs1, b0, b1, TILES, ACTIVATION, FOLD)
+        _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw,
+                  valid, gs0, gs1, b0, b1, TILES, ACTIVATION, FOLD, LSUM, LO)
 
 
 @gluon.jit
-def moe_engine_kernel(w_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
+def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
                       ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
                       out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
                       TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, ACTIVATION: gl.constexpr,
-                      HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, FOLD: gl.constexpr,
-                      ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr,
-                      W64: gl.constexpr, X64: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+                      HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SCALE_COPY: gl.constexpr,
+                      ONE_BOX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
+                      S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
+                      LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
                       PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     n_steps = (K + 1023) // 1024
     SILU: gl.constexpr = ACTIVATION == 2
-    # A slot: [4 warp chunks x 2 row halves x 8 TILES rows, 128 B] of weights; [ROWS, 16, 64] activation elements.
-    wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64 * TILES, 128], w_desc.layout)
+    # A slot: [4 warp chunks x 2 row halves x 8 TILES rows, 128 B] of weights (rank 3 from one copy, rank 2 from
+    # eight: the same bytes); [16 TILES, 4, 16] scale bytes; [ROWS, 16, 64] activation elements.
+    if ONE_BOX:
+        wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 4, 16 * TILES, 128], w_desc.layout)
+    else:
+        wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64 * TILES, 128], w_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, 16, 64], x_desc.layout)
+    if SCALE_COPY:
+        sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 16 * TILES, 64], s_desc.layout)
+    else:
+        sbuf = xbuf  # unused
+    # The consumers' per-item exchange of accumulators ([warp, row, column] fp32).
+    ebuf = gl.allocate_shared_memory(gl.float32, [4, 16 * TILES, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1 + ROWS)  # the weights' copies, one arrival per activation row
         mbarrier.init(empty.index(s), count=128)  # every consumer thread
     gl.warp_specialize([
-        (_consumer, (wbuf, xbuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
-                     n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e,
-                     bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, TILES, STAGES,
-                     ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, FOLD, ASM, CONSTRAINTS, LW, LXR, W64, X64,
-                     EXPERT, START, PAIRS_IN, SORTED)),
-        (_producer, (w_desc, x_desc, plan_ptr, wbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES, TOP_K,
-                     TILES, STAGES, ROWS, SILU, EXPERT, START, PAIRS_IN, SORTED)),
+        (_consumer, (wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF,
+                     E, K, n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h,
+                     bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, TILES,
+                     STAGES, ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SCALE_COPY, FOLD, ASM, CONSTRAINTS,
+                     S3, LW, LXR, W64, X64, LSUM, LO, EXPERT, START, PAIRS_IN, SORTED)),
+        (_producer, (w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps,
+                     ROW_TILES, TOP_K, TILES, STAGES, ROWS, SILU, SCALE_COPY, ONE_BOX, EXPERT, START, PAIRS_IN,
+                     SORTED)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -467,12 +532,14 @@ class MoeEngine(TritonKernelSpec):
 
     def check_config(self, config: MoeEngineConfig, case: MoeCase | None = None) -> None:
         """ValueError naming ``config`` unless ``engine.check_ring_config`` accepts it, rows is a power of two up to
-        16 and ctas_per_sm 1 to 4."""
+        16 and ctas_per_sm 0 (one item per CTA) to 4."""
         check_ring_config(config)
         if config.rows not in (1, 2, 4, 8, 16):
             raise ValueError(f"config: expected rows 1, 2, 4, 8 or 16, got {config}")
-        if not isinstance(config.ctas_per_sm, int) or not 1 <= config.ctas_per_sm <= 4:
-            raise ValueError(f"config: expected ctas_per_sm from 1 to 4, got {config}")
+        if not isinstance(config.ctas_per_sm, int) or not 0 <= config.ctas_per_sm <= 4:
+            raise ValueError(f"config: expected ctas_per_sm from 0 to 4, got {config}")
+        if not isinstance(config.scale_copy, bool) or not isinstance(config.one_box, bool):
+            raise ValueError(f"config: expected scale_copy and one_box True or False, got {config}")
 
     def triton_launch(self, case: MoeCase, config: MoeEngineConfig, target: Target) -> TritonLaunch | None:
         return None  # two launches, the descriptors built from each call's tensors: launch() runs every call
@@ -480,6 +547,27 @@ class MoeEngine(TritonKernelSpec):
     def launch(self, ops: MoeOperands, config: MoeEngineConfig, target: Target) -> None:
         for kernel, grid, args, options in moe_engine_launches(ops, config, target):
             kernel[grid](*args, **options)
+
+
+def scale_copy_reason(case: MoeCase) -> str | None:
+    """Why the experts' scale bytes cannot come through the ring by bulk copy (``MoeEngineConfig.scale_copy``), or
+    None: a copy takes linear scales whose rows (and experts) start at 16-byte aligned addresses, back to back."""
+    a = case.dense.a
+    if a.scale_layout != "linear":
+        return "the scales are swizzled (a 32-row tile is a quarter of a 128-row atom's lines)"
+    if a.scale_tile_align < 16 or a.scales.batch != case.dense.m * a.scales.r32:
+        return "the scale rows are not back to back at 16-byte aligned addresses"
+    return None
+
+
+def one_box_reason(case: MoeCase) -> str | None:
+    """Why a step's weights cannot be one bulk copy (``MoeEngineConfig.one_box``), or None: the tile's rows must be
+    contiguous (no SiLU halves) and K a multiple of 256 (the copy's 128-byte lines tile the rows exactly)."""
+    if case.activation == "silu":
+        return "the SiLU halves are M / 2 rows apart"
+    if case.dense.k % 256:
+        return f"K = {case.dense.k} is not a multiple of 256"
+    return None
 
 
 def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Target = SM90):
@@ -497,8 +585,20 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     data = ops.w_data.view(torch.uint8)
     weights = data.as_strided((e * m, k // 2), (data.stride(1), 1))
     tiles, rows = config.tiles, config.rows
-    w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128],
-                              gl.NVMMASharedLayout(128, 8, rank=2))
+    one_box = config.one_box and one_box_reason(case) is None
+    if one_box:
+        w_desc = TensorDescriptor(weights, [k // 256, e * m, 128], [128, weights.stride(0), 1], [4, 16 * tiles, 128],
+                                  gl.NVMMASharedLayout(128, 8, rank=3))
+    else:
+        w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128],
+                                  gl.NVMMASharedLayout(128, 8, rank=2))
+    scale_copy = config.scale_copy and scale_copy_reason(case) is None
+    s_desc = w_desc
+    if scale_copy:
+        sbytes = ops.w_scales.view(torch.uint8)
+        sbytes = sbytes.as_strided((e * m, k // 16), (d.a.scales.r32, 1))
+        s_desc = TensorDescriptor(sbytes, [e * m, k // 16], [d.a.scales.r32, 1], [8 * tiles, 64],
+                                  gl.NVMMASharedLayout(0, 8, rank=2))
     x = ops.x
     x_desc = TensorDescriptor(x, [x.shape[0], k // 64, 64], [x.stride(0), 64, 1], [1, 16, 64],
                               gl.NVMMASharedLayout(128, 16, rank=3))
@@ -514,16 +614,19 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     bias = ops.bias if ops.bias is not None else ops.w_scales
     pw = ops.pair_weights if ops.pair_weights is not None else ops.w_scales
     sms = target.sm_count or SM90.sm_count
-    grid = (max(1, min(case.pairs * row_tiles, config.ctas_per_sm * sms)),)  # chunks <= pairs
-    args = (w_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k, row_tiles,
-            case.top_k, sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
+    items = case.pairs * row_tiles  # chunks <= pairs
+    grid = (max(1, min(items, config.ctas_per_sm * sms) if config.ctas_per_sm else items),)
+    args = (w_desc, s_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k,
+            row_tiles, case.top_k, sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
             case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
             case.alpha, case.limit, *MULTIPLIERS.values())
     options = dict(TILES=tiles, STAGES=config.stages, ROWS=rows, ACTIVATION=activation,
                    HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
-                   HAS_PW=case.pair_weights_dtype is not None, FOLD=2.0 ** FOLD_EXPONENT, ASM=asm,
-                   CONSTRAINTS=constraints, LW=lw, LXR=lxr, W64=w64, X64=x64, EXPERT=lay["expert"],
-                   START=lay["start"], PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"], PRODUCER_REGS=PRODUCER_REGS,
-                   num_warps=WARPS, maxnreg=config.maxnreg)
+                   HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box,
+                   FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, S3=_SCALE_VIEW, LW=lw,
+                   LSUM=_SUM_ROWS if activation == 0 else _SUM_PAIRS,
+                   LO=gl.SliceLayout(0, _SUM_ROWS) if activation == 0 else _PAIR_OUT, LXR=lxr, W64=w64, X64=x64,
+                   EXPERT=lay["expert"], START=lay["start"], PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"],
+                   PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
     return [first, (moe_engine_kernel, grid, args, options)]
 
