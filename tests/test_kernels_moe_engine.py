@@ -189,7 +189,8 @@ _COMPILE = textwrap.dedent("""
         return moe_engine_launches(moe.moe_operands(plan, w, x, ids, None, None, out), config, SM90)[1]
 
     for case in ((32, 5760, 2880, 1, 4, "gpt-oss", "linear", 1), (32, 2880, 2880, 64, 1, None, "linear", 8),
-                 (128, 1536, 2048, 8, 8, "silu", "swizzled", 4)):
+                 (128, 1536, 2048, 8, 8, "silu", "swizzled", 4), (4, 7168, 4096, 1, 4, None, "linear", 1),
+                 (128, 1536, 2048, 8, 8, "silu", "linear", 8)):
         kernel, grid, args, options = build(*case)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -200,23 +201,28 @@ _COMPILE = textwrap.dedent("""
         mma = [i for i, op in enumerate(listing) if op == "HMMA"]
         step_local = sum(op in ("LDL", "STL") for op in listing[mma[0]:mma[-1]])
         stack = sum(int(s.split(":")[1]) for s in local_memory(c))
-        print(case[-1], options["maxnreg"], registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], stack,
-              step_local)
+        print(case[-1], int(options["SCALE_COPY"]), int(options["ONE_BOX"]), options["maxnreg"], registers(c),
+              ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], ops_["LDG"], stack, step_local)
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 3
+    assert len(lines) == 5
+    copies = []
     for line in lines:
-        rows, maxnreg, regs, tma, mma, syncs, stack, step_local = map(int, line.split())
+        rows, scale_copy, one_box, maxnreg, regs, tma, mma, syncs, ldg, stack, step_local = map(int, line.split())
+        copies.append((scale_copy, one_box))
         assert regs <= maxnreg, line
-        assert tma == 8 + rows, line  # 8 weight copies (4 warp chunks x 2 row halves), one per row
+        # 8 weight copies (4 warp chunks x 2 row halves) or one, 2 of scales (the row halves) or none, one per row
+        assert tma == (1 if one_box else 8) + 2 * scale_copy + rows, line
+        assert ldg < 40 if scale_copy else ldg > 40, line  # the scale bytes' loads, or none
         assert mma == 32, line  # 2 tiles x 2 chunks x 4 words x 2 k16
         assert syncs > 0, line
-        # No local memory in the step; Triton 3.9 keeps one 8-byte value on the stack (stored at entry, loaded once
-        # per item), 3.6 none.
-        assert step_local == 0 and stack <= 8, line
+        # No local memory in the step; Triton 3.9 keeps up to 16 bytes on the stack outside it (the swizzled case,
+        # whose scale addresses are loaded per step), 3.6 none.
+        assert step_local == 0 and stack <= 16, line
+    assert copies == [(0, 0), (0, 0), (0, 0), (1, 1), (1, 0)]  # K % 256, scale rows of 180 bytes, swizzled
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------

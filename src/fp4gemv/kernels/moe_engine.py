@@ -194,7 +194,7 @@ def chunk_plan(expert_ids: torch.Tensor, experts: int, rows: int) -> torch.Tenso
 
 
 @gluon.jit
-def _chunk(plan_ptr, item, ROW_TILES, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
+def _chunk(plan_ptr, item, ROW_TILES: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
     """(row tile, expert, first sorted position, pairs) of work item ``item``."""
     c = item // ROW_TILES
     return (item - c * ROW_TILES, gl.load(plan_ptr + EXPERT + c), gl.load(plan_ptr + START + c),
@@ -214,10 +214,10 @@ def _row_bases(tile, HALF, TILES: gl.constexpr, SILU: gl.constexpr):
 
 
 @gluon.jit
-def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps, ROW_TILES,
-              TOP_K, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
-              SCALE_COPY: gl.constexpr, ONE_BOX: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
-              PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps,
+              ROW_TILES: gl.constexpr, TOP_K: gl.constexpr, TILES: gl.constexpr, STAGES: gl.constexpr,
+              ROWS: gl.constexpr, SILU: gl.constexpr, SCALE_COPY: gl.constexpr, ONE_BOX: gl.constexpr,
+              EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
@@ -260,8 +260,8 @@ def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, 
 
 
 @gluon.jit
-def _scale_bytes(sf_ptr, plan_ptr, f, n_steps, n_items, ROW_TILES, M, HALF, E, K, sf_e, sf_row_tile, sf_r32, sf_r4,
-                 sf_col_tile, TILES: gl.constexpr, SILU: gl.constexpr, LW: gl.constexpr,
+def _scale_bytes(sf_ptr, plan_ptr, f, n_steps, n_items, ROW_TILES: gl.constexpr, M, HALF, E, K, sf_e, sf_row_tile,
+                 sf_r32, sf_r4, sf_col_tile, TILES: gl.constexpr, SILU: gl.constexpr, LW: gl.constexpr,
                  EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr):
     """The e4m3 scale bytes of this CTA's flat step ``f`` (item ``pid + (f // n_steps) nprog``, its step
     ``f % n_steps``) in the weights' register layout ``LW`` ([warp, weight row of the slot, block]); zeros past K
@@ -297,10 +297,10 @@ def _sigmoid(x):
 
 
 @gluon.jit
-def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K, gs_e, gs_h,
-                     bias_e, bias_m, out_t, out_j, pw_t, pw_j, TILES: gl.constexpr, ACTIVATION: gl.constexpr,
-                     HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SORTED: gl.constexpr,
-                     LO: gl.constexpr):
+def _epilogue_inputs(plan_ptr, gs_ptr, bias_ptr, pw_ptr, tile, expert, start, count, M, HALF, E, TOP_K: gl.constexpr,
+                     gs_e, gs_h, bias_e, bias_m, out_t, out_j, pw_t, pw_j, TILES: gl.constexpr,
+                     ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
+                     SORTED: gl.constexpr, LO: gl.constexpr):
     """What the item's epilogue reads from memory, loaded when the item starts and kept in their own dtypes until
     the epilogue (a conversion here would wait for the loads): each column's pair and pair weight, the global
     scales, the bias of gate (or of the row) and of up, and whether the expert is valid."""
@@ -362,8 +362,8 @@ def _warp_sums(acc, ebuf, TILES: gl.constexpr, ACTIVATION: gl.constexpr, LSUM: g
 
 
 @gluon.jit
-def _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw, valid,
-              gs0, gs1, b0, b1, TILES: gl.constexpr, ACTIVATION: gl.constexpr, FOLD: gl.constexpr,
+def _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K: gl.constexpr, out_t, out_j, out_m, alpha, limit, pair, col_ok,
+              pw, valid, gs0, gs1, b0, b1, TILES: gl.constexpr, ACTIVATION: gl.constexpr, FOLD: gl.constexpr,
               LSUM: gl.constexpr, LO: gl.constexpr):
     """The item's result: the warps' sums in fp32 (``_warp_sums``), then global scale, bias, activation and pair
     weight, rounded once into out."""
@@ -390,14 +390,14 @@ def _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alp
 
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
-              n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
-              out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
+              n_steps, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile,
+              gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
               TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
               SCALE_COPY: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
               S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
-              LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
-              PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+              LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
+              SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
@@ -443,8 +443,8 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
 
 @gluon.jit
 def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
-                      ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m,
-                      out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
+                      sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m,
+                      pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr,
                       TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, ACTIVATION: gl.constexpr,
                       HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SCALE_COPY: gl.constexpr,
                       ONE_BOX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
@@ -617,10 +617,12 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     items = case.pairs * row_tiles  # chunks <= pairs
     grid = (max(1, min(items, config.ctas_per_sm * sms) if config.ctas_per_sm else items),)
     args = (w_desc, s_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k,
-            row_tiles, case.top_k, sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
+            sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
             case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
             case.alpha, case.limit, *MULTIPLIERS.values())
-    options = dict(TILES=tiles, STAGES=config.stages, ROWS=rows, ACTIVATION=activation,
+    # The row tiles and k as constants: the item's division by them and the pairs' by k are a few integer
+    # instructions (a division by a runtime value is a reciprocal and a correction).
+    options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows, ACTIVATION=activation,
                    HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
                    HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, S3=_SCALE_VIEW, LW=lw,
