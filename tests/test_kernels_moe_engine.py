@@ -147,12 +147,28 @@ def test_refusals_name_the_reason(kw, target, words):
     assert words in MoeEngine().why_not(_moe_case(**kw), target)
 
 
-def test_runs_by_name_only_while_moe_weight_only_is_faster():
-    """Measured slower than moe_weight_only on every case it runs (round 15): listed after it, so chosen by name."""
-    names = [k.name for k in MOE_KERNELS]
-    assert names.index("moe_engine") == names.index("moe_weight_only") + 1
-    assert choose_kernel(_moe_case(), SM90, kernels=MOE_KERNELS).name == "moe_weight_only"
-    assert choose_kernel(_moe_case(), SM90, "moe_engine", kernels=MOE_KERNELS).name == "moe_engine"
+def _padded_case(k, tokens, pad, top_k=4, m=256):
+    w = random_fp4((8, m, k), "nvfp4", "linear", seed=1, device="cpu")
+    if pad is not None:
+        w = _padded_scales(w, pad)
+    x = random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
+    ids = torch.zeros((tokens, top_k), dtype=torch.int32)
+    return moe.moe_case(w, x, ids, None, None, torch.bfloat16, (top_k * m, m, 1))
+
+
+@pytest.mark.parametrize("k,tokens,pad,expected", [
+    (2048, 4, None, "moe_engine"),        # Qwen3's gate_up K from T = 4
+    (2048, 3, None, "moe_weight_only"),   # T < 4: the persistent grid has few items
+    (768, 16, None, "moe_weight_only"),   # K within one step (Qwen3's down)
+    (2880, 8, None, "moe_weight_only"),   # scale rows of 180 bytes: loaded, not copied
+    (2880, 8, 12, "moe_engine"),          # the same rows padded to 192 bytes
+])
+def test_default_runs_the_engine_where_it_measured_faster(k, tokens, pad, expected):
+    """The default (``MOE_KERNELS`` and its deferral, round 16): the engine from T = 4 where K takes more than one
+    step and the scale bytes can be copied, moe_weight_only elsewhere; by name it runs every case it can."""
+    case = _padded_case(k, tokens, pad)
+    assert choose_kernel(case, SM90, kernels=MOE_KERNELS).name == expected
+    assert choose_kernel(case, SM90, "moe_engine", kernels=MOE_KERNELS).name == "moe_engine"
 
 
 def test_default_config_and_bad_configs():
@@ -402,10 +418,40 @@ def test_bad_ids_write_zeros_in_a_cuda_graph_without_sync():
 
 
 @pytest.mark.gpu
-def test_runs_by_name_on_the_gpu():
-    w = random_fp4((8, 256, 1024), "nvfp4", "linear", seed=1)
-    x = random_activation((2, 1024), torch.bfloat16, seed=2)
-    ids = torch.zeros((2, 2), dtype=torch.int32, device="cuda")
-    target = fp4gemv.target.resolve_target("auto", w.device)
-    assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target, None).spec.name == "moe_weight_only"
-    assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target, "moe_engine").spec.name == "moe_engine"
+def test_default_choice_on_the_gpu():
+    """K = 1024 (one step) runs moe_weight_only by default, K = 2048 at T = 4 the engine; by name the engine."""
+    target = fp4gemv.target.resolve_target("auto", torch.device("cuda"))
+    for k, tokens, expected in ((1024, 2, "moe_weight_only"), (2048, 4, "moe_engine")):
+        w = random_fp4((8, 256, k), "nvfp4", "linear", seed=1)
+        x = random_activation((tokens, k), torch.bfloat16, seed=2)
+        ids = torch.zeros((tokens, 2), dtype=torch.int32, device="cuda")
+        assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target, None).spec.name == expected
+        assert moe.plan_moe(w, x, ids, None, None, None, torch.bfloat16, target,
+                            "moe_engine").spec.name == "moe_engine"
+
+
+@pytest.mark.gpu
+def test_kept_kernels_launch_new_tensors_exactly_and_in_a_graph():
+    """After the first call the spec keeps both compiled kernels (Triton 3.6) and launches them without the JIT:
+    new tensors of the same metadata give exact results, eagerly and replayed from a CUDA graph."""
+    from fp4gemv.kernels.spec import DIRECT_LAUNCH
+    spec = next(k for k in MOE_KERNELS if k.name == "moe_engine")
+    shape, tokens = (8, 512, 2048), 6
+    ws = [random_fp4(shape, "nvfp4", "linear", seed=60 + i) for i in range(2)]
+    xs = [random_activation((tokens, 2048), torch.bfloat16, seed=62 + i) for i in range(2)]
+    ids = [random_ids(tokens, 4, 8, seed=64 + i) for i in range(2)]
+    first = torch.empty((tokens, 4, 512), dtype=torch.bfloat16, device="cuda")
+    _run(ws[0], xs[0], ids[0], out=first)
+    kept = len(spec._kept)
+    assert kept >= 1 or not DIRECT_LAUNCH
+    out = torch.full((tokens, 4, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    _run(ws[1], xs[1], ids[1], out=out)
+    assert len(spec._kept) == kept  # the same key: no second compile or JIT launch
+    assert_routed_exact(out, ws[1], xs[1], ids[1], torch.bfloat16, kernel="moe_engine", backend="auto")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _run(ws[0], xs[0], ids[0], out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_routed_exact(out, ws[0], xs[0], ids[0], torch.bfloat16, kernel="moe_engine", backend="auto")

@@ -176,7 +176,7 @@ def test_kernel_table_names_why_a_kernel_cannot_run():
                    torch.bfloat16).spec.name == "moe_general"
     with pytest.raises(ValueError, match="kernel: 'moe_weight_only' cannot run .*needs fp16 or bf16 activations"):
         routed(w, x.float(), ids, kernel="moe_weight_only")
-    with pytest.raises(ValueError, match="kernel: expected one of 'moe_weight_only', 'moe_engine', 'moe_general'"):
+    with pytest.raises(ValueError, match="kernel: expected one of 'moe_engine', 'moe_weight_only', 'moe_general'"):
         routed(w, x, ids, kernel="weight_only")
     got = routed(w, x, ids, kernel="moe_general")
     assert_routed_exact(got, w, x, ids, torch.bfloat16, kernel="moe_general")

@@ -29,8 +29,9 @@ from triton.runtime.driver import driver
 
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
-from .kernels.spec import (FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src, TritonKernelSpec, alignment,
-                           fill_sources, linear_scale_addressing, swizzled_scale_addressing)
+from .kernels.spec import (DIRECT_LAUNCH, FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src,
+                           TritonKernelSpec, alignment, direct_launch_supported, fill_sources, linear_scale_addressing,
+                           swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
@@ -332,13 +333,7 @@ def select_kernel(
 # --- prepared calls --------------------------------------------------------------------------------------------
 
 
-def direct_launch_supported(triton_version: str) -> bool:
-    """Whether a Triton of this version has the compiled-kernel launcher :class:`PreparedGemv` calls directly
-    (3.6's ``CompiledKernel.run`` signature); any other version launches through the public JIT call."""
-    return triton_version.split(".")[:2] == ["3", "6"]
-
-
-_DIRECT_LAUNCH = direct_launch_supported(triton.__version__)
+_DIRECT_LAUNCH = DIRECT_LAUNCH
 
 
 class GemvAddresses(NamedTuple):
@@ -419,12 +414,13 @@ def _may_share(addresses: tuple, extents: tuple, out_index: int) -> bool:
 class KeptLaunch:
     """One planned Triton launch, kept with a prepared call (:class:`PreparedGemv`, ``moe.PreparedMoe``).
 
-    Its template is the ``TritonLaunch`` of ``plan``'s spec (a GemvPlan or MoePlan: spec, case, config, target;
-    None for specs that launch otherwise, or take more than one kernel: the caller runs ``spec.launch``).  The first :meth:`_launch_jit` goes through Triton's JIT, which compiles the kernel.  On
-    CUDA (with Triton 3.6) the compiled kernel is then kept with the argument list: :meth:`_launch` fills its
-    pointer arguments (the template's :class:`Src` placeholders, by ``fields``: operand name -> index in the
-    addresses the caller gives) and calls the compiled kernel's launcher directly, on the current stream of the
-    device the JIT launched on (so a launch inside ``torch.cuda.graph`` is captured like the JIT's)."""
+    Its template is the ``TritonLaunch`` of ``plan``'s spec (a GemvPlan or MoePlan: spec, case, config, target; None
+    for specs that launch otherwise, or take more than one kernel: the caller runs ``spec.launch``). The first
+    :meth:`_launch_jit` goes through Triton's JIT, which compiles the kernel. On CUDA (with Triton 3.6) the compiled
+    kernel is then kept with the argument list: :meth:`_launch` fills its pointer arguments (the template's
+    :class:`Src` placeholders, by ``fields``: operand name -> index in the addresses the caller gives) and calls the
+    compiled kernel's launcher directly, on the current stream of the device the JIT launched on (so a launch inside
+    ``torch.cuda.graph`` is captured like the JIT's)."""
 
     __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_grid", "_launcher",
                  "_direct_launch", "_current_stream", "_runtime_knobs")

@@ -19,7 +19,9 @@ from .engine import Engine
 from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
-from .moe_engine import MoeEngine
+from .engine import STEP_K as ENGINE_STEP_K
+from .moe_engine import MIN_TOKENS as MOE_ENGINE_MIN_TOKENS
+from .moe_engine import MoeEngine, moe_engine_deferred
 from .moe_gemv import MoeGeneral
 from .moe_weight_only import MoeWeightOnly
 from .reference import MoeReference, Reference
@@ -33,9 +35,7 @@ __all__ = ["GEMV_KERNELS", "MOE_KERNELS", "DEFERRALS", "Deferral", "kernel_by_na
 
 GEMV_KERNELS: tuple[KernelSpec, ...] = (Gemm(), W4A4(), Engine(), Stream(), WeightOnly(), Hmma(), General(),
                                          Reference())
-# moe_engine runs by name only (kernel="moe_engine"): moe_weight_only runs every case it does and measured faster on
-# all of them (docs/performance.md, round 15).
-MOE_KERNELS: tuple[KernelSpec, ...] = (MoeWeightOnly(), MoeEngine(), MoeGeneral(), MoeReference())
+MOE_KERNELS: tuple[KernelSpec, ...] = (MoeEngine(), MoeWeightOnly(), MoeGeneral(), MoeReference())
 
 
 class Deferral(NamedTuple):
@@ -57,6 +57,12 @@ DEFERRALS: tuple[Deferral, ...] = (
     # docs/performance.md, the weight-only kernel's dispatch: at N = 16 hmma was as fast or faster on most shapes.
     Deferral("weight_only", "hmma", lambda case: case.fmt.name == "nvfp4" and case.n > MAX_FLOAT_N_OVER_HMMA,
              f"NVFP4 with N > {MAX_FLOAT_N_OVER_HMMA} runs on hmma (measured as fast or faster)"),
+    # docs/performance.md, round 16 (the routed engine): with its scale bytes copied it was faster than moe_weight_only
+    # from T = 4 rows of x where K takes more than one 1024-element step (gpt-oss gate_up and down, Qwen3's gate_up),
+    # slower at T = 1-2 and at K <= 1024 (Qwen3's down: one step per item), 1.08x slower with the scales loaded.
+    Deferral("moe_engine", "moe_weight_only", moe_engine_deferred,
+             f"T < {MOE_ENGINE_MIN_TOKENS}, K <= {ENGINE_STEP_K}, or scales the engine cannot copy: moe_weight_only "
+             "measured faster"),
 )
 
 
@@ -69,10 +75,13 @@ def kernel_by_name(name: str, kernels: tuple[KernelSpec, ...] = GEMV_KERNELS) ->
     raise ValueError(f"kernel: expected one of {names}, got {name!r}")
 
 
-def _deferred(spec: KernelSpec, case: GemvCase, target: Target) -> str | None:
-    """Why ``spec`` leaves ``case`` to a later kernel by default (a :data:`DEFERRALS` rule), or None."""
+def _deferred(spec: KernelSpec, case: GemvCase | MoeCase, target: Target,
+              kernels: tuple[KernelSpec, ...]) -> str | None:
+    """Why ``spec`` leaves ``case`` to a later kernel of ``kernels`` by default (a :data:`DEFERRALS` rule), or
+    None."""
     for rule in DEFERRALS:
-        if rule.kernel == spec.name and rule.when(case) and kernel_by_name(rule.to).why_not(case, target) is None:
+        if rule.kernel == spec.name and rule.when(case) \
+                and kernel_by_name(rule.to, kernels).why_not(case, target) is None:
             return rule.why
     return None
 
@@ -92,7 +101,7 @@ def choose_kernel(case: GemvCase | MoeCase, target: Target, kernel: str | None =
     for spec in kernels:
         reason = spec.why_not(case, target)
         if reason is None:
-            reason = _deferred(spec, case, target)
+            reason = _deferred(spec, case, target, kernels)
             if reason is None:
                 return spec
         reasons.append(f"{spec.name}: {reason}")

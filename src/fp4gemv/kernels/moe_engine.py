@@ -50,14 +50,19 @@ import triton.language as tl
 from ..target import SM90, Target
 from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
 from ._mma_step import MULTIPLIERS
-from .engine import (FOLD_EXPONENT, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
+from .engine import (FOLD_EXPONENT, STEP_K, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
                      target_reason)
 from .moe_weight_only import ACTIVATION_CODES
-from .spec import ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources
+from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
+                   bound_arguments, fill_sources, run_compiled)
 
-__all__ = ["MoeEngine", "MoeEngineConfig", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
+__all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "scale_copy_reason", "one_box_reason",
+           "moe_engine_deferred", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
            "moe_engine_kernel", "chunk_plan", "MAX_PAIRS", "MAX_EXPERTS"]
 
+# The default runs it from T = 4 rows of x, where K takes more than one step (``moe_engine_deferred``,
+# ``kernels.DEFERRALS``; docs/performance.md, round 16).
+MIN_TOKENS = 4
 # Pairs per call: the chunk launch sorts them in one program.
 MAX_PAIRS = 256
 # Experts per call: a histogram bin each, plus one for ids outside [0, E).
@@ -544,9 +549,28 @@ class MoeEngine(TritonKernelSpec):
     def triton_launch(self, case: MoeCase, config: MoeEngineConfig, target: Target) -> TritonLaunch | None:
         return None  # two launches, the descriptors built from each call's tensors: launch() runs every call
 
+    def __init__(self):
+        # (case, config, device, which tensor arguments are 16-byte aligned) -> the two compiled kernels: the JIT
+        # specializes on those alignments, the rest of what it specializes on is the case's.
+        self._kept: dict[tuple, list] = {}
+
     def launch(self, ops: MoeOperands, config: MoeEngineConfig, target: Target) -> None:
-        for kernel, grid, args, options in moe_engine_launches(ops, config, target):
-            kernel[grid](*args, **options)
+        """The two launches: through Triton's JIT the first time for this key, then (CUDA, Triton 3.6) the kept
+        compiled kernels called directly with this call's arguments (``spec.run_compiled``: no JIT dispatch, a
+        fifth of the host time; the descriptors are still made from each call's tensors)."""
+        launches = moe_engine_launches(ops, config, target)
+        device = ops.w_data.device
+        aligned = tuple(a.data_ptr() % 16 == 0 for _, _, args, options in launches
+                        for a in (*args, *options.values()) if isinstance(a, torch.Tensor))
+        key = (ops.case, config, device, aligned)
+        kept = self._kept.get(key)
+        if kept is None:
+            compiled = [kernel[grid](*args, **options) for kernel, grid, args, options in launches]
+            if DIRECT_LAUNCH and device.type == "cuda" and all(hasattr(c, "packed_metadata") for c in compiled):
+                self._kept[key] = compiled
+            return
+        for (kernel, grid, args, options), c in zip(launches, kept):
+            run_compiled(c, grid, bound_arguments(kernel, args, options), device.index)
 
 
 def scale_copy_reason(case: MoeCase) -> str | None:
@@ -568,6 +592,13 @@ def one_box_reason(case: MoeCase) -> str | None:
     if case.dense.k % 256:
         return f"K = {case.dense.k} is not a multiple of 256"
     return None
+
+
+def moe_engine_deferred(case: MoeCase) -> bool:
+    """Whether the default leaves ``case`` to ``moe_weight_only`` (measured faster there, docs/performance.md, round
+    16): fewer than ``MIN_TOKENS`` rows of x (at T = 1-2 the persistent grid has few items), K within one step (an
+    item's epilogue then costs as much as its step), or scale bytes loaded rather than copied."""
+    return case.tokens < MIN_TOKENS or case.dense.k <= STEP_K or scale_copy_reason(case) is not None
 
 
 def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Target = SM90):
@@ -622,8 +653,8 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
             case.alpha, case.limit, *MULTIPLIERS.values())
     # The row tiles and k as constants: the item's division by them and the pairs' by k are a few integer
     # instructions (a division by a runtime value is a reciprocal and a correction).
-    options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows, ACTIVATION=activation,
-                   HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
+    options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows,
+                   ACTIVATION=activation, HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
                    HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, S3=_SCALE_VIEW, LW=lw,
                    LSUM=_SUM_ROWS if activation == 0 else _SUM_PAIRS,

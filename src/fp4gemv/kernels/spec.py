@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 import torch
+import triton
+from triton import knobs
+from triton.runtime.driver import driver
 
 from .. import layouts
 from ..formats import FP4Format, dtype_name
@@ -342,3 +345,36 @@ class TritonKernelSpec(KernelSpec):
 def fill_sources(args: dict[str, Any], ops: GemvOperands | MoeOperands) -> dict[str, Any]:
     """``args`` with every :class:`Src` replaced by the operand tensor it names, viewed as its dtype."""
     return {name: getattr(ops, v.name).view(v.dtype) if isinstance(v, Src) else v for name, v in args.items()}
+
+
+# --- compiled kernels launched again without the JIT ----------------------------------------------------------------
+
+
+def direct_launch_supported(triton_version: str) -> bool:
+    """Whether a Triton of this version has the compiled-kernel launcher the kept launches call directly (3.6's
+    ``CompiledKernel.run`` signature: ``ops.KeptLaunch``, ``moe_engine``'s kept kernels); any other version launches
+    through the public JIT call."""
+    return triton_version.split(".")[:2] == ["3", "6"]
+
+
+DIRECT_LAUNCH = direct_launch_supported(triton.__version__)
+
+
+def bound_arguments(kernel, args: tuple, options: dict) -> list:
+    """Every parameter of the JIT function ``kernel`` in its order, as its JIT call ``kernel[grid](*args,
+    **options)`` binds them: ``args`` first, then ``options`` by name, else the parameter's default."""
+    values = list(args)
+    for param in kernel.params[len(args):]:
+        values.append(options[param.name] if param.name in options else param.default)
+    return values
+
+
+def run_compiled(compiled, grid: tuple, argv: list, device_index: int) -> None:
+    """``compiled`` (what a JIT call returned) on ``argv`` (``bound_arguments``) over ``grid``, on the current stream
+    of CUDA device ``device_index``: what the JIT call does after its dispatch, without the dispatch (so a launch
+    inside ``torch.cuda.graph`` is captured like the JIT's)."""
+    stream = driver.active.get_current_stream(device_index)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    meta = compiled.launch_metadata(grid, stream, *argv) if enter is not None else None
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, meta, enter, leave, *argv)
