@@ -556,21 +556,31 @@ class MoeEngine(TritonKernelSpec):
 
     def launch(self, ops: MoeOperands, config: MoeEngineConfig, target: Target) -> None:
         """The two launches: through Triton's JIT the first time for this key, then (CUDA, Triton 3.6) the kept
-        compiled kernels called directly with this call's arguments (``spec.run_compiled``: no JIT dispatch, a
-        fifth of the host time; the descriptors are still made from each call's tensors)."""
-        launches = moe_engine_launches(ops, config, target)
+        compiled kernels called directly (``spec.run_compiled``: no JIT dispatch) on their kept argument lists with
+        this call's tensors put in: the ids and a new plan for the chunk launch, ``_call_arguments`` for the
+        engine."""
         device = ops.w_data.device
-        aligned = tuple(a.data_ptr() % 16 == 0 for _, _, args, options in launches
-                        for a in (*args, *options.values()) if isinstance(a, torch.Tensor))
-        key = (ops.case, config, device, aligned)
+        key = (ops.case, config, device, tuple(t.data_ptr() % 16 == 0 for t in ops if isinstance(t, torch.Tensor)))
         kept = self._kept.get(key)
         if kept is None:
+            launches = moe_engine_launches(ops, config, target)
             compiled = [kernel[grid](*args, **options) for kernel, grid, args, options in launches]
             if DIRECT_LAUNCH and device.type == "cuda" and all(hasattr(c, "packed_metadata") for c in compiled):
-                self._kept[key] = compiled
+                argvs = [bound_arguments(kernel, args, options) for kernel, _, args, options in launches]
+                plan_size = argvs[0][1].numel()
+                argvs[0][:2] = [None, None]  # the kept lists hold no tensor of this call
+                argvs[1][:CALL_ARGUMENTS] = [None] * CALL_ARGUMENTS
+                self._kept[key] = (plan_size, [(c, launch[1], argv) for launch, c, argv in
+                                               zip(launches, compiled, argvs)])
             return
-        for (kernel, grid, args, options), c in zip(launches, kept):
-            run_compiled(c, grid, bound_arguments(kernel, args, options), device.index)
+        plan_size, ((chunks, chunk_grid, chunk_argv), (engine, grid, argv)) = kept
+        plan = torch.empty(plan_size, dtype=torch.int32, device=device)
+        chunk_argv = chunk_argv.copy()
+        chunk_argv[0], chunk_argv[1] = ops.expert_ids, plan  # moe_chunks_kernel's ids_ptr, plan_ptr
+        run_compiled(chunks, chunk_grid, chunk_argv, device.index)
+        argv = argv.copy()
+        argv[:CALL_ARGUMENTS] = _call_arguments(ops, config, plan)
+        run_compiled(engine, grid, argv, device.index)
 
 
 def scale_copy_reason(case: MoeCase) -> str | None:
@@ -601,6 +611,46 @@ def moe_engine_deferred(case: MoeCase) -> bool:
     return case.tokens < MIN_TOKENS or case.dense.k <= STEP_K or scale_copy_reason(case) is not None
 
 
+@functools.lru_cache(maxsize=None)
+def _copy_layouts():
+    """The shared-memory layouts of the copies (made once: each construction validates itself)."""
+    return dict(w2=gl.NVMMASharedLayout(128, 8, rank=2), w3=gl.NVMMASharedLayout(128, 8, rank=3),
+                s2=gl.NVMMASharedLayout(0, 8, rank=2), x3=gl.NVMMASharedLayout(128, 16, rank=3),
+                x64=gl.NVMMASharedLayout(128, 64, rank=3))
+
+
+# The engine launch's first positional arguments that come from each call's tensors (``_call_arguments``).
+CALL_ARGUMENTS = 9
+
+
+def _call_arguments(ops: MoeOperands, config: MoeEngineConfig, plan: torch.Tensor) -> tuple:
+    """The engine launch's arguments made from this call's tensors: the weights', scales' and activation's bulk
+    copy descriptors, the plan, the scale bytes, global scales, bias, pair weights (w's scales where absent: never
+    read) and out."""
+    case = ops.case
+    d = case.dense
+    e, m, k, tiles = case.experts, d.m, d.k, config.tiles
+    lay = _copy_layouts()
+    data = ops.w_data.view(torch.uint8)
+    weights = data.as_strided((e * m, k // 2), (data.stride(1), 1))
+    if config.one_box and one_box_reason(case) is None:
+        w_desc = TensorDescriptor(weights, [k // 256, e * m, 128], [128, weights.stride(0), 1], [4, 16 * tiles, 128],
+                                  lay["w3"])
+    else:
+        w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128], lay["w2"])
+    sf = ops.w_scales.view(torch.uint8)
+    s_desc = w_desc  # unused without the scales' copies
+    if config.scale_copy and scale_copy_reason(case) is None:
+        s_desc = TensorDescriptor(sf.as_strided((e * m, k // 16), (d.a.scales.r32, 1)), [e * m, k // 16],
+                                  [d.a.scales.r32, 1], [8 * tiles, 64], lay["s2"])
+    x = ops.x
+    x_desc = TensorDescriptor(x, [x.shape[0], k // 64, 64], [x.stride(0), 64, 1], [1, 16, 64], lay["x3"])
+    gs = ops.global_scales if ops.global_scales is not None else sf
+    bias = ops.bias if ops.bias is not None else sf
+    pw = ops.pair_weights if ops.pair_weights is not None else sf
+    return w_desc, s_desc, x_desc, plan, sf, gs, bias, pw, ops.out
+
+
 def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Target = SM90):
     """The call's two launches, each (kernel, grid, positional arguments, keyword arguments)."""
     case = ops.case
@@ -613,41 +663,21 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     chunk_args["plan_ptr"] = plan
     first = (moe_chunks_kernel, chunks.grid, (), {**chunk_args, **chunks.options})
 
-    data = ops.w_data.view(torch.uint8)
-    weights = data.as_strided((e * m, k // 2), (data.stride(1), 1))
     tiles, rows = config.tiles, config.rows
     one_box = config.one_box and one_box_reason(case) is None
-    if one_box:
-        w_desc = TensorDescriptor(weights, [k // 256, e * m, 128], [128, weights.stride(0), 1], [4, 16 * tiles, 128],
-                                  gl.NVMMASharedLayout(128, 8, rank=3))
-    else:
-        w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128],
-                                  gl.NVMMASharedLayout(128, 8, rank=2))
     scale_copy = config.scale_copy and scale_copy_reason(case) is None
-    s_desc = w_desc
-    if scale_copy:
-        sbytes = ops.w_scales.view(torch.uint8)
-        sbytes = sbytes.as_strided((e * m, k // 16), (d.a.scales.r32, 1))
-        s_desc = TensorDescriptor(sbytes, [e * m, k // 16], [d.a.scales.r32, 1], [8 * tiles, 64],
-                                  gl.NVMMASharedLayout(0, 8, rank=2))
-    x = ops.x
-    x_desc = TensorDescriptor(x, [x.shape[0], k // 64, 64], [x.stride(0), 64, 1], [1, 16, 64],
-                              gl.NVMMASharedLayout(128, 16, rank=3))
     activation = ACTIVATION_CODES[case.activation]
     half = m // 2 if activation else m
     row_tiles = -(-(half if activation else m) // ((8 if activation else 16) * tiles))
     lw, _, w64, _ = _layouts(tiles, rows)
     lxr = _row_major(tiles, rows)
-    x64 = gl.NVMMASharedLayout(128, 64, rank=3)
+    x64 = _copy_layouts()["x64"]
     asm, constraints = step_asm(tiles, 2 if rows > 8 else 1)
     sc = d.a.scales
-    gs = ops.global_scales if ops.global_scales is not None else ops.w_scales
-    bias = ops.bias if ops.bias is not None else ops.w_scales
-    pw = ops.pair_weights if ops.pair_weights is not None else ops.w_scales
     sms = target.sm_count or SM90.sm_count
     items = case.pairs * row_tiles  # chunks <= pairs
     grid = (max(1, min(items, config.ctas_per_sm * sms) if config.ctas_per_sm else items),)
-    args = (w_desc, s_desc, x_desc, plan, ops.w_scales.view(torch.uint8), gs, bias, pw, ops.out, m, half, e, k,
+    args = (*_call_arguments(ops, config, plan), m, half, e, k,
             sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
             case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
             case.alpha, case.limit, *MULTIPLIERS.values())
