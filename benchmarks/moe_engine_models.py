@@ -2,6 +2,7 @@
 against ``moe_weight_only`` on NVFP4 experts of gpt-oss-20b, gpt-oss-120b and Qwen3-30B-A3B shapes, T = 1, 8, 16.
 
     PYTHONPATH=src python benchmarks/moe_engine_models.py [sweep]   -> moe_engine_time.json in $OUT (or .)
+    PYTHONPATH=src python benchmarks/moe_engine_models.py padded    (round 16: scale rows padded to 16 bytes, T = 1-16)
 
 First ``split_times``: gpt-oss-20b's gate_up (NVFP4, bias, the gpt-oss activation) with the chunk launch alone, the
 engine launch alone and both.  Then per model and T: the routed GEMVs of one layer (gate_up with its activation,
@@ -23,6 +24,7 @@ from fp4gemv.bench.moe import random_projection, router_logits, route, route_sof
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us
 from fp4gemv.kernels.moe_engine import MoeEngineConfig
+from fp4gemv.tensor import FP4Tensor
 
 OUT = os.environ.get("OUT", ".")
 MODELS = {  # experts, hidden, intermediate, top_k, activation, bias, stacked silu
@@ -38,11 +40,25 @@ def med(t):
     return statistics.median(t)
 
 
-def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None):
+def padded_scale_rows(p):
+    """``p`` (ExpertWeights) with its linear scale rows padded to a multiple of 16 bytes in memory (a strided view),
+    so that the engine copies them (``moe_engine.scale_copy_reason``); K = 2880 has rows of 180 bytes."""
+    s = p.weight.scales
+    cols = s.shape[-1]
+    if cols % 16 == 0:
+        return p
+    rows = torch.zeros(*s.shape[:-1], cols + (-cols) % 16, dtype=s.dtype, device=s.device)
+    rows[..., :cols] = s
+    return p._replace(weight=FP4Tensor(p.weight.data, rows[..., :cols], p.weight.fmt.name, "linear",
+                                       p.weight.global_scale))
+
+
+def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None, padded=False):
     e, h, i, k, act, bias = MODELS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [(random_projection(e, 2 * i, h, g, "nvfp4", bias), random_projection(e, h, i, g, "nvfp4", bias))
-              for _ in range(COPIES)]
+    pad = padded_scale_rows if padded else (lambda p: p)
+    layers = [(pad(random_projection(e, 2 * i, h, g, "nvfp4", bias)),
+               pad(random_projection(e, h, i, g, "nvfp4", bias))) for _ in range(COPIES)]
     if act == "silu":  # [E, 2] scales: gate's and up's (the same here)
         layers = [(gu._replace(global_scales=torch.stack([gu.global_scales, gu.global_scales], 1)), dn)
                   for gu, dn in layers]
@@ -131,6 +147,11 @@ def split_times():
 if __name__ == "__main__":
     t0 = time.time()
     sweep = len(sys.argv) > 1 and sys.argv[1] == "sweep"
+    if len(sys.argv) > 1 and sys.argv[1] == "padded":
+        for name in MODELS:
+            run(name, tokens_list=(1, 2, 4, 8, 16), padded=True)
+        print("total", time.time() - t0)
+        sys.exit(0)
     C = MoeEngineConfig
     configs = [C(2, 3, 8, 1, 168), C(4, 2, 8, 1, 168), C(4, 3, 8, 1, 200), C(2, 4, 8, 2, 128), C(2, 2, 8, 2, 128),
                C(1, 6, 8, 2, 128), C(2, 3, 4, 2, 128)] if sweep else None

@@ -11,14 +11,17 @@ Two launches per call:
 * **The engine** (``moe_engine_kernel``, Gluon, warp-specialized, persistent): work items are (chunk, row tile),
   chunk-major, so CTAs side by side share an expert and its activation rows.  Each CTA takes items ``pid, pid +
   nprog, ...``; its producer warp streams each item's K steps by bulk tensor copies into the mbarrier ring: the
-  expert's ``16 * tiles`` weight rows (8 copies of ``[8 tiles, 128 B]``: one per warp chunk and row half; K tails
-  and rows past the last expert read as zeros) and the chunk's activation rows, gathered one copy of ``[16, 64]``
-  elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count are not copied -- one plain
-  arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).  The four
-  consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``), their scale bytes loaded straight from
-  global memory two steps ahead (any scale layout, any alignment, through ``spec.ScaleAddressing``; past K: zero),
-  and at each item's end sum their accumulators, apply the global scale, the bias, the activation and the pair
-  weight in fp32, and round once into ``out[t, j]``.
+  expert's ``16 * tiles`` weight rows (one copy of ``[4, 16 tiles, 128 B]`` where the tile's rows are contiguous and
+  K a multiple of 256, else 8 copies of ``[8 tiles, 128 B]``: one per warp chunk and row half; K tails and rows past
+  the last expert read as zeros), their scale bytes (two copies of ``[8 tiles, 64 B]`` where the scales are linear
+  with rows at 16-byte aligned addresses: ``scale_copy_reason``) and the chunk's activation rows, gathered one copy
+  of ``[16, 64]`` elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count are not copied --
+  one plain arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).
+  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``) -- scale bytes that cannot be
+  copied are loaded from global memory two steps ahead (any layout, any alignment, ``spec.ScaleAddressing``) --
+  and at each item's end exchange their accumulators through shared memory once (``_warp_sums``: each thread
+  then sums the four warps' values of its own outputs), apply the global scale, the bias, the activation and the
+  pair weight in fp32, and round once into ``out[t, j]``.
 
 Activation rows: the slot holds ``[rows, 16, 64]`` elements (row-major, one copy per row); the consumer permutes it
 into the engine's ``[16, rows, 64]`` order (``engine._layouts``' activation layout with its first two coordinates
@@ -33,9 +36,11 @@ Exactness: the engine's (exact products, one fp32 accumulation per warp, the war
 epilogue in fp32 and one rounding.  An id outside ``[0, E)`` (unchecked: CUDA graphs, ``torch.compile``) reads no
 weights (rows past the last expert are zeros) and writes zeros.
 
-Measured (docs/performance.md, round 15): exact, but 1.2-1.9x slower than ``moe_weight_only`` on gpt-oss and
-Qwen3 shapes, and 1.3-1.5x the dense engine's time on the same bytes; so ``MOE_KERNELS`` lists it after
-``moe_weight_only`` and it runs by name (``kernel="moe_engine"``).
+Measured (docs/performance.md, rounds 15-16): with the scale copies and the one-trip epilogue, 1.15-1.3x faster
+than ``moe_weight_only`` from T = 4 rows of x where K takes more than one step (gpt-oss and Qwen3 gate_up, gpt-oss
+down), slower at T = 1-2 and K <= 1024 (``moe_engine_deferred``, the default's rule in ``kernels.DEFERRALS``).
+Host: the first call of a (case, configuration) goes through Triton's JIT; later ones launch the kept compiled
+kernels (``MoeEngine.launch``), 127 us per eager call on the H200's host against moe_weight_only's 49.
 """
 
 from __future__ import annotations
