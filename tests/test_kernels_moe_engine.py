@@ -313,6 +313,23 @@ def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind)
     assert_routed_exact(out, w, x, ids, out_dtype, kernel="moe_engine", backend="auto")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [MoeEngineConfig(1, 3, 4, 2, 128), MoeEngineConfig(4, 2, 4, 1, 200)])
+def test_plain_epilogue_at_one_and_four_tiles(config):
+    """The plain products' epilogue layout (``_SUM_ROWS``) at 16 rows (fewer than its threads cover: replicated
+    loads and stores) and 64 rows (two rounds), with a row tail, bias and pair weights."""
+    experts, m, k, tokens = 8, 200, 2048, 4
+    w = random_fp4((experts, m, k), "nvfp4", "linear", seed=71)
+    x = random_activation((tokens, k), torch.bfloat16, seed=72)
+    ids = random_ids(tokens, 3, experts, seed=73)
+    bias = random_activation((experts, m), torch.bfloat16, seed=74)
+    pw = torch.softmax(torch.randn(tokens, 3, generator=torch.Generator().manual_seed(75)), -1).cuda()
+    out = torch.full((tokens, 3, m), float("nan"), dtype=torch.float32, device="cuda")
+    _run(w, x, ids, config=config, bias=bias, pair_weights=pw, out=out, out_dtype=torch.float32)
+    assert_epilogue_exact(out, w, x, ids, torch.float32, bias=bias, pair_weights=pw, kernel="moe_engine",
+                          backend="auto")
+
+
 def _padded_scales(w, pad):
     """``w`` with its linear scale rows ``pad`` bytes longer in memory (a strided view): rows at 16-byte aligned
     addresses where K / 16 is not a multiple of 16, as ``scale_copy`` needs."""
