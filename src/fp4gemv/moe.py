@@ -32,9 +32,9 @@ from . import formats
 from .formats import dtype_names as _names
 from .kernels import MOE_KERNELS, choose_kernel
 from .kernels.moe_gemv import MAX_PAIRS
-from .kernels.spec import KernelSpec, MoeCase, MoeOperands
+from .kernels.spec import DIRECT_LAUNCH, KernelSpec, MoeCase, MoeOperands
 from .reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT, MOE_ACTIVATIONS
-from .ops import (_DIRECT_LAUNCH, ACTIVATION_DTYPES, OUT_DTYPES, KeptLaunch, _extent, _may_share, _needs_copy,
+from .ops import (ACTIVATION_DTYPES, OUT_DTYPES, KeptLaunch, _extent, _may_share, _needs_copy,
                   check_apart, check_out, gemv_operands, keep_call, kept_call, without_backward)
 from .ops import refuse_gradients as _refuse_gradients
 from .target import Backend, Target, interpreting, resolve_target
@@ -394,7 +394,7 @@ class PreparedMoe(KeptLaunch):
     __slots__ = ("plan", "copy_x", "shape", "device", "extents", "_cuda")
 
     def __init__(self, plan: MoePlan, copy_x: bool, shape: tuple[int, int, int], device: torch.device,
-                 extents: tuple[int, ...], direct_launch: bool = _DIRECT_LAUNCH):
+                 extents: tuple[int, ...], direct_launch: bool = DIRECT_LAUNCH):
         cuda = device.type == "cuda"
         # The JIT launches on the current device's stream: so does the kept launch (that device is keyed).
         super().__init__(plan, _FIELDS, torch.device("cuda", torch.cuda.current_device()) if cuda else device,

@@ -30,8 +30,8 @@ from triton.runtime.driver import driver
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
 from .kernels.spec import (DIRECT_LAUNCH, FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src,
-                           TritonKernelSpec, alignment, direct_launch_supported, fill_sources, linear_scale_addressing,
-                           swizzled_scale_addressing)
+                           TritonKernelSpec, alignment, bound_arguments, direct_launch_supported, fill_sources,
+                           linear_scale_addressing, swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
@@ -333,9 +333,6 @@ def select_kernel(
 # --- prepared calls --------------------------------------------------------------------------------------------
 
 
-_DIRECT_LAUNCH = DIRECT_LAUNCH
-
-
 class GemvAddresses(NamedTuple):
     """The addresses of one GEMV's operands (``data_ptr()`` of each tensor, 0 where absent): what
     :meth:`PreparedGemv.launch_at` launches on.  Views share their tensor's address."""
@@ -444,14 +441,10 @@ class KeptLaunch:
             self._prepare_compiled(compiled)
 
     def _prepare_compiled(self, compiled) -> None:
-        kernel, args = self._template.kernel, self._template.args
-        argv, slots = [], []
-        for i, param in enumerate(kernel.params):
-            value = args[param.name] if param.name in args else param.default
-            if isinstance(value, Src):
-                slots.append((i, self._fields[value.name]))
-            argv.append(value)
-        self._argv, self._slots = argv, tuple(slots)
+        t = self._template
+        argv = bound_arguments(t.kernel, (), {**t.args, **t.options})  # as the JIT call of _launch_jit binds them
+        self._argv = argv
+        self._slots = tuple((i, self._fields[v.name]) for i, v in enumerate(argv) if isinstance(v, Src))
         grid = self._template.grid
         self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         launcher = compiled.run  # loads the module now, not on the first timed call
@@ -494,7 +487,7 @@ class PreparedGemv(KeptLaunch):
 
     __slots__ = ("plan",)
 
-    def __init__(self, plan: GemvPlan, direct_launch: bool = _DIRECT_LAUNCH):
+    def __init__(self, plan: GemvPlan, direct_launch: bool = DIRECT_LAUNCH):
         super().__init__(plan, _ADDRESS_INDEX, plan.device, direct_launch)
         self.plan = plan
 

@@ -43,7 +43,7 @@ class Deferral(NamedTuple):
 
     kernel: str
     to: str
-    when: Callable[[GemvCase], bool]
+    when: Callable[[GemvCase | MoeCase], bool]
     why: str
 
 

@@ -5,9 +5,9 @@ Gluon (``triton.experimental.gluon``) moves between releases.  What differs for 
 * the bulk tensor copy into shared memory is ``tma.async_copy_global_to_shared`` up to 3.7 and ``tma.async_load``
   from 3.8 (3.9 removes the old name): :data:`tma_load`;
 * a shared-memory view as another dtype is ``_reinterpret(dtype, shape, layout)`` in 3.6 and
-  ``reinterpret(dtype, shape, layout)`` in 3.9 (:data:`PUBLIC_REINTERPRET` says which; kernels branch on it as a
-  constexpr), and tensor descriptors take 8-, 16- and 32-bit elements only from 3.9 (the kernels copy bytes and view
-  them as int64);
+  ``reinterpret(dtype, shape, layout)`` in 3.9 (:data:`PUBLIC_REINTERPRET` says which; :func:`shared_view`, the one
+  view the kernels take, branches on it as a constexpr), and tensor descriptors take 8-, 16- and 32-bit elements
+  only from 3.9 (the kernels copy bytes and view them as int64);
 * ``gl.warp_specialize`` takes ``([(default, args), (worker, args), ...], worker_warps, worker_registers)`` in 3.6
   and 3.9 alike; its register list became optional in 3.9, which these kernels always pass.
 
@@ -24,9 +24,21 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["gluon", "gl", "tma", "mbarrier", "async_copy", "tma_load", "TensorDescriptor", "PUBLIC_REINTERPRET"]
+__all__ = ["gluon", "gl", "tma", "mbarrier", "async_copy", "tma_load", "TensorDescriptor", "PUBLIC_REINTERPRET",
+           "shared_view"]
 
 # The bulk copy global -> shared, completing on an mbarrier: (descriptor, coordinates, barrier, destination).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
 # Whether shared-memory descriptors have the public ``reinterpret`` (3.9) rather than ``_reinterpret`` (3.6).
 PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+
+@gluon.jit
+def shared_view(buf, DTYPE: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
+    """The shared-memory descriptor ``buf`` viewed as ``DTYPE`` ``SHAPE`` in ``LAYOUT`` (same bytes), under either
+    spelling of the reinterpretation."""
+    if PUBLIC_REINTERPRET:
+        view = buf.reinterpret(DTYPE, SHAPE, LAYOUT)
+    else:
+        view = buf._reinterpret(DTYPE, SHAPE, LAYOUT)
+    return view

@@ -37,7 +37,7 @@ import torch
 
 from ..formats import decode_e2m1, decode_e4m3, unpack_e2m1
 from ..target import Target
-from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent
 from ._ptx import AsmOperands, PtxBlock
 from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
@@ -195,11 +195,7 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_st
 @gluon.jit
 def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.constexpr):
     """The copied bytes of a ring slot ``buf`` viewed as int64 ``[SHAPE0, SHAPE1, 16]`` (same bytes, same swizzle)."""
-    if PUBLIC_REINTERPRET:
-        view = buf.reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
-    else:
-        view = buf._reinterpret(gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
-    return view
+    return shared_view(buf, gl.int64, [SHAPE0, SHAPE1, 16], LAYOUT)
 
 
 @gluon.jit

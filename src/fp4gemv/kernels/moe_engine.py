@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from ..target import SM90, Target
-from ._gluon import PUBLIC_REINTERPRET, TensorDescriptor, async_copy, gl, gluon, mbarrier, tma_load
+from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import MULTIPLIERS
 from .engine import (FOLD_EXPONENT, STEP_K, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
                      target_reason)
@@ -293,15 +293,6 @@ def _scale_bytes(sf_ptr, plan_ptr, f, n_steps, n_items, ROW_TILES: gl.constexpr,
 
 
 @gluon.jit
-def _reinterpret(buf, DTYPE: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.constexpr):
-    if PUBLIC_REINTERPRET:
-        view = buf.reinterpret(DTYPE, SHAPE, LAYOUT)
-    else:
-        view = buf._reinterpret(DTYPE, SHAPE, LAYOUT)
-    return view
-
-
-@gluon.jit
 def _sigmoid(x):
     return 1.0 / (1.0 + gl.exp(-x))
 
@@ -438,7 +429,7 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
                                        PAIRS_IN)
             mbarrier.wait(ready.index(slot), (f // STAGES) & 1)
             if SCALE_COPY:
-                s = _reinterpret(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
+                s = shared_view(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
             w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
             xt = _as_int64(xbuf.index(slot), ROWS, 16, X64).load(LXR)
             x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW)
@@ -464,7 +455,7 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
     n_steps = (K + 1023) // 1024
     SILU: gl.constexpr = ACTIVATION == 2
     # A slot: [4 warp chunks x 2 row halves x 8 TILES rows, 128 B] of weights (rank 3 from one copy, rank 2 from
-    # eight: the same bytes); [16 TILES, 4, 16] scale bytes; [ROWS, 16, 64] activation elements.
+    # eight: the same bytes); [16 TILES, 64] scale bytes; [ROWS, 16, 64] activation elements.
     if ONE_BOX:
         wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 4, 16 * TILES, 128], w_desc.layout)
     else:
@@ -617,6 +608,14 @@ def moe_engine_deferred(case: MoeCase) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _copy_paths(case: MoeCase, config: MoeEngineConfig) -> tuple[bool, bool]:
+    """(one weight copy per step, scale bytes copied) for ``case`` under ``config``: what the descriptors
+    (``_call_arguments``) and the kernel's ``ONE_BOX`` / ``SCALE_COPY`` both follow."""
+    return (config.one_box and one_box_reason(case) is None,
+            config.scale_copy and scale_copy_reason(case) is None)
+
+
+@functools.lru_cache(maxsize=None)
 def _copy_layouts():
     """The shared-memory layouts of the copies (made once: each construction validates itself)."""
     return dict(w2=gl.NVMMASharedLayout(128, 8, rank=2), w3=gl.NVMMASharedLayout(128, 8, rank=3),
@@ -635,17 +634,18 @@ def _call_arguments(ops: MoeOperands, config: MoeEngineConfig, plan: torch.Tenso
     case = ops.case
     d = case.dense
     e, m, k, tiles = case.experts, d.m, d.k, config.tiles
+    one_box, scale_copy = _copy_paths(case, config)
     lay = _copy_layouts()
     data = ops.w_data.view(torch.uint8)
     weights = data.as_strided((e * m, k // 2), (data.stride(1), 1))
-    if config.one_box and one_box_reason(case) is None:
+    if one_box:
         w_desc = TensorDescriptor(weights, [k // 256, e * m, 128], [128, weights.stride(0), 1], [4, 16 * tiles, 128],
                                   lay["w3"])
     else:
         w_desc = TensorDescriptor(weights, [e * m, k // 2], [weights.stride(0), 1], [8 * tiles, 128], lay["w2"])
     sf = ops.w_scales.view(torch.uint8)
     s_desc = w_desc  # unused without the scales' copies
-    if config.scale_copy and scale_copy_reason(case) is None:
+    if scale_copy:
         s_desc = TensorDescriptor(sf.as_strided((e * m, k // 16), (d.a.scales.r32, 1)), [e * m, k // 16],
                                   [d.a.scales.r32, 1], [8 * tiles, 64], lay["s2"])
     x = ops.x
@@ -669,8 +669,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     first = (moe_chunks_kernel, chunks.grid, (), {**chunk_args, **chunks.options})
 
     tiles, rows = config.tiles, config.rows
-    one_box = config.one_box and one_box_reason(case) is None
-    scale_copy = config.scale_copy and scale_copy_reason(case) is None
+    one_box, scale_copy = _copy_paths(case, config)
     activation = ACTIVATION_CODES[case.activation]
     half = m // 2 if activation else m
     row_tiles = -(-(half if activation else m) // ((8 if activation else 16) * tiles))

@@ -362,7 +362,8 @@ DIRECT_LAUNCH = direct_launch_supported(triton.__version__)
 
 def bound_arguments(kernel, args: tuple, options: dict) -> list:
     """Every parameter of the JIT function ``kernel`` in its order, as its JIT call ``kernel[grid](*args,
-    **options)`` binds them: ``args`` first, then ``options`` by name, else the parameter's default."""
+    **options)`` binds them: ``args`` first, then ``options`` by name, else the parameter's default (launch options
+    that are not parameters, such as ``num_warps``, are not arguments)."""
     values = list(args)
     for param in kernel.params[len(args):]:
         values.append(options[param.name] if param.name in options else param.default)
