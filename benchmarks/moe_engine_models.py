@@ -3,6 +3,7 @@ against ``moe_weight_only`` on NVFP4 experts of gpt-oss-20b, gpt-oss-120b and Qw
 
     PYTHONPATH=src python benchmarks/moe_engine_models.py [sweep]   -> moe_engine_time.json in $OUT (or .)
     PYTHONPATH=src python benchmarks/moe_engine_models.py padded    (round 16: scale rows padded to 16 bytes, T = 1-16)
+    PYTHONPATH=src python benchmarks/moe_engine_models.py padded mxfp4    (round 17: gpt-oss's MXFP4 experts)
 
 First ``split_times``: gpt-oss-20b's gate_up (NVFP4, bias, the gpt-oss activation) with the chunk launch alone, the
 engine launch alone and both.  Then per model and T: the routed GEMVs of one layer (gate_up with its activation,
@@ -24,6 +25,7 @@ from fp4gemv.bench.moe import random_projection, router_logits, route, route_sof
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us
 from fp4gemv.kernels.moe_engine import MoeEngineConfig
+from fp4gemv.layouts import aligned_scale_rows
 from fp4gemv.tensor import FP4Tensor
 
 OUT = os.environ.get("OUT", ".")
@@ -41,33 +43,30 @@ def med(t):
 
 
 def padded_scale_rows(p):
-    """``p`` (ExpertWeights) with its linear scale rows padded to a multiple of 16 bytes in memory (a strided view),
-    so that the engine copies them (``moe_engine.scale_copy_reason``); K = 2880 has rows of 180 bytes."""
-    s = p.weight.scales
-    cols = s.shape[-1]
-    if cols % 16 == 0:
-        return p
-    rows = torch.zeros(*s.shape[:-1], cols + (-cols) % 16, dtype=s.dtype, device=s.device)
-    rows[..., :cols] = s
-    return p._replace(weight=FP4Tensor(p.weight.data, rows[..., :cols], p.weight.fmt.name, "linear",
-                                       p.weight.global_scale))
+    """``p`` (ExpertWeights) with its linear scale rows 16 bytes apart in memory (``layouts.aligned_scale_rows``,
+    as ``FP4Experts`` stores them), so that the engine copies them (``moe_engine.scale_copy_reason``); K = 2880 has
+    rows of 180 (NVFP4) or 90 (MXFP4) bytes."""
+    cols = p.weight.scales.shape[-1]
+    return p._replace(weight=FP4Tensor(p.weight.data, aligned_scale_rows(p.weight.scales)[..., :cols],
+                                       p.weight.fmt.name, "linear", p.weight.global_scale))
 
 
-def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None, padded=False):
+def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None, padded=False,
+        fmt="nvfp4"):
     e, h, i, k, act, bias = MODELS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     pad = padded_scale_rows if padded else (lambda p: p)
-    layers = [(pad(random_projection(e, 2 * i, h, g, "nvfp4", bias)),
-               pad(random_projection(e, h, i, g, "nvfp4", bias))) for _ in range(COPIES)]
-    if act == "silu":  # [E, 2] scales: gate's and up's (the same here)
+    layers = [(pad(random_projection(e, 2 * i, h, g, fmt, bias)),
+               pad(random_projection(e, h, i, g, fmt, bias))) for _ in range(COPIES)]
+    if act == "silu" and fmt == "nvfp4":  # [E, 2] scales: gate's and up's (the same here)
         layers = [(gu._replace(global_scales=torch.stack([gu.global_scales, gu.global_scales], 1)), dn)
                   for gu, dn in layers]
     for tokens in tokens_list:
         logits = [router_logits(type("M", (), {"experts": e})(), tokens, seed=1000 * tokens + c) for c in range(COPIES)]
         routes = [route(lg, k) if act == "gpt-oss" else route_softmax_topk(lg, k) for lg in logits]
         distinct = [int(torch.unique(ids).numel()) for ids, _ in routes]
-        nbytes = int(statistics.mean(distinct) * (projection_bytes(2 * i, h, "nvfp4", True)
-                                                   + projection_bytes(h, i, "nvfp4", True)))
+        nbytes = int(statistics.mean(distinct) * (projection_bytes(2 * i, h, fmt, fmt == "nvfp4")
+                                                   + projection_bytes(h, i, fmt, fmt == "nvfp4")))
         read_name, read_us = best_read(nbytes)
         x = torch.randn(tokens, h, device="cuda", generator=g).to(torch.bfloat16)
         h_in = torch.randn(tokens * k, i, device="cuda", generator=g).to(torch.bfloat16)
@@ -98,11 +97,12 @@ def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"),
                 except Exception as exc:  # noqa: BLE001
                     print(name, tokens, kernel, config, "FAILED", repr(exc)[:300], flush=True)
                     continue
-                row = dict(model=name, tokens=tokens, kernel=kernel, config=None if config is None else list(config),
+                row = dict(model=name, fmt=fmt, tokens=tokens, kernel=kernel,
+                           config=None if config is None else list(config),
                            distinct=statistics.mean(distinct), mbytes=nbytes / 1e6, read=read_name, read_us=read_us,
                            routed_us=both, gate_up_us=gate, down_us=down, fraction=read_us / both)
                 rows_out.append(row)
-                print(f"{name:14s} T={tokens:2d} {kernel:16s} {str(config):60s} routed {both:7.1f} us "
+                print(f"{name:14s} {fmt} T={tokens:2d} {kernel:16s} {str(config):60s} routed {both:7.1f} us "
                       f"(gate_up {gate:6.1f}, down {down:6.1f}) read {read_us:6.1f} -> {read_us / both:.2f}",
                       flush=True)
                 with open(os.path.join(OUT, "moe_engine_time.json"), "w") as f:
@@ -148,8 +148,10 @@ if __name__ == "__main__":
     t0 = time.time()
     sweep = len(sys.argv) > 1 and sys.argv[1] == "sweep"
     if len(sys.argv) > 1 and sys.argv[1] == "padded":
+        fmt = sys.argv[2] if len(sys.argv) > 2 else "nvfp4"
         for name in MODELS:
-            run(name, tokens_list=(1, 2, 4, 8, 16), padded=True)
+            if fmt == "nvfp4" or name.startswith("gpt-oss"):
+                run(name, tokens_list=(1, 2, 4, 8, 16), padded=True, fmt=fmt)
         print("total", time.time() - t0)
         sys.exit(0)
     C = MoeEngineConfig

@@ -10,7 +10,7 @@ import torch
 
 import operands as O
 from fp4gemv import FP4Tensor, gemv, select_kernel
-from fp4gemv.formats import decode_e2m1, decode_e4m3, unpack_e2m1
+from fp4gemv.formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from fp4gemv.kernels import choose_kernel, engine
 from fp4gemv.kernels.engine import STEP_K, Engine, EngineConfig, engine_config, engine_twin
 from fp4gemv.ops import gemv_operands
@@ -18,33 +18,58 @@ from fp4gemv.reference import quantized_gemv_reference
 from fp4gemv.target import SM90, Target
 
 
-def _exact(a_data, a_scales, b):
-    w = decode_e2m1(unpack_e2m1(a_data)).double() * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
+def _exact(a_data, a_scales, b, fmt="nvfp4"):
+    block, decode = (16, decode_e4m3) if fmt == "nvfp4" else (32, decode_e8m0)
+    w = decode_e2m1(unpack_e2m1(a_data)).double() * decode(a_scales).double().repeat_interleave(block, 1)
     return w @ b.double().T
 
 
-def _raw(m, k, n, seed):
+def _raw(m, k, n, seed, fmt="nvfp4"):
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(0, 256, (m, k // 2), dtype=torch.uint8, generator=g)
-    s = torch.randint(0x18, 0x58, (m, k // 16), dtype=torch.uint8, generator=g)
+    if fmt == "nvfp4":
+        s = torch.randint(0x18, 0x58, (m, k // 16), dtype=torch.uint8, generator=g)
+    else:  # e8m0 2^-12 .. 2^12
+        s = torch.randint(115, 140, (m, k // 32), dtype=torch.uint8, generator=g)
     return a, s, torch.randn(n, k, generator=g).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tiles", [1, 2, 4])
 @pytest.mark.parametrize("m, k, n", [(70, 2048, 1), (64, 1024, 2), (48, 1024, 3), (40, 1024, 5), (33, 2048, 8),
                                      (96, 1024, 9), (32, 1024, 16)])
-def test_twin_matches_exact_result(tiles, m, k, n):
-    a, s, b = _raw(m, k, n, seed=m + n)
-    torch.testing.assert_close(engine_twin(a, s, b, tiles), _exact(a, s, b), rtol=1e-12, atol=1e-12)
+def test_twin_matches_exact_result(fmt, tiles, m, k, n):
+    """The fold step's maps (NVFP4) and the k32 step's (MXFP4: the words' split, the activation's permutation,
+    each block's scale byte) replayed in torch give the exact result."""
+    a, s, b = _raw(m, k, n, seed=m + n, fmt=fmt)
+    torch.testing.assert_close(engine_twin(a, s, b, tiles, fmt), _exact(a, s, b, fmt), rtol=1e-12, atol=1e-12)
 
 
-def test_twin_fails_with_a_wrong_activation_permutation(monkeypatch):
-    """The twin checks the maps: the activation slice permuted with two chunk bits swapped is off."""
-    a, s, b = _raw(32, 1024, 16, seed=1)
-    wrong = dict(engine.X_ORDER)
-    wrong[16] = (0, 3, 4, 2, 1, 5, 6, 7)
-    monkeypatch.setattr(engine, "X_ORDER", wrong)
-    assert not torch.allclose(engine_twin(a, s, b, 2), _exact(a, s, b), rtol=1e-6)
+@pytest.mark.parametrize("fmt,name,key,wrong", [
+    ("nvfp4", "X_ORDER", 16, (0, 3, 4, 2, 1, 5, 6, 7)),  # two chunk bits swapped
+    ("mxfp4", "X_ORDER_K32", 16, (0, 3, 4, 1, 6, 7, 5, 2, 8)),  # half and u swapped
+    ("mxfp4", "X_ORDER_K32", "few", (0, 3, 2, 6, 5, 4, 1, 7)),  # the lane bits c0, c1 swapped
+    ("mxfp4", "W_ORDER_K32", None, (1, 3, 0, 2)),  # the words' b and half swapped
+])
+def test_twin_fails_with_a_wrong_permutation(monkeypatch, fmt, name, key, wrong):
+    """The twin checks the maps: a permutation with two bits swapped gives a wrong result."""
+    n = 16 if key == 16 else 8
+    a, s, b = _raw(32, 1024, n, seed=1, fmt=fmt)
+    if key is not None:
+        wrong = {**getattr(engine, name), key: wrong}
+    monkeypatch.setattr(engine, name, wrong)
+    assert not torch.allclose(engine_twin(a, s, b, 2, fmt), _exact(a, s, b, fmt), rtol=1e-6)
+
+
+def test_k32_step_emits_one_scale_fma_per_fragment_and_block():
+    """The k32 step's PTX (MXFP4): 2 mma per block and tile into a zeroed partial, 4 fp32 fma each, and the scales
+    two at a time in bf16x2 (one max and one fma per pair)."""
+    asm, constraints = engine.step_asm(2, 1, "mxfp4")
+    assert asm.count("mma.sync") == 8 * 2 * 2
+    assert asm.count("fma.rn.f32") == 8 * 2 * 4
+    assert asm.count("max.bf16x2") == asm.count("fma.rn.bf16x2") == 2 * 2 * 4
+    kinds = constraints.split(",")
+    assert kinds.count("l") == 16 * 5 and kinds.count("r") == 16 * 7  # s, x0 .. x3; wl, wh and the MULTIPLIERS
 
 
 def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat16, batch=None):

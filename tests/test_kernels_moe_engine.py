@@ -136,7 +136,7 @@ def _moe_case(fmt="nvfp4", experts=32, m=256, k=2880, tokens=4, top_k=4, dtype=t
 
 
 @pytest.mark.parametrize("kw,target,words", [
-    (dict(fmt="mxfp4"), SM90, "NVFP4"),
+    (dict(fmt="mxfp4"), SM90, "bulk copy"),  # scale rows of 90 bytes
     (dict(dtype=torch.float16), SM90, "bfloat16"),
     (dict(k=2880 - 32), SM90, "multiple of 64"),
     (dict(tokens=65), SM90, "256 pairs"),
@@ -147,8 +147,8 @@ def test_refusals_name_the_reason(kw, target, words):
     assert words in MoeEngine().why_not(_moe_case(**kw), target)
 
 
-def _padded_case(k, tokens, pad, top_k=4, m=256):
-    w = random_fp4((8, m, k), "nvfp4", "linear", seed=1, device="cpu")
+def _padded_case(k, tokens, pad, top_k=4, m=256, fmt="nvfp4"):
+    w = random_fp4((8, m, k), fmt, "linear", seed=1, device="cpu")
     if pad is not None:
         w = _padded_scales(w, pad)
     x = random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
@@ -156,19 +156,30 @@ def _padded_case(k, tokens, pad, top_k=4, m=256):
     return moe.moe_case(w, x, ids, None, None, torch.bfloat16, (top_k * m, m, 1))
 
 
-@pytest.mark.parametrize("k,tokens,pad,expected", [
-    (2048, 4, None, "moe_engine"),        # Qwen3's gate_up K from T = 4
-    (2048, 3, None, "moe_weight_only"),   # T < 4: the persistent grid has few items
-    (768, 16, None, "moe_weight_only"),   # K within one step (Qwen3's down)
-    (2880, 8, None, "moe_weight_only"),   # scale rows of 180 bytes: loaded, not copied
-    (2880, 8, 12, "moe_engine"),          # the same rows padded to 192 bytes
+@pytest.mark.parametrize("fmt,k,tokens,pad,expected", [
+    ("nvfp4", 2048, 4, None, "moe_engine"),        # Qwen3's gate_up K from T = 4
+    ("nvfp4", 2048, 3, None, "moe_weight_only"),   # T < 4: the persistent grid has few items
+    ("nvfp4", 768, 16, None, "moe_weight_only"),   # K within one step (Qwen3's down)
+    ("nvfp4", 2880, 8, None, "moe_weight_only"),   # scale rows of 180 bytes: loaded, not copied
+    ("nvfp4", 2880, 8, 12, "moe_engine"),          # the same rows padded to 192 bytes
+    ("mxfp4", 2880, 8, 6, "moe_engine"),           # gpt-oss's MXFP4 scale rows padded to 96 bytes
+    ("mxfp4", 2880, 2, 6, "moe_weight_only"),
 ])
-def test_default_runs_the_engine_where_it_measured_faster(k, tokens, pad, expected):
+def test_default_runs_the_engine_where_it_measured_faster(fmt, k, tokens, pad, expected):
     """The default (``MOE_KERNELS`` and its deferral, round 16): the engine from T = 4 where K takes more than one
     step and the scale bytes can be copied, moe_weight_only elsewhere; by name it runs every case it can."""
-    case = _padded_case(k, tokens, pad)
+    case = _padded_case(k, tokens, pad, fmt=fmt)
     assert choose_kernel(case, SM90, kernels=MOE_KERNELS).name == expected
     assert choose_kernel(case, SM90, "moe_engine", kernels=MOE_KERNELS).name == "moe_engine"
+
+
+def test_mxfp4_needs_copied_scales():
+    """MXFP4 scale bytes come only by bulk copy (the k32 step has no load path): rows of 90 bytes are refused with
+    the reason, and a configuration without the copies is an error naming it."""
+    case = _padded_case(2880, 8, None, fmt="mxfp4")
+    assert "not back to back at 16-byte aligned" in MoeEngine().why_not(case, SM90)
+    with pytest.raises(ValueError, match="scale_copy=True"):
+        MoeEngine().check_config(MoeEngineConfig(scale_copy=False), _padded_case(2880, 8, 6, fmt="mxfp4"))
 
 
 def test_default_config_and_bad_configs():
@@ -189,12 +200,17 @@ _COMPILE = textwrap.dedent("""
     from triton.experimental.gluon._runtime import GluonASTSource
     from aot import jit_specialization, sass_listing, registers, local_memory
     import operands as O
+    import fp4gemv
     from fp4gemv import moe
     from fp4gemv.target import SM90
     from fp4gemv.kernels.moe_engine import moe_engine_launches, MoeEngineConfig
 
-    def build(experts, m, k, tokens, top_k, activation, layout, rows):
-        w = O.random_fp4((experts, m, k), "nvfp4", layout, seed=1, device="cpu")
+    def build(experts, m, k, tokens, top_k, activation, layout, rows, fmt="nvfp4", pad=0):
+        w = O.random_fp4((experts, m, k), fmt, layout, seed=1, device="cpu")
+        if pad:  # scale rows at 16-byte aligned addresses
+            rows_ = torch.zeros((*w.scales.shape[:-1], w.scales.shape[-1] + pad), dtype=w.scales.dtype)
+            rows_[..., :w.scales.shape[-1]] = w.scales
+            w = fp4gemv.FP4Tensor(w.data, rows_[..., :w.scales.shape[-1]], fmt, layout)
         x = O.random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
         ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
         alpha, limit = moe.epilogue_constants(activation, None, None)
@@ -206,7 +222,8 @@ _COMPILE = textwrap.dedent("""
 
     for case in ((32, 5760, 2880, 1, 4, "gpt-oss", "linear", 1), (32, 2880, 2880, 64, 1, None, "linear", 8),
                  (128, 1536, 2048, 8, 8, "silu", "swizzled", 4), (4, 7168, 4096, 1, 4, None, "linear", 1),
-                 (128, 1536, 2048, 8, 8, "silu", "linear", 8)):
+                 (128, 1536, 2048, 8, 8, "silu", "linear", 8), (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", 6),
+                 (4, 7168, 4096, 16, 4, None, "linear", 8, "mxfp4")):
         kernel, grid, args, options = build(*case)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -216,29 +233,38 @@ _COMPILE = textwrap.dedent("""
         ops_ = collections.Counter(listing)
         mma = [i for i, op in enumerate(listing) if op == "HMMA"]
         step_local = sum(op in ("LDL", "STL") for op in listing[mma[0]:mma[-1]])
+        step_stores = sum(op == "STS" for op in listing[mma[0]:mma[-1]])
         stack = sum(int(s.split(":")[1]) for s in local_memory(c))
-        print(case[-1], int(options["SCALE_COPY"]), int(options["ONE_BOX"]), options["maxnreg"], registers(c),
-              ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], ops_["LDG"], stack, step_local)
+        print(options["ROWS"], int(options["SCALE_COPY"]), int(options["ONE_BOX"]), int(options["MX"]),
+              options["maxnreg"], registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], ops_["LDG"],
+              listing[:mma[-1]].count("LDSM"), stack, step_local, step_stores)
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 7
     copies = []
     for line in lines:
-        rows, scale_copy, one_box, maxnreg, regs, tma, mma, syncs, ldg, stack, step_local = map(int, line.split())
-        copies.append((scale_copy, one_box))
+        (rows, scale_copy, one_box, mx, maxnreg, regs, tma, mma, syncs, ldg, ldsm, stack, step_local,
+         step_stores) = map(int, line.split())
+        copies.append((scale_copy, one_box, mx))
         assert regs <= maxnreg, line
         # 8 weight copies (4 warp chunks x 2 row halves) or one, 2 of scales (the row halves) or none, one per row
         assert tma == (1 if one_box else 8) + 2 * scale_copy + rows, line
         assert ldg < 40 if scale_copy else ldg > 40, line  # the scale bytes' loads, or none
-        assert mma == 32, line  # 2 tiles x 2 chunks x 4 words x 2 k16
+        # fold: 2 tiles x 2 chunks x 4 words x 2 k16; k32: 2 tiles x 8 blocks x 2 k16
+        assert mma == 32, line
+        # the k32 step's words (word c of each block) by ldmatrix, 4 words per thread each (the epilogue's come
+        # after the last mma)
+        assert ldsm == (8 if mx else 0), line
         assert syncs > 0, line
         # No local memory in the step; Triton 3.9 keeps up to 16 bytes on the stack outside it (the swizzled case,
-        # whose scale addresses are loaded per step), 3.6 none.
-        assert step_local == 0 and stack <= 16, line
-    assert copies == [(0, 0), (0, 0), (0, 0), (1, 1), (1, 0)]  # K % 256, scale rows of 180 bytes, swizzled
+        # whose scale addresses are loaded per step), 3.6 none.  No shared-memory stores in the step: the operand
+        # permutations (the activation's, the k32 words' split) are register renames.
+        assert step_local == 0 and stack <= 16 and step_stores == 0, line
+    # K % 256, scale rows of 180 bytes, swizzled; MXFP4 scale rows padded to 96 bytes, K = 4096
+    assert copies == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 0), (1, 0, 1), (1, 1, 1)]
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------
@@ -249,13 +275,19 @@ def _run(w, x, ids, config=None, **kw):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tokens", [1, 8, 16])
-def test_gpt_oss_layer_shapes_exact(tokens):
-    """gpt-oss-20b's gate_up (bias, interleaved clamped SwiGLU) and down (bias, pair weights, fp32 out), NVFP4
-    experts with per-expert global scales, K = 2880 (a partial last step)."""
+def test_gpt_oss_layer_shapes_exact(fmt, tokens):
+    """gpt-oss-20b's gate_up (bias, interleaved clamped SwiGLU) and down (bias, pair weights, fp32 out), experts
+    with per-expert global scales, K = 2880 (a partial last step): NVFP4 (down's scales swizzled) and MXFP4 (the
+    k32 step; scale rows padded from 90 to 96 bytes with NaN bytes)."""
     experts, hidden, inter, top_k = 32, 2880, 2880, 4
-    wg = random_fp4((experts, 2 * inter, hidden), "nvfp4", "linear", seed=tokens)
-    wd = random_fp4((experts, hidden, inter), "nvfp4", "swizzled", seed=tokens + 1)
+    if fmt == "nvfp4":
+        wg = random_fp4((experts, 2 * inter, hidden), "nvfp4", "linear", seed=tokens)
+        wd = random_fp4((experts, hidden, inter), "nvfp4", "swizzled", seed=tokens + 1)
+    else:
+        wg = _padded_scales(random_fp4((experts, 2 * inter, hidden), "mxfp4", "linear", seed=tokens), 6)
+        wd = _padded_scales(random_fp4((experts, hidden, inter), "mxfp4", "linear", seed=tokens + 1), 6)
     g = torch.Generator().manual_seed(tokens)
     gs = (torch.rand(experts, 2, generator=g) + 0.5).cuda()
     gsd = (torch.rand(experts, generator=g) + 0.5).cuda()
@@ -277,11 +309,16 @@ def test_gpt_oss_layer_shapes_exact(tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [None, MoeEngineConfig(1, 4, 1, 1, 168), MoeEngineConfig(4, 2, 16, 2, 200),
                                     MoeEngineConfig(2, 3, 2, 3, 168)])
-def test_silu_halves_with_gate_and_up_scales_exact(config):
-    """Qwen3-shaped gate_up (silu on halves, [E, 2] global scales, swizzled scales), T = 8, top-8 of 128, and a
-    tail: 20 pairs (a half tile), K = 192 (one partial step)."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_silu_halves_with_gate_and_up_scales_exact(config, fmt):
+    """Qwen3-shaped gate_up (silu on halves, [E, 2] global scales), T = 8, top-8 of 128, and a tail: 20 pairs (a
+    half tile), K = 192 (one partial step).  NVFP4 with swizzled scales; MXFP4 with linear ones (its K = 192 scale
+    rows padded to 16 bytes)."""
     for experts, rows, k, tokens, top_k in ((128, 1536, 2048, 8, 8), (8, 40, 192, 5, 3)):
-        w = random_fp4((experts, rows, k), "nvfp4", "swizzled", seed=rows)
+        if fmt == "nvfp4":
+            w = random_fp4((experts, rows, k), "nvfp4", "swizzled", seed=rows)
+        else:
+            w = _padded_scales(random_fp4((experts, rows, k), "mxfp4", "linear", seed=rows), -(k // 32) % 16)
         x = random_activation((tokens, k), torch.bfloat16, seed=k)
         ids = random_ids(tokens, top_k, experts, seed=rows + k)
         gs = (torch.rand(experts, 2, generator=torch.Generator().manual_seed(1)) + 0.5).cuda()
@@ -293,14 +330,17 @@ def test_silu_halves_with_gate_and_up_scales_exact(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("experts,m,k,tokens,top_k,ids_kind", [
     (4, 1000, 1024, 16, 1, "one expert"),      # 16 pairs of one expert: several chunks, tail rows
     (6, 96, 4096, 3, 4, "duplicates"),         # a token naming an expert twice
     (32, 2880, 768, 16, 4, "top-k"),           # Qwen3's down K (one partial step)
     (128, 256, 2048, 2, 8, "top-k"),
 ])
-def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind):
-    w = random_fp4((experts, m, k), "nvfp4", "linear", seed=m, global_scale=0.375 if m % 3 == 0 else None)
+def test_plain_products_exact(out_dtype, fmt, experts, m, k, tokens, top_k, ids_kind):
+    w = random_fp4((experts, m, k), fmt, "linear", seed=m, global_scale=0.375 if m % 3 == 0 else None)
+    if fmt == "mxfp4" and k // 32 % 16:
+        w = _padded_scales(w, -(k // 32) % 16)
     x = random_activation((tokens, k), torch.bfloat16, seed=k)
     if ids_kind == "one expert":
         ids = torch.full((tokens, top_k), 2, dtype=torch.int32, device="cuda")
@@ -314,12 +354,13 @@ def test_plain_products_exact(out_dtype, experts, m, k, tokens, top_k, ids_kind)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("config", [MoeEngineConfig(1, 3, 4, 2, 128), MoeEngineConfig(4, 2, 4, 1, 200)])
-def test_plain_epilogue_at_one_and_four_tiles(config):
+def test_plain_epilogue_at_one_and_four_tiles(config, fmt):
     """The plain products' epilogue layout (``_SUM_ROWS``) at 16 rows (fewer than its threads cover: replicated
     loads and stores) and 64 rows (two rounds), with a row tail, bias and pair weights."""
     experts, m, k, tokens = 8, 200, 2048, 4
-    w = random_fp4((experts, m, k), "nvfp4", "linear", seed=71)
+    w = random_fp4((experts, m, k), fmt, "linear", seed=71)
     x = random_activation((tokens, k), torch.bfloat16, seed=72)
     ids = random_ids(tokens, 3, experts, seed=73)
     bias = random_activation((experts, m), torch.bfloat16, seed=74)
@@ -332,9 +373,10 @@ def test_plain_epilogue_at_one_and_four_tiles(config):
 
 def _padded_scales(w, pad):
     """``w`` with its linear scale rows ``pad`` bytes longer in memory (a strided view): rows at 16-byte aligned
-    addresses where K / 16 is not a multiple of 16, as ``scale_copy`` needs."""
-    rows = torch.full((*w.scales.shape[:-1], w.scales.shape[-1] + pad), 0x7F, dtype=w.scales.dtype,
-                      device=w.scales.device)  # NaN bytes in the padding: read them and the test fails
+    addresses where K / 16 (K / 32) is not a multiple of 16, as ``scale_copy`` needs."""
+    nan = 0x7F if w.fmt.name == "nvfp4" else 0xFF  # NaN bytes in the padding: read them and the test fails
+    rows = torch.full((*w.scales.shape[:-1], w.scales.shape[-1] + pad), nan, dtype=w.scales.dtype,
+                      device=w.scales.device)
     rows[..., :w.scales.shape[-1]] = w.scales
     return fp4gemv.FP4Tensor(w.data, rows[..., :w.scales.shape[-1]], w.fmt.name, "linear", w.global_scale)
 
@@ -408,6 +450,35 @@ def test_nan_and_inf_scales_stay_in_their_rows(scale_copy, one_box):
                                    backend="auto")
     assert torch.isnan(exact[nan]).all()
     assert torch.isfinite(got[~nan]).all()
+    assert ((got - exact).abs()[~nan] <= bound[~nan]).all()
+
+
+@pytest.mark.gpu
+def test_mxfp4_scale_bytes_at_the_ends_stay_exact():
+    """e8m0 bytes at the ends of the k32 step's bf16x2 scale conversion: 0xFF (NaN) makes its row NaN; 0x00
+    (2^-127, a bf16 subnormal) with activations near 2^60 and 0xFE (2^127) with small codes stay exact (the
+    oracle computes the same)."""
+    w = random_fp4((4, 96, 2048), "mxfp4", "linear", seed=41)
+    scales = w.scales.clone()
+    data = w.data.clone()
+    scales[1, 5, 17] = 0xFF  # NaN
+    scales[2, 40, :] = 0x00  # 2^-127
+    scales[3, 7, :] = 0xFE  # 2^127
+    data[3, 7, :] = 0x11  # codes 0.5: products 2^126 x
+    w = fp4gemv.FP4Tensor(data, scales, "mxfp4", "linear")
+    x = random_activation((3, 2048), torch.bfloat16, seed=42)
+    x[0, :1024] *= 2.0 ** 58  # token 0 meets 2^-127 at 2^58..2^60 (within the k32 window, below 2^64)
+    x[1] /= 64.0
+    ids = torch.tensor([[1, 2], [3, 1], [0, 2]], dtype=torch.int32, device="cuda")
+    out = torch.full((3, 2, 96), float("nan"), dtype=torch.float32, device="cuda")
+    _run(w, x, ids, out=out, out_dtype=torch.float32)
+    nan = torch.zeros(out.shape, dtype=torch.bool)
+    nan[0, 0, 5] = nan[1, 1, 5] = True  # the pairs on expert 1, row 5
+    got = out.cpu().double()
+    assert torch.isnan(got[nan]).all()
+    exact, bound = exact_and_bound(w, x, ids, torch.float32, out, kernel="moe_engine", backend="auto")
+    assert torch.isnan(exact[nan]).all()
+    assert got[0, 1, 40].abs() > 0 and torch.isfinite(got[~nan]).all()  # 2^-127 times 2^58: not flushed
     assert ((got - exact).abs()[~nan] <= bound[~nan]).all()
 
 

@@ -19,6 +19,7 @@ from fp4gemv import FP4Tensor
 from fp4gemv.nn import ExpertWeights, FP4Experts, gpt_oss_experts, nvfp4_experts, quantize_experts
 from fp4gemv.nn.checkpoints import layer_tensors
 from fp4gemv.nn.linear import FP4Linear
+from operands import random_fp4
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
@@ -126,7 +127,27 @@ def gpt_oss_checkpoint(fp4: FP4Experts, prefix: str) -> dict:
     return out
 
 
+def test_linear_scale_rows_are_kept_16_bytes_apart():
+    """FP4Experts stores linear scales with rows 16 bytes apart (the routed engine copies them in bulk): rows of 1
+    or 2 MXFP4 bytes (K = 32, 64) are padded with zeros in memory and viewed back, rows of 16 bytes (K = 512) are
+    kept without a copy, swizzled scales as they are; the values are unchanged."""
+    for hidden, layout in ((64, "linear"), (512, "linear"), (512, "swizzled")):
+        gu = random_fp4((4, 64, hidden), "mxfp4", "linear", seed=hidden, device="cpu")
+        down = random_fp4((4, hidden, 32), "mxfp4", layout, seed=hidden + 1, device="cpu")
+        layer = FP4Experts(ExpertWeights(gu), ExpertWeights(down), activation="silu")
+        for name, w in (("gate_up", gu), ("down", down)):
+            stored, got = getattr(layer, f"{name}_scales"), layer.projection(name).weight.scales
+            assert torch.equal(got, w.scales), (hidden, name)
+            if w.scale_layout == "swizzled" or w.scales.shape[-1] % 16 == 0:
+                assert stored is w.scales, (hidden, name)
+            else:
+                assert stored.shape == (*w.scales.shape[:-1], 16) and got.stride(-2) == 16, (hidden, name)
+                assert not stored[..., w.scales.shape[-1]:].any(), (hidden, name)
+
+
 def test_gpt_oss_checkpoint_loads_without_copies():
+    """The blocks are viewed as they are; the scales too where their rows are 16 bytes apart, else (K = 64: 2
+    bytes a row, as gpt-oss's 90) they are copied once into rows 16 bytes apart (``layouts.aligned_scale_rows``)."""
     module = random_gpt_oss_experts(tiny_gpt_oss_config(), seed=7)
     fp4 = quantize_experts(module, "mxfp4", backend="triton")
     prefix = "model.layers.0.mlp.experts"
@@ -135,7 +156,7 @@ def test_gpt_oss_checkpoint_loads_without_copies():
     for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
         w = loaded.projection(name).weight
         assert w.data.data_ptr() == tensors[f"{prefix}.{key}_blocks"].data_ptr()
-        assert w.scales.data_ptr() == tensors[f"{prefix}.{key}_scales"].data_ptr()
+        assert torch.equal(w.scales, tensors[f"{prefix}.{key}_scales"]) and w.scales.stride(-2) == 16
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
     ids, weights = routing(2, 8, 2, seed=9)
     assert torch.equal(loaded(x, ids, weights), fp4(x, ids, weights))

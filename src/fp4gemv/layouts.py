@@ -16,6 +16,8 @@ __all__ = [
     "ROWS_PER_ATOM",
     "COLS_PER_ATOM",
     "padded_scale_shape",
+    "SCALE_ROW_ALIGN",
+    "aligned_scale_rows",
     "swizzled_offset",
     "swizzle_scales",
     "checked_task_scales",
@@ -26,6 +28,9 @@ __all__ = [
 
 ROWS_PER_ATOM = 128
 COLS_PER_ATOM = 4
+# Bytes the rows of linear scales are aligned to where a module stores them (``aligned_scale_rows``): what a bulk
+# tensor copy of the rows needs (``kernels.moe_engine.scale_copy_reason``).
+SCALE_ROW_ALIGN = 16
 
 
 def _ceil_to(x: int, m: int) -> int:
@@ -35,6 +40,19 @@ def _ceil_to(x: int, m: int) -> int:
 def padded_scale_shape(rows: int, cols: int) -> tuple[int, int]:
     """Rows rounded up to 128 and scale columns to 4: the swizzled layout always covers whole atoms."""
     return _ceil_to(rows, ROWS_PER_ATOM), _ceil_to(cols, COLS_PER_ATOM)
+
+
+def aligned_scale_rows(linear: torch.Tensor, align: int = SCALE_ROW_ALIGN) -> torch.Tensor:
+    """Linear scales ``[..., rows, cols]`` stored with rows ``align`` bytes apart: ``linear`` itself when its rows
+    already are (contiguous, ``cols`` a multiple of ``align``), else a zero-padded copy ``[..., rows, cols_p]``
+    whose ``[..., :cols]`` view holds the scales (gpt-oss's K = 2880: 90 MXFP4 scale bytes per row, stored in 96).
+    A module keeps the padded tensor and views it: a copy to another device keeps the padding."""
+    cols = linear.shape[-1]
+    if cols % align == 0 and linear.is_contiguous():
+        return linear
+    padded = torch.zeros((*linear.shape[:-1], cols + (-cols) % align), dtype=linear.dtype, device=linear.device)
+    padded[..., :cols] = linear
+    return padded
 
 
 def swizzled_offset(row: torch.Tensor | int, col: torch.Tensor | int, cols: int):

@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import decode_e2m1, decode_e4m3, unpack_e2m1
+from ..formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from ..target import Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent
@@ -135,10 +135,88 @@ class _RegisterFold(_Step):
                             self.mma(d, frag, [b_pairs[u, nt][4 * q + 2 * mm], b_pairs[u, nt][4 * q + 2 * mm + 1]], d)
 
 
+class _RegisterK32(_Step):
+    """One consumer step of MXFP4 weights (``_mma_step``'s k32 ownership on registers): thread c owns word c (8
+    codes) of every 32-element block of its rows, so each mma sums one block, whose two mma go into a zeroed fp32
+    partial that the block's e8m0 scale multiplies into the accumulators (``fma``); the activation is biased by
+    2^64 as in ``_mma_step``'s k32 (``BF16_ACTIVATION_BIAS``).  Operands, ``8 * tiles`` elements each (``register``):
+    the fp32 accumulators (tied), ``wl`` / ``wh`` (int32: word c of blocks ``k32_block(0, u, b)`` /
+    ``k32_block(1, u, b)`` of element (b, u, h, t)'s row), ``s`` (int64: the row's 8 scale bytes, block J in byte
+    J; elements (0, 0, h, t) are read), ``x0 .. x3`` (int64: ``x[2 half + z]`` holds elements 8 c + 4 z .. 8 c + 4 z
+    + 3 of block ``k32_block(half, u, b)`` of activation row g + 8 h, read at (b, u, h, 0)) and the
+    ``MULTIPLIERS``.
+
+    The scales two at a time in bf16x2 (e8m0 byte s -> bf16 bits s << 7, 2^(s - 127)): byte 0 made 2^-127 (max with
+    bf16's subnormal 0x0040), byte 255 (infinity so far) made NaN (inf * 0 + inf), then each half widened to fp32
+    (a shift or a mask): 3 instructions per scale where one at a time takes 4 or 5."""
+
+    def __init__(self, tiles: int, n_tiles: int):
+        PtxBlock.__init__(self)
+        self.mma_type = "bf16"
+        self.spec = StepSpec("mxfp4", "bf16", "k32", tiles, 2, n_tiles, 4, 4, False)
+        names = [("wl", "r"), ("wh", "r"), ("s", "l")] + [(f"x{z}", "l") for z in range(4)]
+        op = AsmOperands(1, 8 * tiles, names + [(m, "r") for m in MULTIPLIERS])
+        self.constraints = op.constraint_string()
+        self.mul = {m: op(m) for m in MULTIPLIERS}
+        zero, floor = self.reg("b32", "zero2"), self.reg("b32", "floor2")
+        self.emit(f"mov.b32 {zero}, 0;", f"mov.b32 {floor}, 0x00400040;")  # (0, 0), (2^-127, 2^-127) in bf16
+        fz = self.zero()
+        scale = {}
+        for t in range(tiles):
+            for h in range(2):
+                words = self.reg("b32", f"s{t}_{h}_lo"), self.reg("b32", f"s{t}_{h}_hi")
+                self.emit(f"mov.b64 {{{words[0]}, {words[1]}}}, {op('s', register(0, 0, h, t))};")
+                for i, word in enumerate(words):
+                    even, odd = self.reg("b32", f"se{t}_{h}_{i}"), self.reg("b32", f"so{t}_{h}_{i}")
+                    # bytes 0, 2 -> bf16 halves (<< 7); bytes 1, 3 (>> 1)
+                    self.emit(f"shl.b32 {even}, {word}, 7;", f"and.b32 {even}, {even}, 0x7F807F80;",
+                              f"shr.b32 {odd}, {word}, 1;", f"and.b32 {odd}, {odd}, 0x7F807F80;")
+                    for j, pair in ((0, even), (1, odd)):
+                        self.emit(f"max.bf16x2 {pair}, {pair}, {floor};", f"fma.rn.bf16x2 {pair}, {pair}, {zero}, {pair};")
+                        for high in range(2):  # block 4 i + j + 2 high
+                            bits, f = self.reg("b32", f"sb{t}_{h}_{i}_{j}_{high}"), self.reg("f32", f"sf{t}_{h}_{i}_{j}_{high}")
+                            self.emit(f"and.b32 {bits}, {pair}, 0xFFFF0000;" if high else f"shl.b32 {bits}, {pair}, 16;",
+                                      f"mov.b32 {f}, {bits};")
+                            scale[t, h, 4 * i + j + 2 * high] = f
+        for half in range(2):
+            for u in range(2):
+                for b in range(2):
+                    block = k32_block(half, u, b)
+                    pairs = {}
+                    for nt in range(n_tiles):
+                        raw = [self.reg("b32", f"y{nt}_{block}_{q}") for q in range(4)]
+                        for z in range(2):
+                            self.emit(f"mov.b64 {{{raw[2 * z]}, {raw[2 * z + 1]}}}, "
+                                      f"{op(f'x{2 * half + z}', register(b, u, nt, 0))};")
+                        pairs[nt] = self.float_pairs(raw, f"b{nt}_{block}_")
+                        self.bias_bf16(pairs[nt])
+                    for t in range(tiles):
+                        word = "wh" if half else "wl"
+                        a = [self.decode(op(word, register(b, u, h, t)), f"a{t}_{h}_{block}") for h in range(2)]
+                        for nt in range(n_tiles):
+                            part = [self.reg("f32", f"pp{t}_{nt}_{block}_{r}") for r in range(4)]
+                            for mm in range(2):
+                                frag = [a[0][2 * mm], a[1][2 * mm], a[0][2 * mm + 1], a[1][2 * mm + 1]]
+                                self.mma(part, frag, [pairs[nt][2 * mm], pairs[nt][2 * mm + 1]],
+                                         part if mm else [fz] * 4)
+                            for r in range(4):
+                                d = f"${8 * t + 4 * nt + r}"
+                                self.emit(f"fma.rn.f32 {d}, {part[r]}, {scale[t, r // 2, block]}, {d};")
+
+
+def k32_block(half: int, u: int, b: int) -> int:
+    """The 32-element block (0 .. 7 of a consumer warp's 256 elements of the step) of the k32 step's operand
+    ``wl`` (half 0) or ``wh`` (half 1) at element (b, u): its word c is byte offset ``16 block + 4 c`` of the row."""
+    return 4 * half + 2 * u + b
+
+
+STEPS = {"nvfp4": _RegisterFold, "mxfp4": _RegisterK32}
+
+
 @functools.lru_cache(maxsize=None)
-def step_asm(tiles: int, n_tiles: int) -> tuple[str, str]:
-    """(asm, constraints) of one consumer step (``_RegisterFold``)."""
-    step = _RegisterFold(tiles, n_tiles)
+def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4") -> tuple[str, str]:
+    """(asm, constraints) of one consumer step of ``fmt`` weights (``STEPS``)."""
+    step = STEPS[fmt](tiles, n_tiles)
     return step.text(), step.constraints
 
 
@@ -146,29 +224,58 @@ def step_asm(tiles: int, n_tiles: int) -> tuple[str, str]:
 
 # The activation slice of a step, viewed as int64 [4 WARPS (w, u, c1), rows, 16 (c0, b, z)], is reshaped to bits
 # and permuted into [w, rows, (u, c1, c0, b), z]: X_SPLIT[rows] the shape after the reshape, X_ORDER the
-# permutation (16 rows: rows = (h, g); fewer: n only).
+# permutation (16 rows: rows = (h, g); fewer: n only).  The k32 step's (MXFP4) slice is [4 WARPS (w, half, u), rows,
+# 16 (b, c1, c0, z)], permuted into [w, rows, (u, c1, c0, b), (half, z)]: X_SPLIT_K32, X_ORDER_K32.
 X_SPLIT = {16: (WARPS, 2, 2, 2, 8, 2, 2, 4), "few": (WARPS, 2, 2, "n", 2, 2, 4)}
 X_ORDER = {16: (0, 3, 4, 1, 2, 5, 6, 7), "few": (0, 3, 1, 2, 4, 5, 6)}
+X_SPLIT_K32 = {16: (WARPS, 2, 2, 2, 8, 2, 2, 2, 2), "few": (WARPS, 2, 2, "n", 2, 2, 2, 2)}
+X_ORDER_K32 = {16: (0, 3, 4, 2, 6, 7, 5, 1, 8), "few": (0, 3, 2, 5, 6, 4, 1, 7)}
+# The k32 step's weights: a row's 32 words of a warp's step (word 16 half + 8 u + 4 b + c) as [half, u, b, c],
+# permuted into [(u, c, b), half] (so that each half is the fold's [16] order 8 u + 2 c + b).
+W_SPLIT_K32 = (2, 2, 2, 4)
+W_ORDER_K32 = (1, 3, 2, 0)
 
 
-def _x_split(rows: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _x_split(rows: int, k32: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    split, order = (X_SPLIT_K32, X_ORDER_K32) if k32 else (X_SPLIT, X_ORDER)
     if rows == 16:
-        return X_SPLIT[16], X_ORDER[16]
-    return tuple(rows if v == "n" else v for v in X_SPLIT["few"]), X_ORDER["few"]
+        return split[16], order[16]
+    return tuple(rows if v == "n" else v for v in split["few"]), order["few"]
 
 
 @functools.lru_cache(maxsize=None)
-def _layouts(tiles: int, rows: int):
+def _layouts(tiles: int, rows: int, k32: bool = False):
     """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16], the int64 views of
-    the weight and activation slots) layouts; made once per (tiles, rows): every launch passes them."""
+    the weight and activation slots) layouts; made once per (tiles, rows, step): every launch passes them.  The
+    activation layout keeps, per thread, the int64 the step pairs in registers (fold: z; k32: z and half) and puts
+    c on the lanes, so that ``_x_operands``' permutations are register renames."""
     weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
-    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [2, 0, 0]] + ([[0, 8, 0]] if rows == 16 else [])  # z0 z1 b u (h)
+    if k32:  # registers z, half, b, u (h); lanes c0, c1
+        bases = [[0, 0, 1], [2, 0, 0], [0, 0, 8], [1, 0, 0]]
+        c_lanes = [[0, 0, 2], [0, 0, 4]]
+    else:  # registers z0, z1, b, u (h); lanes c0, c1
+        bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [2, 0, 0]]
+        c_lanes = [[0, 0, 8], [1, 0, 0]]
+    bases += [[0, 8, 0]] if rows == 16 else []
     g_lanes = [[0, 1 << i, 0] if (1 << i) < rows else [0, 0, 0] for i in range(3)]
-    activation = gl.DistributedLinearLayout(reg_bases=bases, lane_bases=[[0, 0, 8], [1, 0, 0]] + g_lanes,
+    activation = gl.DistributedLinearLayout(reg_bases=bases, lane_bases=c_lanes + g_lanes,
                                             warp_bases=[[4, 0, 0], [8, 0, 0]], block_bases=[],
                                             shape=[4 * WARPS, rows, 16])
     return (weights, activation, gl.NVMMASharedLayout(128, 64, rank=3),
             gl.NVMMASharedLayout(_x_swizzle(rows), 64, rank=3))
+
+
+@functools.lru_cache(maxsize=None)
+def k32_weight_layouts(tiles: int):
+    """The k32 step's weights: (the slot's int32 view ``[WARPS, 16 tiles, 32]`` with the copies' 128-byte swizzle,
+    its register layout).  Thread (g, c) loads word c of each block of its rows (registers half, b, u, then the
+    rows' h, t), so that ``_k32_words``' reshape, permutation and split are register renames into ``_layouts``'
+    weight layout."""
+    rows = [[0, 8, 0]] + [[0, 16 << i, 0] for i in range(tiles.bit_length() - 1)]
+    layout = gl.DistributedLinearLayout(reg_bases=[[0, 0, 16], [0, 0, 4], [0, 0, 8]] + rows,
+                                        lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[WARPS, 16 * tiles, 32])
+    return gl.NVMMASharedLayout(128, 32, rank=3), layout
 
 
 def _x_swizzle(rows: int) -> int:
@@ -199,13 +306,19 @@ def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.conste
 
 
 @gluon.jit
-def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr):
+def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr, K32: gl.constexpr = False):
     """x0 .. x3 ``[WARPS, 16 TILES, 16]`` in ``LW`` from the activation slice (module docstring): the reshape and
-    permutation are ``X_SPLIT`` / ``X_ORDER`` (written out: Gluon takes shapes as literals)."""
+    permutation are ``X_SPLIT`` / ``X_ORDER`` (``X_SPLIT_K32`` / ``X_ORDER_K32`` for the k32 step; written out:
+    Gluon takes shapes as literals)."""
     G: gl.constexpr = min(ROWS, 8)
     B5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 4], [1, 8 // G, G, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     B4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 8 // G, G, 4], [4, 1, 1, 1], [3, 2, 1, 0])
-    if ROWS == 16:
+    if K32:
+        if ROWS == 16:
+            x = gl.permute(gl.reshape(xt, [4, 2, 2, 2, 8, 2, 2, 2, 2]), [0, 3, 4, 2, 6, 7, 5, 1, 8])
+        else:
+            x = gl.permute(gl.reshape(xt, [4, 2, 2, ROWS, 2, 2, 2, 2]), [0, 3, 2, 5, 6, 4, 1, 7])
+    elif ROWS == 16:
         x = gl.permute(gl.reshape(xt, [4, 2, 2, 2, 8, 2, 2, 4]), [0, 3, 4, 1, 2, 5, 6, 7])
     else:
         x = gl.permute(gl.reshape(xt, [4, 2, 2, ROWS, 2, 2, 4]), [0, 3, 1, 2, 4, 5, 6])
@@ -219,6 +332,15 @@ def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr):
     x2 = gl.convert_layout(gl.reshape(gl.convert_layout(x2, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
     x3 = gl.convert_layout(gl.reshape(gl.convert_layout(x3, B4).broadcast_to(4, R, ROWS, 16), [4, 16 * TILES, 16]), LW)
     return x0, x1, x2, x3
+
+
+@gluon.jit
+def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
+    """(wl, wh) ``[WARPS, 16 TILES, 16]`` int32 in ``LW`` from the k32 step's weight words ``[WARPS, 16 TILES,
+    32]`` (``k32_weight_layouts``): the reshape and permutation are ``W_SPLIT_K32`` / ``W_ORDER_K32``."""
+    w = gl.permute(gl.reshape(w32, [4, 16 * TILES, 2, 2, 2, 4]), [0, 1, 3, 5, 4, 2])
+    wl, wh = gl.split(gl.reshape(w, [4, 16 * TILES, 16, 2]))
+    return gl.convert_layout(wl, LW), gl.convert_layout(wh, LW)
 
 
 @gluon.jit
@@ -376,34 +498,53 @@ def engine_launch(ops: GemvOperands, config: EngineConfig):
 # --- the twin: the kernel's index maps replayed in torch -----------------------------------------------------------
 
 
-def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2) -> torch.Tensor:
+def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2,
+                fmt: str = "nvfp4") -> torch.Tensor:
     """The engine's result ``[M, N]`` in float64 (before global scales), computed through its operand maps.
 
-    ``a_data`` uint8 ``[M, K/2]``, ``a_scales`` e4m3 bytes ``[M, K/16]`` (linear), ``b`` bf16 ``[N, K]``.  Per
-    step: the weight slice ``[WARPS, 16 tiles, 16]`` (warp, row, block) and the activation slice, reshaped and
-    permuted with the kernel's ``X_SPLIT`` / ``X_ORDER`` into the per-element x0 .. x3; each mma C element is then
-    the sum, over the four lanes c and the asm's elements, of the products the kernel pairs: A from the element's
-    own row and block, B from the lane whose g is the C column's (its activation row g + 8 h, n-tile h).  A wrong
-    index map gives a wrong result (the test checks it against the exact oracle)."""
+    ``a_data`` uint8 ``[M, K/2]``, ``a_scales`` the scale bytes ``[M, K/block]`` (linear: e4m3 for ``fmt``
+    "nvfp4", e8m0 for "mxfp4"), ``b`` bf16 ``[N, K]``.  Per step: the weight slice ``[WARPS, 16 tiles, 16]`` (warp,
+    row, block) and the activation slice, reshaped and permuted with the kernel's ``X_SPLIT`` / ``X_ORDER`` into the
+    per-element x0 .. x3; each mma C element is then the sum, over the four lanes c and the asm's elements, of the
+    products the kernel pairs: A from the element's own row and block, B from the lane whose g is the C column's
+    (its activation row g + 8 h, n-tile h).  MXFP4 (the k32 step): the row's words through ``W_SPLIT_K32`` /
+    ``W_ORDER_K32``, the activation through ``X_SPLIT_K32`` / ``X_ORDER_K32``, each word times the scale of block
+    ``k32_block``.  A wrong index map gives a wrong result (the test checks it against the exact oracle)."""
     m, k = a_data.shape[0], 2 * a_data.shape[1]
     n = b.shape[0]
+    k32 = fmt == "mxfp4"
     rows = activation_rows(n)
-    split, order = _x_split(rows)
+    split, order = _x_split(rows, k32)
     rows_p = -(-m // (16 * tiles)) * 16 * tiles
-    w = decode_e2m1(unpack_e2m1(a_data)).double() * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
+    w = decode_e2m1(unpack_e2m1(a_data)).double()
+    if not k32:
+        w = w * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
     w = torch.nn.functional.pad(w, (0, 0, 0, rows_p - m))
+    sc = torch.nn.functional.pad(decode_e8m0(a_scales).double(), (0, 0, 0, rows_p - m)) if k32 else None
     x = torch.nn.functional.pad(b.double(), (0, 0, 0, rows - n))
     out = torch.zeros(rows_p, 16, dtype=torch.float64)
+    # k32: element j = 8 u + 2 c + b of a row's operands holds block k32_block(half, u, b)
+    j = torch.arange(16)
+    blocks = torch.stack([k32_block(h, j // 8, j % 2) for h in range(2)], dim=1)  # [j, half]
     for step in range(k // STEP_K):
         ks = slice(step * STEP_K, (step + 1) * STEP_K)
         # Activation slice as the copy lays it out: [4 WARPS, rows, 16 int64] of 4 elements each -> [..., 4 elements]
         xt = x[:, ks].reshape(rows, 4 * WARPS, 16, 4).permute(1, 0, 2, 3)
         xo = xt.reshape(*split, 4).permute(*order, len(order)).reshape(WARPS, rows, 16, 4, 4)  # [w, row, j, z, e]
-        xo = xo.reshape(WARPS, rows, 16, 16)  # element 4 z + e of block j
+        xo = xo.reshape(WARPS, rows, 16, 16)  # fold: element 4 z + e of block j; k32: (half, 8 codes) of j
         for p in range(rows_p // (16 * tiles)):
-            ws = w[p * 16 * tiles:(p + 1) * 16 * tiles, ks].reshape(16 * tiles, WARPS, 16, 16).permute(1, 0, 2, 3)
+            rs = slice(p * 16 * tiles, (p + 1) * 16 * tiles)
+            if k32:
+                # a row's 32 words [half, u, b, c] of 8 codes, permuted into [(u, c, b), half]
+                wd = w[rs, ks].reshape(16 * tiles, WARPS, *W_SPLIT_K32, 8)
+                ws = wd.permute(1, 0, *[2 + o for o in W_ORDER_K32], 6).reshape(WARPS, 16 * tiles, 16, 2, 8)
+                block_scales = sc[rs, step * 32:(step + 1) * 32].reshape(16 * tiles, WARPS, 8).permute(1, 0, 2)
+                ws = ws * block_scales[:, :, blocks][..., None]  # [w, r, j, half, code]
+                ws = ws.reshape(WARPS, 16 * tiles, 16, 16)
+            else:
+                ws = w[rs, ks].reshape(16 * tiles, WARPS, 16, 16).permute(1, 0, 2, 3)
             # A[w, r, j, e] times B from lane g = column % 8 of n-tile column // 8 (row g + 8 h of the slice)
             for col in range(n):
                 src = (col % 8) % rows + (8 * (col // 8) if rows == 16 else 0)
-                out[p * 16 * tiles:(p + 1) * 16 * tiles, col] += (ws * xo[:, src][:, None]).sum(dim=(0, 2, 3))
+                out[rs, col] += (ws * xo[:, src][:, None]).sum(dim=(0, 2, 3))
     return out[:m, :n]

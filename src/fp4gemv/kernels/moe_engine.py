@@ -54,9 +54,9 @@ import triton.language as tl
 
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
-from ._mma_step import MULTIPLIERS
-from .engine import (FOLD_EXPONENT, STEP_K, WARPS, _as_int64, _layouts, _x_operands, check_ring_config, step_asm,
-                     target_reason)
+from ._mma_step import MULTIPLIERS, fold_exponent
+from .engine import (STEP_K, WARPS, _as_int64, _k32_words, _layouts, _x_operands, check_ring_config,
+                     k32_weight_layouts, step_asm, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
                    bound_arguments, fill_sources, run_compiled)
@@ -75,8 +75,12 @@ MAX_EXPERTS = 1023
 # The producer warp's registers: it keeps a chunk's activation row indices (up to 16) through the item's steps;
 # at 56 with 8 rows Triton 3.9's allocation spills (48 under 3.6) (sm_90 compile, tests/test_kernels_moe_engine.py).
 PRODUCER_REGS = 64
-# The scale slot ([16 TILES rows, 64 bytes], unswizzled) viewed as [rows, 4 warp chunks, 16 bytes].
+# The scale slot ([16 TILES rows, 64 bytes], unswizzled) viewed as [rows, 4 warp chunks, 16 bytes]; MXFP4's ([16
+# TILES rows, 32 bytes]) as [rows, 2, 2] int64 (warp w's 8 blocks at [w // 2, w % 2]).  Views of unswizzled slots
+# keep 16-byte last dimensions: an unswizzled NVMMA layout with wider rows is not row-major (it tiles 16-byte
+# columns), while the bulk copy writes the box row-major.
 _SCALE_VIEW = gl.constexpr(gl.NVMMASharedLayout(0, 8, rank=3))
+_SCALE_ROWS = gl.constexpr(gl.NVMMASharedLayout(0, 64, rank=3))
 # The epilogue's loads of the four warps' accumulators (each thread holds all four of its outputs): [warp, row,
 # column] for plain products, [warp, pair row, column, gate or up] with an activation; and the outputs' layouts.
 _SUM_ROWS = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 4, 1], [0, 2, 1])
@@ -227,12 +231,13 @@ def _row_bases(tile, HALF, TILES: gl.constexpr, SILU: gl.constexpr):
 def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps,
               ROW_TILES: gl.constexpr, TOP_K: gl.constexpr, TILES: gl.constexpr, STAGES: gl.constexpr,
               ROWS: gl.constexpr, SILU: gl.constexpr, SCALE_COPY: gl.constexpr, ONE_BOX: gl.constexpr,
-              EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr, SORTED: gl.constexpr):
+              SCALE_STEP: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
+              SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     n_items = gl.load(plan_ptr) * ROW_TILES
     W_BYTES: gl.constexpr = 64 * TILES * 128
-    S_BYTES: gl.constexpr = 16 * TILES * 64 if SCALE_COPY else 0
+    S_BYTES: gl.constexpr = 16 * TILES * SCALE_STEP if SCALE_COPY else 0
     f = 0
     for item in range(pid, n_items, nprog):
         tile, expert, start, count = _chunk(plan_ptr, item, ROW_TILES, EXPERT, START, PAIRS_IN)
@@ -255,10 +260,10 @@ def _producer(w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, 
                              wslot.slice(2 * q * (8 * TILES), 8 * TILES))
                     tma_load(w_desc, [first_row + base1, (4 * i + q) * 128], bar,
                              wslot.slice((2 * q + 1) * (8 * TILES), 8 * TILES))
-            if SCALE_COPY:  # [16 TILES rows, 64 bytes]: the two row halves
+            if SCALE_COPY:  # [16 TILES rows, SCALE_STEP bytes]: the two row halves
                 sslot = sbuf.index(slot)
-                tma_load(s_desc, [first_row + base0, 64 * i], bar, sslot.slice(0, 8 * TILES))
-                tma_load(s_desc, [first_row + base1, 64 * i], bar, sslot.slice(8 * TILES, 8 * TILES))
+                tma_load(s_desc, [first_row + base0, SCALE_STEP * i], bar, sslot.slice(0, 8 * TILES))
+                tma_load(s_desc, [first_row + base1, SCALE_STEP * i], bar, sslot.slice(8 * TILES, 8 * TILES))
             # One arrival per activation row (the barrier counts 1 + ROWS): rows past the chunk's pairs are not
             # copied (their columns are never stored).
             xslot = xbuf.index(slot)
@@ -395,9 +400,10 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
               gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
               TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
-              SCALE_COPY: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
-              S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
-              LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
+              SCALE_COPY: gl.constexpr, MX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
+              CONSTRAINTS: gl.constexpr, S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr,
+              X64: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, LS: gl.constexpr, LSUM: gl.constexpr,
+              LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
               SORTED: gl.constexpr):
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
@@ -428,14 +434,24 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
                                        sf_row_tile, sf_r32, sf_r4, sf_col_tile, TILES, SILU, LW, EXPERT, START,
                                        PAIRS_IN)
             mbarrier.wait(ready.index(slot), (f // STAGES) & 1)
-            if SCALE_COPY:
-                s = shared_view(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
-            w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
             xt = _as_int64(xbuf.index(slot), ROWS, 16, X64).load(LXR)
-            x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW)
-            acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
-                                                               zero + m26, zero + m29, zero + m30],
-                                            dtype=gl.float32, is_pure=True, pack=8 * TILES)
+            x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW, MX)
+            if MX:  # the k32 step: each row's 8 scale bytes of the warp's blocks (one int64), its words split
+                s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
+                s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
+                s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
+                wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
+                                    TILES, LW)
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + m6,
+                                                                   zero + m2, zero + m26, zero + m29, zero + m30],
+                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
+            else:
+                if SCALE_COPY:
+                    s = shared_view(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
+                w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
+                                                                   zero + m26, zero + m29, zero + m30],
+                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
             f += 1
         _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K, out_t, out_j, out_m, alpha, limit, pair, col_ok, pw,
@@ -448,21 +464,23 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
                       pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr,
                       TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, ACTIVATION: gl.constexpr,
                       HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SCALE_COPY: gl.constexpr,
-                      ONE_BOX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
-                      S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
-                      LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
-                      PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                      ONE_BOX: gl.constexpr, MX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
+                      CONSTRAINTS: gl.constexpr, S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr,
+                      W64: gl.constexpr, X64: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, LS: gl.constexpr,
+                      LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
+                      SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     n_steps = (K + 1023) // 1024
     SILU: gl.constexpr = ACTIVATION == 2
+    SCALE_STEP: gl.constexpr = 32 if MX else 64  # scale bytes of a row per step
     # A slot: [4 warp chunks x 2 row halves x 8 TILES rows, 128 B] of weights (rank 3 from one copy, rank 2 from
-    # eight: the same bytes); [16 TILES, 64] scale bytes; [ROWS, 16, 64] activation elements.
+    # eight: the same bytes); [16 TILES, SCALE_STEP] scale bytes; [ROWS, 16, 64] activation elements.
     if ONE_BOX:
         wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 4, 16 * TILES, 128], w_desc.layout)
     else:
         wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64 * TILES, 128], w_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES, ROWS, 16, 64], x_desc.layout)
     if SCALE_COPY:
-        sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 16 * TILES, 64], s_desc.layout)
+        sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES, 16 * TILES, SCALE_STEP], s_desc.layout)
     else:
         sbuf = xbuf  # unused
     # The consumers' per-item exchange of accumulators ([warp, row, column] fp32).
@@ -476,19 +494,21 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
         (_consumer, (wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF,
                      E, K, n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h,
                      bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, TILES,
-                     STAGES, ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SCALE_COPY, FOLD, ASM, CONSTRAINTS,
-                     S3, LW, LXR, W64, X64, LSUM, LO, EXPERT, START, PAIRS_IN, SORTED)),
-        (_producer, (w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps,
-                     ROW_TILES, TOP_K, TILES, STAGES, ROWS, SILU, SCALE_COPY, ONE_BOX, EXPERT, START, PAIRS_IN,
+                     STAGES, ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SCALE_COPY, MX, FOLD, ASM,
+                     CONSTRAINTS, S3, LW, LXR, W64, X64, W32, L32, LS, LSUM, LO, EXPERT, START, PAIRS_IN,
                      SORTED)),
+        (_producer, (w_desc, s_desc, x_desc, plan_ptr, wbuf, sbuf, xbuf, ready, empty, M, HALF, E, n_steps,
+                     ROW_TILES, TOP_K, TILES, STAGES, ROWS, SILU, SCALE_COPY, ONE_BOX, SCALE_STEP, EXPERT, START,
+                     PAIRS_IN, SORTED)),
     ], [1], [PRODUCER_REGS])
 
 
 @functools.lru_cache(maxsize=None)
-def _row_major(tiles: int, rows: int):
+def _row_major(tiles: int, rows: int, k32: bool = False):
     """The activation slot's register layout for ``[rows, 16, 16]`` int64 (row-major copies): the engine's
-    ``[16, rows, 16]`` layout with its first two coordinates swapped, so permuting it back moves no data."""
-    lx = _layouts(tiles, rows)[1]
+    ``[16, rows, 16]`` layout (of the fold or the k32 step) with its first two coordinates swapped, so permuting it
+    back moves no data."""
+    lx = _layouts(tiles, rows, k32)[1]
     swap = lambda bases: [[b[1], b[0], b[2]] for b in bases]  # noqa: E731
     return gl.DistributedLinearLayout(reg_bases=swap(lx.reg_bases), lane_bases=swap(lx.lane_bases),
                                       warp_bases=swap(lx.warp_bases), block_bases=[], shape=[rows, 16, 16])
@@ -498,8 +518,8 @@ def _row_major(tiles: int, rows: int):
 
 
 class MoeEngine(TritonKernelSpec):
-    """NVFP4 experts (either scale layout, K a multiple of 64) times bf16 x, on sm_90 and newer: the routed decode
-    engine (module docstring)."""
+    """NVFP4 experts (either scale layout) or MXFP4 experts (scale bytes that can be copied: ``scale_copy_reason``),
+    K a multiple of 64, times bf16 x, on sm_90 and newer: the routed decode engine (module docstring)."""
 
     name = "moe_engine"
     config_type = MoeEngineConfig
@@ -508,8 +528,10 @@ class MoeEngine(TritonKernelSpec):
         d = case.dense
         if target_reason(target) is not None:
             return target_reason(target)
-        if d.fmt.name != "nvfp4":
-            return f"w: needs NVFP4 experts, got {d.fmt.name}"
+        if d.fmt.name not in ("nvfp4", "mxfp4"):
+            return f"w: needs NVFP4 or MXFP4 experts, got {d.fmt.name}"
+        if d.fmt.name == "mxfp4" and scale_copy_reason(case) is not None:
+            return f"w: MXFP4 scale bytes come only by bulk copy, and {scale_copy_reason(case)}"
         if d.fp4_activation or d.b.dtype != torch.bfloat16:
             return "x: needs bfloat16"
         if case.pairs > MAX_PAIRS:
@@ -526,7 +548,7 @@ class MoeEngine(TritonKernelSpec):
         return None
 
     def error_model(self, case: MoeCase, config: MoeEngineConfig) -> ErrorModel:
-        return ErrorModel(tensor_cores=True, fold=FOLD_EXPONENT)
+        return ErrorModel(tensor_cores=True, fold=_fold_exponent(case))
 
     def default_config(self, case: MoeCase, target: Target) -> MoeEngineConfig:
         return moe_engine_config(case, target)
@@ -541,6 +563,9 @@ class MoeEngine(TritonKernelSpec):
             raise ValueError(f"config: expected ctas_per_sm from 0 to 4, got {config}")
         if not isinstance(config.scale_copy, bool) or not isinstance(config.one_box, bool):
             raise ValueError(f"config: expected scale_copy and one_box True or False, got {config}")
+        if case is not None and case.dense.fmt.name == "mxfp4" and not config.scale_copy:
+            raise ValueError(f"config: MXFP4 experts need scale_copy=True (their scale bytes come only by bulk "
+                             f"copy), got {config}")
 
     def triton_launch(self, case: MoeCase, config: MoeEngineConfig, target: Target) -> TritonLaunch | None:
         return None  # two launches, the descriptors built from each call's tensors: launch() runs every call
@@ -577,6 +602,12 @@ class MoeEngine(TritonKernelSpec):
         argv = argv.copy()
         argv[:CALL_ARGUMENTS] = _call_arguments(ops, config, plan)
         run_compiled(engine, grid, argv, device.index)
+
+
+def _fold_exponent(case: MoeCase) -> int:
+    """The exponent the step's accumulators carry (``_mma_step.fold_exponent``: NVFP4's fold, MXFP4's k32)."""
+    fmt = case.dense.fmt.name
+    return fold_exponent(fmt, "bf16", "fold" if fmt == "nvfp4" else "k32")
 
 
 def scale_copy_reason(case: MoeCase) -> str | None:
@@ -616,6 +647,17 @@ def _copy_paths(case: MoeCase, config: MoeEngineConfig) -> tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=None)
+def _k32_scale_layout(tiles: int):
+    """The MXFP4 scale slot's int64 ``[2, 2, 16 tiles]`` (warp w's at ``[w // 2, w % 2]``) in registers as the k32
+    step reads them, so that its reshape to ``[4, 16 tiles]`` is the weights' layout without the block dimension:
+    warps on the first two, lanes g and the registers h, t on the rows, lanes c replicated."""
+    rows = [[0, 0, 8]] + [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=rows, lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
+                                                                  [0, 0, 4]],
+                                      warp_bases=[[0, 1, 0], [1, 0, 0]], block_bases=[], shape=[2, 2, 16 * tiles])
+
+
+@functools.lru_cache(maxsize=None)
 def _copy_layouts():
     """The shared-memory layouts of the copies (made once: each construction validates itself)."""
     return dict(w2=gl.NVMMASharedLayout(128, 8, rank=2), w3=gl.NVMMASharedLayout(128, 8, rank=3),
@@ -646,8 +688,9 @@ def _call_arguments(ops: MoeOperands, config: MoeEngineConfig, plan: torch.Tenso
     sf = ops.w_scales.view(torch.uint8)
     s_desc = w_desc  # unused without the scales' copies
     if scale_copy:
-        s_desc = TensorDescriptor(sf.as_strided((e * m, k // 16), (d.a.scales.r32, 1)), [e * m, k // 16],
-                                  [d.a.scales.r32, 1], [8 * tiles, 64], lay["s2"])
+        cols, step = k // d.fmt.block_size, STEP_K // d.fmt.block_size
+        s_desc = TensorDescriptor(sf.as_strided((e * m, cols), (d.a.scales.r32, 1)), [e * m, cols],
+                                  [d.a.scales.r32, 1], [8 * tiles, step], lay["s2"])
     x = ops.x
     x_desc = TensorDescriptor(x, [x.shape[0], k // 64, 64], [x.stride(0), 64, 1], [1, 16, 64], lay["x3"])
     gs = ops.global_scales if ops.global_scales is not None else sf
@@ -673,10 +716,12 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     activation = ACTIVATION_CODES[case.activation]
     half = m // 2 if activation else m
     row_tiles = -(-(half if activation else m) // ((8 if activation else 16) * tiles))
-    lw, _, w64, _ = _layouts(tiles, rows)
-    lxr = _row_major(tiles, rows)
+    mx = d.fmt.name == "mxfp4"
+    lw, _, w64, _ = _layouts(tiles, rows, mx)
+    lxr = _row_major(tiles, rows, mx)
     x64 = _copy_layouts()["x64"]
-    asm, constraints = step_asm(tiles, 2 if rows > 8 else 1)
+    w32, l32 = k32_weight_layouts(tiles)
+    asm, constraints = step_asm(tiles, 2 if rows > 8 else 1, d.fmt.name)
     sc = d.a.scales
     sms = target.sm_count or SM90.sm_count
     items = case.pairs * row_tiles  # chunks <= pairs
@@ -689,10 +734,11 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     # instructions (a division by a runtime value is a reciprocal and a correction).
     options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows,
                    ACTIVATION=activation, HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
-                   HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box,
-                   FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, S3=_SCALE_VIEW, LW=lw,
-                   LSUM=_SUM_ROWS if activation == 0 else _SUM_PAIRS,
+                   HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box, MX=mx,
+                   FOLD=2.0 ** _fold_exponent(case), ASM=asm, CONSTRAINTS=constraints,
+                   S3=_SCALE_ROWS if mx else _SCALE_VIEW, LW=lw, LSUM=_SUM_ROWS if activation == 0 else _SUM_PAIRS,
                    LO=gl.SliceLayout(0, _SUM_ROWS) if activation == 0 else _PAIR_OUT, LXR=lxr, W64=w64, X64=x64,
+                   W32=w32, L32=l32, LS=_k32_scale_layout(tiles),
                    EXPERT=lay["expert"], START=lay["start"], PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"],
                    PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
     return [first, (moe_engine_kernel, grid, args, options)]

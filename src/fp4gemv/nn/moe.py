@@ -24,7 +24,9 @@ Checkpoints, read without repacking where the layout allows:
   ``<prefix>.gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]``, ``gate_up_proj_scales`` uint8 e8m0
   ``[E, 2I, H/32]``, ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj_blocks`` ``[E, H, I/32, 16]``,
   ``down_proj_scales``, ``down_proj_bias`` ``[E, H]``: the blocks are viewed as FP4Tensor data
-  ``[E, rows, K/2]`` (same bytes) and the scales as linear e8m0 scales: no copy (:func:`gpt_oss_experts`).
+  ``[E, rows, K/2]`` (same bytes) and the scales as linear e8m0 scales: no copy (:func:`gpt_oss_experts`) but
+  of the scales where K/32 is not a multiple of 16 (gpt-oss's 90 bytes a row): ``FP4Experts`` keeps linear scale
+  rows 16 bytes apart (``layouts.aligned_scale_rows``), which the routed engine's bulk copies need.
 * NVFP4 experts stored one linear layer per expert, ``<prefix>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``,
   in compressed-tensors (``weight_packed``, ``weight_scale``, ``weight_global_scale`` a divisor) or ModelOpt
   form (``weight``, ``weight_scale``, ``weight_scale_2`` a multiplier), each layer read by
@@ -41,7 +43,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import nn
 
-from .. import library
+from .. import layouts, library
 from ..formats import check_global_scales
 from ..reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from ..tensor import FP4Tensor
@@ -152,19 +154,23 @@ class FP4Experts(nn.Module):
         self.activation, self.alpha, self.limit, self.backend = activation, alpha, limit, backend
         self._formats = {}
         for name, p in (("gate_up", fused), ("down", down)):
+            scales = p.weight.scales
+            if p.weight.scale_layout == "linear":  # rows 16 bytes apart: the routed engine copies them in bulk
+                scales = layouts.aligned_scale_rows(scales)
             self.register_buffer(f"{name}_data", p.weight.data)
-            self.register_buffer(f"{name}_scales", p.weight.scales)
+            self.register_buffer(f"{name}_scales", scales)
             self.register_buffer(f"{name}_weight_global_scale", p.weight.global_scale)
             self.register_buffer(f"{name}_bias", p.bias)
             self.register_buffer(f"{name}_global_scales", p.global_scales)
-            self._formats[name] = (p.weight.fmt.name, p.weight.scale_layout)
+            self._formats[name] = (p.weight.fmt.name, p.weight.scale_layout, p.weight.scales.shape[-1])
 
     def projection(self, name: str) -> ExpertWeights:
         """The ExpertWeights ``name`` ("gate_up": ``[E, 2I, H]``, gate and up as the activation reads them;
-        "down") as stored."""
-        fmt, layout = self._formats[name]
+        "down") as stored (linear scales as a view of their 16-byte aligned rows)."""
+        fmt, layout, cols = self._formats[name]
         b = self._buffers
-        weight = FP4Tensor(b[f"{name}_data"], b[f"{name}_scales"], fmt, layout, b[f"{name}_weight_global_scale"])
+        scales = b[f"{name}_scales"][..., :cols] if layout == "linear" else b[f"{name}_scales"]
+        weight = FP4Tensor(b[f"{name}_data"], scales, fmt, layout, b[f"{name}_weight_global_scale"])
         return ExpertWeights(weight, b[f"{name}_bias"], b[f"{name}_global_scales"])
 
     def activation_arguments(self) -> dict:
