@@ -222,7 +222,8 @@ _COMPILE = textwrap.dedent("""
 
     for case in ((32, 5760, 2880, 1, 4, "gpt-oss", "linear", 1), (32, 2880, 2880, 64, 1, None, "linear", 8),
                  (128, 1536, 2048, 8, 8, "silu", "swizzled", 4), (4, 7168, 4096, 1, 4, None, "linear", 1),
-                 (128, 1536, 2048, 8, 8, "silu", "linear", 8), (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", 6),
+                 (128, 1536, 2048, 8, 8, "silu", "linear", 8),
+                 (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", 6),
                  (4, 7168, 4096, 16, 4, None, "linear", 8, "mxfp4")):
         kernel, grid, args, options = build(*case)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}

@@ -20,6 +20,13 @@ the mma's B fragments of n-tile h come from (N <= 8: h = 0 only).  ``_x_operands
 activation slice by reshapes and permutations (register renames, no data movement); ``engine_twin`` replays the
 same index maps in torch (CPU), and ``tests/test_kernels_engine.py`` checks it against the exact oracle.
 
+MXFP4 (``_RegisterK32``, the routed engine's; the dense engine does not run it yet): the weight-only kernel's k32
+ownership on registers -- thread c owns word c of each 32-element block of its rows (the slot viewed as int32 words
+and split into two operands by register renames, ``k32_weight_layouts``: Triton loads them with ``ldmatrix``),
+each block's two mma go into a zeroed fp32 partial that the block's e8m0 scale multiplies into the accumulators,
+the activation biased by 2^64 (``_mma_step.BF16_ACTIVATION_BIAS``; its window 2^-70 <= |x| < 2^64); its maps are
+``W_SPLIT_K32`` / ``W_ORDER_K32`` and ``X_SPLIT_K32`` / ``X_ORDER_K32``, which ``engine_twin(fmt="mxfp4")`` replays.
+
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32, one rounding to the output dtype.
 
@@ -172,11 +179,13 @@ class _RegisterK32(_Step):
                     self.emit(f"shl.b32 {even}, {word}, 7;", f"and.b32 {even}, {even}, 0x7F807F80;",
                               f"shr.b32 {odd}, {word}, 1;", f"and.b32 {odd}, {odd}, 0x7F807F80;")
                     for j, pair in ((0, even), (1, odd)):
-                        self.emit(f"max.bf16x2 {pair}, {pair}, {floor};", f"fma.rn.bf16x2 {pair}, {pair}, {zero}, {pair};")
+                        self.emit(f"max.bf16x2 {pair}, {pair}, {floor};",
+                                  f"fma.rn.bf16x2 {pair}, {pair}, {zero}, {pair};")
                         for high in range(2):  # block 4 i + j + 2 high
-                            bits, f = self.reg("b32", f"sb{t}_{h}_{i}_{j}_{high}"), self.reg("f32", f"sf{t}_{h}_{i}_{j}_{high}")
-                            self.emit(f"and.b32 {bits}, {pair}, 0xFFFF0000;" if high else f"shl.b32 {bits}, {pair}, 16;",
-                                      f"mov.b32 {f}, {bits};")
+                            name = f"{t}_{h}_{i}_{j}_{high}"
+                            bits, f = self.reg("b32", f"sb{name}"), self.reg("f32", f"sf{name}")
+                            widen = f"and.b32 {bits}, {pair}, 0xFFFF0000;" if high else f"shl.b32 {bits}, {pair}, 16;"
+                            self.emit(widen, f"mov.b32 {f}, {bits};")
                             scale[t, h, 4 * i + j + 2 * high] = f
         for half in range(2):
             for u in range(2):
@@ -274,7 +283,8 @@ def k32_weight_layouts(tiles: int):
     rows = [[0, 8, 0]] + [[0, 16 << i, 0] for i in range(tiles.bit_length() - 1)]
     layout = gl.DistributedLinearLayout(reg_bases=[[0, 0, 16], [0, 0, 4], [0, 0, 8]] + rows,
                                         lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[WARPS, 16 * tiles, 32])
+                                        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[],
+                                        shape=[WARPS, 16 * tiles, 32])
     return gl.NVMMASharedLayout(128, 32, rank=3), layout
 
 

@@ -17,8 +17,10 @@ Two launches per call:
   with rows at 16-byte aligned addresses: ``scale_copy_reason``) and the chunk's activation rows, gathered one copy
   of ``[16, 64]`` elements per row (pair ``p`` reads ``x[p // k]``; rows past the chunk's count are not copied --
   one plain arrival each on the slot's barrier -- and their columns, whatever the slot held, are never stored).
-  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``) -- scale bytes that cannot be
-  copied are loaded from global memory two steps ahead (any layout, any alignment, ``spec.ScaleAddressing``) --
+  The four consumer warps run the engine's step (NVFP4: ``engine._RegisterFold``, the e4m3 scale folded into the
+  weight fragments; MXFP4: ``engine._RegisterK32``, each 32-element block's two mma into an fp32 partial that its
+  e8m0 scale multiplies) -- NVFP4 scale bytes that cannot be copied are loaded from global memory two steps ahead
+  (any layout, any alignment, ``spec.ScaleAddressing``; MXFP4's come only by copy, ``[16 tiles, 32 B]`` a step) --
   and at each item's end exchange their accumulators through shared memory once (``_warp_sums``: each thread
   then sums the four warps' values of its own outputs), apply the global scale, the bias, the activation and the
   pair weight in fp32, and round once into ``out[t, j]``.
@@ -36,9 +38,10 @@ Exactness: the engine's (exact products, one fp32 accumulation per warp, the war
 epilogue in fp32 and one rounding.  An id outside ``[0, E)`` (unchecked: CUDA graphs, ``torch.compile``) reads no
 weights (rows past the last expert are zeros) and writes zeros.
 
-Measured (docs/performance.md, rounds 15-16): with the scale copies and the one-trip epilogue, 1.15-1.3x faster
+Measured (docs/performance.md, rounds 15-17): with the scale copies and the one-trip epilogue, 1.15-1.3x faster
 than ``moe_weight_only`` from T = 4 rows of x where K takes more than one step (gpt-oss and Qwen3 gate_up, gpt-oss
-down), slower at T = 1-2 and K <= 1024 (``moe_engine_deferred``, the default's rule in ``kernels.DEFERRALS``).
+down; NVFP4 and gpt-oss's MXFP4 alike, 0.47-0.50 of the read), slower at T = 1-2 and K <= 1024
+(``moe_engine_deferred``, the default's rule in ``kernels.DEFERRALS``).
 Host: the first call of a (case, configuration) goes through Triton's JIT; later ones launch the kept compiled
 kernels (``MoeEngine.launch``), 127 us per eager call on the H200's host against moe_weight_only's 49.
 """
@@ -467,8 +470,8 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
                       ONE_BOX: gl.constexpr, MX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                       CONSTRAINTS: gl.constexpr, S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr,
                       W64: gl.constexpr, X64: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, LS: gl.constexpr,
-                      LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr, PAIRS_IN: gl.constexpr,
-                      SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
+                      LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
+                      PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     n_steps = (K + 1023) // 1024
     SILU: gl.constexpr = ACTIVATION == 2
     SCALE_STEP: gl.constexpr = 32 if MX else 64  # scale bytes of a row per step
