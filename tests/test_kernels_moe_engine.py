@@ -164,11 +164,16 @@ def _padded_case(k, tokens, pad, top_k=4, m=256, fmt="nvfp4"):
     ("nvfp4", 2880, 8, 12, "moe_engine"),          # the same rows padded to 192 bytes
     ("mxfp4", 2880, 8, 6, "moe_engine"),           # gpt-oss's MXFP4 scale rows padded to 96 bytes
     ("mxfp4", 2880, 2, 6, "moe_weight_only"),
+    ("mxfp4", 2880, (4, 1), 6, "moe_weight_only"),  # gpt-oss's down at T = 1: 4 pairs, one per row of x
+    ("mxfp4", 2880, (16, 1), 6, "moe_engine"),      # ... at T = 4
+    ("nvfp4", 2880, (4, 1), 12, "moe_engine"),
 ])
 def test_default_runs_the_engine_where_it_measured_faster(fmt, k, tokens, pad, expected):
-    """The default (``MOE_KERNELS`` and its deferral, round 16): the engine from T = 4 where K takes more than one
-    step and the scale bytes can be copied, moe_weight_only elsewhere; by name it runs every case it can."""
-    case = _padded_case(k, tokens, pad, fmt=fmt)
+    """The default (``MOE_KERNELS`` and its deferral, rounds 16-17): the engine from T = 4 where K takes more than one
+    step and the scale bytes can be copied (MXFP4 from 16 pairs), moe_weight_only elsewhere; by name it runs every
+    case it can.  ``tokens`` (rows, k) for a down-shaped call."""
+    rows, top_k = tokens if isinstance(tokens, tuple) else (tokens, 4)
+    case = _padded_case(k, rows, pad, top_k=top_k, fmt=fmt)
     assert choose_kernel(case, SM90, kernels=MOE_KERNELS).name == expected
     assert choose_kernel(case, SM90, "moe_engine", kernels=MOE_KERNELS).name == "moe_engine"
 

@@ -64,13 +64,16 @@ from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
                    bound_arguments, fill_sources, run_compiled)
 
-__all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "scale_copy_reason", "one_box_reason",
+__all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "MXFP4_MIN_PAIRS", "scale_copy_reason", "one_box_reason",
            "moe_engine_deferred", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
            "moe_engine_kernel", "chunk_plan", "MAX_PAIRS", "MAX_EXPERTS"]
 
 # The default runs it from T = 4 rows of x, where K takes more than one step (``moe_engine_deferred``,
-# ``kernels.DEFERRALS``; docs/performance.md, round 16).
+# ``kernels.DEFERRALS``; docs/performance.md, round 16), and MXFP4 experts from 16 pairs: gpt-oss's down (one pair
+# per row of x) took 16.7 us against moe_weight_only's 14.0 at 4 pairs, 22.0 against 22.2 at 8, 31.7 against 38.1
+# at 16 (round 17).
 MIN_TOKENS = 4
+MXFP4_MIN_PAIRS = 16
 # Pairs per call: the chunk launch sorts them in one program.
 MAX_PAIRS = 256
 # Experts per call: a histogram bin each, plus one for ids outside [0, E).
@@ -112,9 +115,17 @@ def moe_engine_config(case: MoeCase, target: Target) -> MoeEngineConfig:
     """2 tiles, 2 CTAs per SM, 3 ring slots; rows: the tokens (x's rows) as a power of two, at most 8 (one n-tile;
     rows past a chunk's pairs are not copied, so the spare ones cost shared memory only, and an expert with more
     than 8 pairs -- more than 8 tokens on one expert -- takes a second pass); 128 registers: a CTA is 8 warps (the
-    four consumers, the producer and three idle), so 2 CTAs fit an SM's 64K registers at 128, 1 at 168 (ncu, H200)."""
-    rows = min(8, 1 << (max(case.tokens, 1) - 1).bit_length())
-    return MoeEngineConfig(2, 3, rows, 2, 128)
+    four consumers, the producer and three idle), so 2 CTAs fit an SM's 64K registers at 128, 1 at 168 (ncu, H200);
+    the consumers get 192 of them (``setmaxnreg``: the idle warps drop to 24).
+
+    MXFP4 from ``MIN_TOKENS``: 4 tiles, 2 slots and chunks of at most 4 pairs, measured on gpt-oss-20b's routed
+    GEMVs 124.3 / 162.2 us at T = 8 / 16 against 133.7 / 173.3 for the above, the best of 15 configurations
+    (docs/performance.md, round 17; a chunk's activation rows are copied and permuted every step, so fewer rows
+    per chunk cost less than the second pass of an expert with more than 4 pairs)."""
+    tokens = 1 << (max(case.tokens, 1) - 1).bit_length()
+    if case.dense.fmt.name == "mxfp4" and case.tokens >= MIN_TOKENS:
+        return MoeEngineConfig(4, 2, min(4, tokens), 2, 128)
+    return MoeEngineConfig(2, 3, min(8, tokens), 2, 128)
 
 
 def plan_layout(pairs: int, experts: int) -> dict[str, int]:
@@ -635,10 +646,12 @@ def one_box_reason(case: MoeCase) -> str | None:
 
 
 def moe_engine_deferred(case: MoeCase) -> bool:
-    """Whether the default leaves ``case`` to ``moe_weight_only`` (measured faster there, docs/performance.md, round
-    16): fewer than ``MIN_TOKENS`` rows of x (at T = 1-2 the persistent grid has few items), K within one step (an
-    item's epilogue then costs as much as its step), or scale bytes loaded rather than copied."""
-    return case.tokens < MIN_TOKENS or case.dense.k <= STEP_K or scale_copy_reason(case) is not None
+    """Whether the default leaves ``case`` to ``moe_weight_only`` (measured faster there, docs/performance.md, rounds
+    16-17): fewer than ``MIN_TOKENS`` rows of x (at T = 1-2 the persistent grid has few items), MXFP4 experts with
+    fewer than ``MXFP4_MIN_PAIRS`` pairs (moe_weight_only's k32 step is the faster one there), K within one step
+    (an item's epilogue then costs as much as its step), or scale bytes loaded rather than copied."""
+    few_pairs = case.dense.fmt.name == "mxfp4" and case.pairs < MXFP4_MIN_PAIRS
+    return case.tokens < MIN_TOKENS or few_pairs or case.dense.k <= STEP_K or scale_copy_reason(case) is not None
 
 
 @functools.lru_cache(maxsize=None)
