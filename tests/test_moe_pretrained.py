@@ -176,13 +176,15 @@ def test_gpt_oss_logits_and_greedy_tokens_match_the_dequantized_model(gpt_oss):
 
 
 @torch.no_grad()
-def test_gpt_oss_in_the_checkpoint_dtype_with_swizzled_scales(gpt_oss):
-    """The defaults: the checkpoint's dtype (bf16: biases in bf16, as stored) and swizzled block scales (the
-    same bytes re-laid); the bf16 model's logits are the float32 model's to bf16's precision."""
+def test_gpt_oss_in_the_checkpoint_dtype_with_linear_expert_scales(gpt_oss):
+    """The defaults: the checkpoint's dtype (bf16: biases in bf16, as stored) and the experts' block scales
+    linear, rows 16 bytes apart (``EXPERT_SCALE_LAYOUT``: the routed engine's), even with ``scale_layout=
+    "swizzled"`` for the FP4Linear layers; the bf16 model's logits are the float32 model's to bf16's precision."""
     directory, _, tensors, reference = gpt_oss
     model = from_pretrained(directory)
     assert model.dtype == torch.bfloat16
-    _check_gpt_oss_experts(model, tensors, "default", dtype=torch.bfloat16, layout="swizzled")
+    _check_gpt_oss_experts(model, tensors, "default", dtype=torch.bfloat16, layout="linear")
+    assert model.model.layers[0].mlp.experts.projection("down").weight.scales.stride(-2) % 16 == 0
     logits = model(_prompt()).logits
     assert_close_relative(logits.float(), reference(_prompt()).logits, relative=2.0**-6)
 

@@ -70,7 +70,7 @@ __all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "MXFP4_MIN_PAIRS", "sca
 
 # The default runs it from T = 4 rows of x, where K takes more than one step (``moe_engine_deferred``,
 # ``kernels.DEFERRALS``; docs/performance.md, round 16), and MXFP4 experts from 16 pairs: gpt-oss's down (one pair
-# per row of x) took 16.7 us against moe_weight_only's 14.0 at 4 pairs, 22.0 against 22.2 at 8, 31.7 against 38.1
+# per row of x) took 16.2 us against moe_weight_only's 14.0 at 4 pairs (T = 1), about level at 8, 31.7 against 38.1
 # at 16 (round 17).
 MIN_TOKENS = 4
 MXFP4_MIN_PAIRS = 16

@@ -24,8 +24,8 @@ casts every float tensor.  An experts module's keys are complete or the load is 
 read, naming the missing and the unknown tensors under its name.  After loading, each placeholder becomes an
 ``FP4Linear`` made of views of those buffers (``FP4Linear.from_state_dict``) or an ``FP4Experts``
 (``fp4gemv.nn.model.read_experts``: gpt-oss's blocks as they are; per-expert layers stacked into
-``[E, rows, K/2]``, one experts module at a time); ``scale_layout="swizzled"`` re-lays the block scales, one
-module at a time.  No float copy of an FP4 layer is ever made.  Per-expert checkpoint keys reach the
+``[E, rows, K/2]``, one experts module at a time, their linear scale rows kept 16 bytes apart);
+``scale_layout="swizzled"`` re-lays the FP4Linear layers' block scales, one module at a time.  No float copy of an FP4 layer is ever made.  Per-expert checkpoint keys reach the
 placeholder under their own names: transformers' per-expert converters (``experts.*.gate_proj.weight`` into
 the fused ``gate_up_proj``) rename such a key to one the model lacks, and its loader then keeps the original
 name, which the placeholder has.
@@ -56,6 +56,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .checkpoints import SAFETENSORS_DTYPES, layer_keys
 from .linear import ACTIVATIONS, FP4Linear
+from .moe import EXPERT_SCALE_LAYOUT
 from .model import (FP4GEMV_ONLY_METHODS, check_agreement, check_expert_activations, check_replacement,
                     expert_bias_dtypes, expert_keys, fp4_experts, fp4_modules, read_experts,
                     read_quantization_config)
@@ -72,8 +73,9 @@ class FP4GemvConfig(QuantizationConfigMixin):
     activations: None follows the checkpoint (W4A4 where it has a static input scale or its config says
         so, else weight-only); ``"weight-only"`` or ``"w4a4"`` overrides it.  MoE experts (``FP4Experts``) run
         weight-only: ``"w4a4"`` with FP4 experts in the checkpoint is refused.
-    scale_layout: ``"swizzled"`` (the layout the kernels are tuned on; re-lays the stored block scales) or
-        None / ``"linear"`` (keeps them as stored: no copy).
+    scale_layout: the FP4Linear layers' block scales: ``"swizzled"`` (the layout the dense kernels are tuned on;
+        re-lays the stored block scales) or None / ``"linear"`` (keeps them as stored: no copy).  MoE experts get
+        ``moe.EXPERT_SCALE_LAYOUT`` (linear, rows 16 bytes apart: the routed engine's).
     """
 
     def __init__(self, activations: str | None = None, scale_layout: str | None = "swizzled", *,
@@ -219,7 +221,7 @@ class FP4GemvHfQuantizer(HfQuantizer):
             tensors, key = placeholder.loaded(), placeholder.key
             if name in self.fp4_expert_names:
                 new = read_experts(tensors, key, placeholder.convention, placeholder.replaced, self.checkpoint_fmt,
-                                   scale_layout=layout)
+                                   scale_layout=EXPERT_SCALE_LAYOUT)
             else:
                 new = FP4Linear.from_state_dict(tensors, key, activations=activations or placeholder.scheme,
                                                 scale_layout=layout)

@@ -47,7 +47,7 @@ from torch import nn
 from .checkpoints import (LAYER_KEYS, SafetensorsDirectory, detect_convention, layer_keys, layer_tensors,
                           write_safetensors)
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
-from .moe import (GPT_OSS_ALPHA, GPT_OSS_LIMIT, FP4Experts, expert_kind, gpt_oss_experts, nvfp4_experts,
+from .moe import (EXPERT_SCALE_LAYOUT, GPT_OSS_ALPHA, GPT_OSS_LIMIT, FP4Experts, expert_kind, gpt_oss_experts, nvfp4_experts,
                   quantize_experts)
 
 __all__ = [
@@ -116,7 +116,7 @@ def quantize_model(
     ``moe.quantize_experts``' ``FP4Experts``; returns their names.
 
     skip: module names or glob patterns (``"*.lm_head"``, ``"*.experts"``) left in float, with everything
-    under them.
+    under them.  scale_layout: the FP4Linear layers' block scales; experts get ``moe.EXPERT_SCALE_LAYOUT``.
     Raises ValueError naming a module whose in_features (an expert's hidden or intermediate size) is not a
     multiple of the block size, or experts with ``activations="w4a4"`` (FP4Experts run weight-only): skip it.
     W4A4 modules pick their activation scale per call until ``calibrate_input_scales`` gives them one.
@@ -146,7 +146,7 @@ def quantize_model(
         _replace(model, name, FP4Linear.from_linear(linear, fmt, activations=activations, scale_layout=scale_layout,
                                                     per_tensor=per_tensor))
     for name, module in experts:
-        _replace(model, name, quantize_experts(module, fmt, scale_layout, per_tensor=per_tensor))
+        _replace(model, name, quantize_experts(module, fmt, EXPERT_SCALE_LAYOUT, per_tensor=per_tensor))
     return [name for name, _ in todo] + [name for name, _ in experts]
 
 
@@ -474,7 +474,8 @@ def load_quantized(
     prefix: prepended to module names to form checkpoint keys (``"model."`` when the checkpoint was saved
         from a wrapper).  activations: None follows the config (and the layer's tensors); ``"weight-only"``
         or ``"w4a4"`` overrides it (experts run weight-only: ``"w4a4"`` with FP4 experts is a ValueError).
-        scale_layout: None keeps the stored (linear) scales; ``"swizzled"``.
+        scale_layout: the FP4Linear layers' block scales, None keeps the stored (linear) ones, ``"swizzled"``;
+        experts get ``moe.EXPERT_SCALE_LAYOUT``.
     strict: raise ValueError when checkpoint tensors are left over or model tensors are missing (tensors an FP4
         layer or experts module needs are always required).
     Returns the names of the modules made FP4.
@@ -499,7 +500,7 @@ def load_quantized(
         for name, key, convention in experts:
             module = model.get_submodule(name)
             _replace(model, name, read_experts(tensors, key, convention, module, config.fmt,
-                                               scale_layout=scale_layout, device=module.down_proj.device))
+                                               scale_layout=EXPERT_SCALE_LAYOUT, device=module.down_proj.device))
             replaced.append(name)
             consumed.update(expert_keys(tensors, key, convention, module)[0])
         rest, unexpected = {}, []

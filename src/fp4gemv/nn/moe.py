@@ -50,9 +50,14 @@ from ..tensor import FP4Tensor
 from .linear import FP4Linear, per_tensor_scale
 
 __all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "quantize_experts", "expert_kind",
-           "GPT_OSS_ALPHA", "GPT_OSS_LIMIT"]
+           "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "EXPERT_SCALE_LAYOUT"]
 
 Activation = Literal["gpt-oss", "silu"]
+# The block-scale layout the model-level entry points (``quantize_model``, ``load_quantized``, ``from_pretrained``)
+# give MoE experts, whatever their ``scale_layout`` gives the FP4Linear layers: linear, rows 16 bytes apart, the
+# layout the routed engine copies by bulk copies (``kernels.moe_engine.scale_copy_reason``; swizzled experts stay on
+# moe_weight_only, 1.2-1.4x slower at T = 8-16: docs/performance.md, rounds 16-17) and every MoE benchmark measures.
+EXPERT_SCALE_LAYOUT = "linear"
 
 
 class ExpertWeights(NamedTuple):
