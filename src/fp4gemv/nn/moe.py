@@ -55,8 +55,9 @@ __all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "q
 Activation = Literal["gpt-oss", "silu"]
 # The block-scale layout the model-level entry points (``quantize_model``, ``load_quantized``, ``from_pretrained``)
 # give MoE experts, whatever their ``scale_layout`` gives the FP4Linear layers: linear, rows 16 bytes apart, the
-# layout the routed engine copies by bulk copies (``kernels.moe_engine.scale_copy_reason``; swizzled experts stay on
-# moe_weight_only, 1.2-1.4x slower at T = 8-16: docs/performance.md, rounds 16-17) and every MoE benchmark measures.
+# layout the routed engine copies (``kernels.moe_engine.scale_copy_reason``; swizzled experts stay on moe_weight_only,
+# which took 1.17-1.32x the engine's time at T = 8-16 on gpt-oss's shapes: docs/performance.md, rounds 16-17) and
+# every MoE benchmark measures.
 EXPERT_SCALE_LAYOUT = "linear"
 
 
