@@ -3,8 +3,9 @@
 :func:`moe_gemv` computes ``out[t, j] = W[expert_ids[t, j]] @ x[t] (+ bias[expert_ids[t, j]])`` for T tokens
 and their top-k experts, reading each distinct expert's weights once (the kernels group the pairs on the GPU).
 :func:`plan_moe` makes the :class:`spec.MoeCase` of the arguments and picks the first spec of
-``kernels.MOE_KERNELS`` that runs it (``moe_weight_only``: the tensor-core step of ``gemv``'s weight_only
-kernel; ``moe_general``: the CUDA-core fallback; ``moe_reference``: float64).  Validation raises ``TypeError``
+``kernels.MOE_KERNELS`` that runs it (``moe_engine``: the routed decode engine, NVFP4 and MXFP4 from T = 4 where
+its rule allows, ``kernels.DEFERRALS``; ``moe_weight_only``: the tensor-core step of ``gemv``'s weight_only kernel;
+``moe_general``: the CUDA-core fallback; ``moe_reference``: float64).  Validation raises ``TypeError``
 (type, dtype) or ``ValueError`` (shape, device, values) naming the argument, the expected and the actual, before
 anything is written.
 
