@@ -207,15 +207,15 @@ _COMPILE = textwrap.dedent("""
     import operands as O
     import fp4gemv
     from fp4gemv import moe
+    from fp4gemv.layouts import aligned_scale_rows
     from fp4gemv.target import SM90
     from fp4gemv.kernels.moe_engine import moe_engine_launches, MoeEngineConfig
 
-    def build(experts, m, k, tokens, top_k, activation, layout, rows, fmt="nvfp4", pad=0):
+    def build(experts, m, k, tokens, top_k, activation, layout, rows, fmt="nvfp4", aligned=False):
         w = O.random_fp4((experts, m, k), fmt, layout, seed=1, device="cpu")
-        if pad:  # scale rows at 16-byte aligned addresses
-            rows_ = torch.zeros((*w.scales.shape[:-1], w.scales.shape[-1] + pad), dtype=w.scales.dtype)
-            rows_[..., :w.scales.shape[-1]] = w.scales
-            w = fp4gemv.FP4Tensor(w.data, rows_[..., :w.scales.shape[-1]], fmt, layout)
+        if aligned:  # scale rows 16 bytes apart, as FP4Experts stores them
+            scales = aligned_scale_rows(w.scales)[..., :w.scales.shape[-1]]
+            w = fp4gemv.FP4Tensor(w.data, scales, fmt, layout)
         x = O.random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
         ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
         alpha, limit = moe.epilogue_constants(activation, None, None)
@@ -228,7 +228,7 @@ _COMPILE = textwrap.dedent("""
     for case in ((32, 5760, 2880, 1, 4, "gpt-oss", "linear", 1), (32, 2880, 2880, 64, 1, None, "linear", 8),
                  (128, 1536, 2048, 8, 8, "silu", "swizzled", 4), (4, 7168, 4096, 1, 4, None, "linear", 1),
                  (128, 1536, 2048, 8, 8, "silu", "linear", 8),
-                 (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", 6),
+                 (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", True),
                  (4, 7168, 4096, 16, 4, None, "linear", 8, "mxfp4")):
         kernel, grid, args, options = build(*case)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}

@@ -55,7 +55,6 @@ __all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin",
 WARPS = 4  # consumer warps; each takes 256 elements of a step
 STEP_K = 256 * WARPS
 MAX_N = 16
-FOLD_EXPONENT = fold_exponent("nvfp4", "bf16", "fold")
 
 
 class EngineConfig(NamedTuple):
@@ -98,10 +97,12 @@ class _RegisterFold(_Step):
     (int64) and the ``MULTIPLIERS``.  Accumulator element ``8 t + 4 nt + r`` is register r of tile t's C fragment
     for n-tile nt."""
 
+    FMT, MODE = "nvfp4", "fold"
+
     def __init__(self, tiles: int, n_tiles: int):
         PtxBlock.__init__(self)
         self.mma_type = "bf16"
-        self.spec = StepSpec("nvfp4", "bf16", "fold", tiles, 2, n_tiles, 4, 4, False)
+        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False)
         pack = 8 * tiles
         names = [("w", "l"), ("s", "r", pack // 4)] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, pack, names + [(m, "r") for m in MULTIPLIERS])
@@ -157,10 +158,12 @@ class _RegisterK32(_Step):
     bf16's subnormal 0x0040), byte 255 (infinity so far) made NaN (inf * 0 + inf), then each half widened to fp32
     (a shift or a mask): 3 instructions per scale where one at a time takes 4 or 5."""
 
+    FMT, MODE = "mxfp4", "k32"
+
     def __init__(self, tiles: int, n_tiles: int):
         PtxBlock.__init__(self)
         self.mma_type = "bf16"
-        self.spec = StepSpec("mxfp4", "bf16", "k32", tiles, 2, n_tiles, 4, 4, False)
+        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False)
         names = [("wl", "r"), ("wh", "r"), ("s", "l")] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, 8 * tiles, names + [(m, "r") for m in MULTIPLIERS])
         self.constraints = op.constraint_string()
@@ -219,7 +222,16 @@ def k32_block(half: int, u: int, b: int) -> int:
     return 4 * half + 2 * u + b
 
 
-STEPS = {"nvfp4": _RegisterFold, "mxfp4": _RegisterK32}
+# The consumer step of each weight format, and the exponent its accumulators carry (its ``_mma_step`` mode's).
+STEPS = {step.FMT: step for step in (_RegisterFold, _RegisterK32)}
+
+
+def step_fold_exponent(fmt: str) -> int:
+    """f such that the ``fmt`` step's accumulators hold the result times 2^-f (``_mma_step.fold_exponent``)."""
+    return fold_exponent(fmt, "bf16", STEPS[fmt].MODE)
+
+
+FOLD_EXPONENT = step_fold_exponent("nvfp4")
 
 
 @functools.lru_cache(maxsize=None)

@@ -57,9 +57,9 @@ import triton.language as tl
 
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
-from ._mma_step import MULTIPLIERS, fold_exponent
-from .engine import (STEP_K, WARPS, _as_int64, _k32_words, _layouts, _x_operands, check_ring_config,
-                     k32_weight_layouts, step_asm, target_reason)
+from ._mma_step import MULTIPLIERS
+from .engine import (STEP_K, STEPS, WARPS, _as_int64, _k32_words, _layouts, _x_operands, check_ring_config,
+                     k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
                    bound_arguments, fill_sources, run_compiled)
@@ -542,7 +542,7 @@ class MoeEngine(TritonKernelSpec):
         d = case.dense
         if target_reason(target) is not None:
             return target_reason(target)
-        if d.fmt.name not in ("nvfp4", "mxfp4"):
+        if d.fmt.name not in STEPS:
             return f"w: needs NVFP4 or MXFP4 experts, got {d.fmt.name}"
         if d.fmt.name == "mxfp4" and scale_copy_reason(case) is not None:
             return f"w: MXFP4 scale bytes come only by bulk copy, and {scale_copy_reason(case)}"
@@ -562,7 +562,7 @@ class MoeEngine(TritonKernelSpec):
         return None
 
     def error_model(self, case: MoeCase, config: MoeEngineConfig) -> ErrorModel:
-        return ErrorModel(tensor_cores=True, fold=_fold_exponent(case))
+        return ErrorModel(tensor_cores=True, fold=step_fold_exponent(case.dense.fmt.name))
 
     def default_config(self, case: MoeCase, target: Target) -> MoeEngineConfig:
         return moe_engine_config(case, target)
@@ -616,12 +616,6 @@ class MoeEngine(TritonKernelSpec):
         argv = argv.copy()
         argv[:CALL_ARGUMENTS] = _call_arguments(ops, config, plan)
         run_compiled(engine, grid, argv, device.index)
-
-
-def _fold_exponent(case: MoeCase) -> int:
-    """The exponent the step's accumulators carry (``_mma_step.fold_exponent``: NVFP4's fold, MXFP4's k32)."""
-    fmt = case.dense.fmt.name
-    return fold_exponent(fmt, "bf16", "fold" if fmt == "nvfp4" else "k32")
 
 
 def scale_copy_reason(case: MoeCase) -> str | None:
@@ -751,7 +745,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows,
                    ACTIVATION=activation, HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
                    HAS_PW=case.pair_weights_dtype is not None, SCALE_COPY=scale_copy, ONE_BOX=one_box, MX=mx,
-                   FOLD=2.0 ** _fold_exponent(case), ASM=asm, CONSTRAINTS=constraints,
+                   FOLD=2.0 ** step_fold_exponent(d.fmt.name), ASM=asm, CONSTRAINTS=constraints,
                    S3=_SCALE_ROWS if mx else _SCALE_VIEW, LW=lw, LSUM=_SUM_ROWS if activation == 0 else _SUM_PAIRS,
                    LO=gl.SliceLayout(0, _SUM_ROWS) if activation == 0 else _PAIR_OUT, LXR=lxr, W64=w64, X64=x64,
                    W32=w32, L32=l32, LS=_k32_scale_layout(tiles),

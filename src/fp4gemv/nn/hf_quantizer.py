@@ -25,10 +25,10 @@ read, naming the missing and the unknown tensors under its name.  After loading,
 ``FP4Linear`` made of views of those buffers (``FP4Linear.from_state_dict``) or an ``FP4Experts``
 (``fp4gemv.nn.model.read_experts``: gpt-oss's blocks as they are; per-expert layers stacked into
 ``[E, rows, K/2]``, one experts module at a time, their linear scale rows kept 16 bytes apart);
-``scale_layout="swizzled"`` re-lays the FP4Linear layers' block scales, one module at a time.  No float copy of an FP4 layer is ever made.  Per-expert checkpoint keys reach the
-placeholder under their own names: transformers' per-expert converters (``experts.*.gate_proj.weight`` into
-the fused ``gate_up_proj``) rename such a key to one the model lacks, and its loader then keeps the original
-name, which the placeholder has.
+``scale_layout="swizzled"`` re-lays the FP4Linear layers' block scales, one module at a time.  No float copy of an
+FP4 layer is ever made.  Per-expert checkpoint keys reach the placeholder under their own names: transformers'
+per-expert converters (``experts.*.gate_proj.weight`` into the fused ``gate_up_proj``) rename such a key to one the
+model lacks, and its loader then keeps the original name, which the placeholder has.
 
 A checkpoint whose ``quant_method`` transformers already knows (``"compressed-tensors"``, ``"mxfp4"``)
 would make transformers refuse a second config ("The model is quantized with ... but you are passing ...",

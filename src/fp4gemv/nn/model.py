@@ -47,8 +47,8 @@ from torch import nn
 from .checkpoints import (LAYER_KEYS, SafetensorsDirectory, detect_convention, layer_keys, layer_tensors,
                           write_safetensors)
 from .linear import ACTIVATIONS, FP4Linear, per_tensor_scale
-from .moe import (EXPERT_SCALE_LAYOUT, GPT_OSS_ALPHA, GPT_OSS_LIMIT, FP4Experts, expert_kind, gpt_oss_experts, nvfp4_experts,
-                  quantize_experts)
+from .moe import (EXPERT_SCALE_LAYOUT, GPT_OSS_ALPHA, GPT_OSS_LIMIT, FP4Experts, expert_kind, gpt_oss_experts,
+                  nvfp4_experts, quantize_experts)
 
 __all__ = [
     "QuantizationConfig",
