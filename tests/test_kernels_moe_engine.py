@@ -190,7 +190,11 @@ def test_mxfp4_needs_copied_scales():
 def test_default_config_and_bad_configs():
     assert moe_engine_config(_moe_case(tokens=1), SM90).rows == 1
     assert moe_engine_config(_moe_case(tokens=3), SM90).rows == 4
-    assert moe_engine_config(_moe_case(tokens=16, experts=32), SM90) == MoeEngineConfig(2, 3, 8, 2, 128)
+    # NVFP4: 2 tiles and 3 slots below NVFP4_FOUR_TILES tokens, 4 tiles, 2 slots and chunks of 4 pairs from it
+    assert moe_engine_config(_moe_case(tokens=4, experts=32), SM90) == MoeEngineConfig(2, 3, 4, 2, 128)
+    assert moe_engine_config(_moe_case(tokens=7, experts=32), SM90) == MoeEngineConfig(2, 3, 8, 2, 128)
+    assert moe_engine_config(_moe_case(tokens=8, experts=32), SM90) == MoeEngineConfig(4, 2, 4, 2, 128)
+    assert moe_engine_config(_moe_case(tokens=16, experts=32), SM90) == MoeEngineConfig(4, 2, 4, 2, 128)
     spec = MoeEngine()
     for bad, words in ((MoeEngineConfig(tiles=3), "tiles"), (MoeEngineConfig(stages=0), "stages"),
                        (MoeEngineConfig(rows=3), "rows"), (MoeEngineConfig(ctas_per_sm=5), "ctas_per_sm"),

@@ -524,7 +524,9 @@ def test_weight_only_compiles_for_sm90_with_its_operand_layout(compile_for_sm90)
         assert r["early"].get(weights) == r["loads"][weights], (label, r)
         if step_mode != "k32":
             assert r["early"] == r["loads"], (label, r)
-        assert r["regs"] <= 168, (label, r)
+        # split at N = 4 (not a default: split runs N <= 2) is the largest: 173 since the multiplying decode
+        # (decode_word_bf16), 168 before it, while split at N = 1 and 2 went from 120 and 129 to 114 and 126.
+        assert r["regs"] <= 176, (label, r)
         assert r["options"] == dict(num_warps=warps, num_stages=1, launch_pdl=False, ptx_options="-O1"), (label, r)
     assert {"a_ptr", "b_ptr", "K", "a_stride_m"} <= set(report["fold-f16-k16384"]["marked"])
 

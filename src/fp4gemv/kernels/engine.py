@@ -367,7 +367,7 @@ def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
 
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m, out_stride_n,
-              m6, m2, m26, m29, m30, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+              mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
               HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
               LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr):
     acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
@@ -378,8 +378,8 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_st
         w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
         s = sbuf.index(slot).load(LW)
         x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
-        acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
-                                                           zero + m26, zero + m29, zero + m30],
+        acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
+                                                           zero + m24, zero + m29],
                                         dtype=gl.float32, is_pure=True, pack=8 * TILES)
         # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
         async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
@@ -398,7 +398,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_st
 
 @gluon.jit
 def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_stride_m, out_stride_n,
-                       m6, m2, m26, m29, m30, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
+                       mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
                        HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
                        LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
                        PRODUCER_REGS: gl.constexpr):
@@ -414,7 +414,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_st
         mbarrier.init(empty.index(i), count=128)  # every consumer thread
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m,
-                     out_stride_n, m6, m2, m26, m29, m30, TILES, STAGES, ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS,
+                     out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS,
                      LW, LX, W64, X64)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_steps, STAGES)),
     ], [1], [PRODUCER_REGS])

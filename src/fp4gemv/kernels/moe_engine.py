@@ -73,6 +73,7 @@ __all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "MXFP4_MIN_PAIRS", "sca
 # per row of x) took 16.2 us against moe_weight_only's 14.0 at 4 pairs (T = 1), about level at 8, 31.7 against 38.1
 # at 16 (round 17).
 MIN_TOKENS = 4
+NVFP4_FOUR_TILES = 8  # NVFP4 experts run 4 tiles from this many tokens (moe_engine_config)
 MXFP4_MIN_PAIRS = 16
 # Pairs per call: the chunk launch sorts them in one program.
 MAX_PAIRS = 256
@@ -121,9 +122,12 @@ def moe_engine_config(case: MoeCase, target: Target) -> MoeEngineConfig:
     MXFP4 from ``MIN_TOKENS``: 4 tiles, 2 slots and chunks of at most 4 pairs, measured on gpt-oss-20b's routed
     GEMVs 124.3 / 162.2 us at T = 8 / 16 against 133.7 / 173.3 for the above, the best of 15 configurations
     (docs/performance.md, round 17; a chunk's activation rows are copied and permuted every step, so fewer rows
-    per chunk cost less than the second pass of an expert with more than 4 pairs)."""
+    per chunk cost less than the second pass of an expert with more than 4 pairs).  NVFP4 the same from
+    ``NVFP4_FOUR_TILES`` tokens: Qwen3-30B-A3B's routed GEMVs 74.1 / 110.6 us at T = 8 / 16 against 78.6 / 119.7,
+    gpt-oss-20b's shapes in NVFP4 131.5 / 170.4 against 138.9 / 179.9; at T = 4 level (51.6 against 51.9, 90.1
+    against 88.1; round 18)."""
     tokens = 1 << (max(case.tokens, 1) - 1).bit_length()
-    if case.dense.fmt.name == "mxfp4" and case.tokens >= MIN_TOKENS:
+    if case.tokens >= (MIN_TOKENS if case.dense.fmt.name == "mxfp4" else NVFP4_FOUR_TILES):
         return MoeEngineConfig(4, 2, min(4, tokens), 2, 128)
     return MoeEngineConfig(2, 3, min(8, tokens), 2, 128)
 
@@ -411,7 +415,7 @@ def _epilogue(acc, ebuf, out_ptr, tile, M, HALF, TOP_K: gl.constexpr, out_t, out
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
               n_steps, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile,
-              gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30,
+              gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, mp0, mp1, m24, m29,
               TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, SILU: gl.constexpr,
               ACTIVATION: gl.constexpr, HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr,
               SCALE_COPY: gl.constexpr, MX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
@@ -456,15 +460,15 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
                 s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
                 wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
                                     TILES, LW)
-                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + m6,
-                                                                   zero + m2, zero + m26, zero + m29, zero + m30],
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0,
+                                                                   zero + mp1, zero + m24, zero + m29],
                                                 dtype=gl.float32, is_pure=True, pack=8 * TILES)
             else:
                 if SCALE_COPY:
                     s = shared_view(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
-                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + m6, zero + m2,
-                                                                   zero + m26, zero + m29, zero + m30],
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
+                                                                   zero + m24, zero + m29],
                                                 dtype=gl.float32, is_pure=True, pack=8 * TILES)
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
             f += 1
@@ -475,7 +479,7 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
 @gluon.jit
 def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF, E, K,
                       sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h, bias_e, bias_m, out_t, out_j, out_m,
-                      pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr,
+                      pw_t, pw_j, alpha, limit, mp0, mp1, m24, m29, ROW_TILES: gl.constexpr, TOP_K: gl.constexpr,
                       TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr, ACTIVATION: gl.constexpr,
                       HAS_GS: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_PW: gl.constexpr, SCALE_COPY: gl.constexpr,
                       ONE_BOX: gl.constexpr, MX: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
@@ -507,7 +511,7 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF,
                      E, K, n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h,
-                     bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, m6, m2, m26, m29, m30, TILES,
+                     bias_e, bias_m, out_t, out_j, out_m, pw_t, pw_j, alpha, limit, mp0, mp1, m24, m29, TILES,
                      STAGES, ROWS, SILU, ACTIVATION, HAS_GS, HAS_BIAS, HAS_PW, SCALE_COPY, MX, FOLD, ASM,
                      CONSTRAINTS, S3, LW, LXR, W64, X64, W32, L32, LS, LSUM, LO, EXPERT, START, PAIRS_IN,
                      SORTED)),

@@ -204,7 +204,7 @@ def moe_weight_only_kernel(
     out_stride_t, out_stride_j, out_stride_m,
     pw_stride_t, pw_stride_j,
     alpha, limit, HALF,
-    m6, m2, m26, m29, m30,
+    mp0, mp1, m24, m29,
     P_PAD: tl.constexpr,
     BINS: tl.constexpr,
     COLS: tl.constexpr,
@@ -259,7 +259,7 @@ def moe_weight_only_kernel(
                                                        sfw_stride_r4, warp, c, MODE, MX, CHUNKS, SFA_COL_TILE)
         x_rows = fragment_rows(e, g, MODE)
         xon = ((g // 2) == c).to(tl.int32) + zero
-        muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
+        muls = (mp0 + zero, mp1 + zero, m24 + zero, m29 + zero)
         if HAS_GS:
             gs = tl.load(gs_ptr + expert * gs_stride_e)
             gs_up = tl.load(gs_ptr + expert * gs_stride_e + gs_stride_h)  # gate's and up's ([E, 2]), else gs

@@ -590,7 +590,7 @@ def weight_only_gemv_kernel(
     b_stride_l, b_stride_n,
     sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32, sfb_stride_r4,
     c_stride_l, c_stride_m, c_stride_n,
-    m6, m2, m26, m29, m30,
+    mp0, mp1, m24, m29,
     MODE: tl.constexpr,
     MX: tl.constexpr,
     ACT: tl.constexpr,
@@ -610,7 +610,7 @@ def weight_only_gemv_kernel(
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
 ):
-    # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  m6 .. m30: _mma_step.MULTIPLIERS.
+    # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  mp0 .. m29: _mma_step.MULTIPLIERS.
     pid_m = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
     e, warp, g, c, zero = program_lanes(TILES, WARPS)
@@ -638,7 +638,7 @@ def weight_only_gemv_kernel(
         else:
             pxs = _scale_ptr(sfb_ptr, pid_l, x_rows + zero, N, sfb_stride_l, sfb_stride_row_tile, sfb_stride_r32,
                              sfb_stride_r4, k_first // 16, SFB_COL_TILE)
-    muls = (m6 + zero, m2 + zero, m26 + zero, m29 + zero, m30 + zero)
+    muls = (mp0 + zero, mp1 + zero, m24 + zero, m29 + zero)
     # The twin reads each C column's activation row at the warp chunk (``twin_column_row``).
     BLOCK: tl.constexpr = 32 if MX else 16
     col_ptrs = ()
