@@ -95,6 +95,21 @@ class Sm90Launch:
         self._set(spec, config, spec.triton_launch(case, config, target), operands)
         return self
 
+    @classmethod
+    def combine(cls, y, out_dtype=torch.bfloat16, target=SM90):
+        """What ``moe_combine(y, out_dtype=...)`` launches on sm_90 (the first spec of ``COMBINE_KERNELS`` there)."""
+        from fp4gemv.combine import combine_case
+        from fp4gemv.kernels import COMBINE_KERNELS
+        from fp4gemv.kernels.moe_combine import CombineOperands
+
+        case = combine_case(y, out_dtype)
+        spec = choose_kernel(case, target, None, COMBINE_KERNELS)
+        config = spec.default_config(case, target)
+        operands = CombineOperands(case, y, torch.empty((y.shape[0], y.shape[2]), dtype=out_dtype))
+        self = cls.__new__(cls)
+        self._set(spec, config, spec.triton_launch(case, config, target), operands)
+        return self
+
     def _set(self, spec, config, launch, operands):
         self.spec, self.config = spec, config
         self.kernel, self.grid, self.options = launch.kernel, launch.grid, launch.options

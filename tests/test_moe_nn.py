@@ -299,7 +299,8 @@ def test_fp4_experts_refuse_bad_per_expert_global_scales_when_built(bad):
 
 def test_a_forward_in_grad_mode_runs_and_a_backward_says_the_experts_have_none():
     """Outside torch.no_grad() a transformers model's hidden states require grad (its embeddings are trainable):
-    the forward runs as under no_grad, and a backward through the FP4 experts raises moe_gemv's message."""
+    the forward runs as under no_grad, and a backward through the FP4 experts raises the message of their last op
+    (moe_combine; its inputs come from moe_gemv, which has none either)."""
     from fp4gemv.nn import quantize_model
 
     torch.manual_seed(17)
@@ -310,5 +311,5 @@ def test_a_forward_in_grad_mode_runs_and_a_backward_says_the_experts_have_none()
     assert logits.requires_grad
     with torch.no_grad():
         assert torch.equal(logits, model(prompt).logits)
-    with pytest.raises(RuntimeError, match=r"moe_gemv has no backward \(inference only\)"):
+    with pytest.raises(RuntimeError, match=r"moe_combine has no backward \(inference only\)"):
         logits.sum().backward()

@@ -311,3 +311,33 @@ def moe_route(logits, top_k, *, weights="softmax_selected", ids_dtype=torch.int3
 moe_route.__doc__ = route.moe_route.__doc__ + """
     Under ``torch.compile`` this is the custom op ``torch.ops.fp4gemv.moe_route`` after the metadata checks.
 """
+
+
+# --- MoE combine (fp4gemv.combine) ---------------------------------------------------------------------------------
+
+from . import combine  # noqa: E402
+
+__all__ += ["moe_combine"]
+
+
+@torch.library.custom_op("fp4gemv::moe_combine", mutates_args=())
+def _moe_combine_op(y: torch.Tensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:
+    return combine.moe_combine(y, out_dtype=out_dtype, backend=backend)
+
+
+@_moe_combine_op.register_fake
+def _(y, out_dtype, backend):
+    return y.new_empty((y.shape[0], y.shape[2]), dtype=out_dtype)
+
+
+def moe_combine(y, *, out_dtype=torch.bfloat16, backend="auto") -> torch.Tensor:
+    if not torch.compiler.is_compiling():
+        return combine.moe_combine(y, out_dtype=out_dtype, backend=backend)
+    combine.check_combine_arguments(y, out_dtype)
+    combine.refuse_gradients(y)
+    return torch.ops.fp4gemv.moe_combine(y, out_dtype, backend)
+
+
+moe_combine.__doc__ = combine.moe_combine.__doc__ + """
+    Under ``torch.compile`` this is the custom op ``torch.ops.fp4gemv.moe_combine`` after the metadata checks.
+"""

@@ -15,7 +15,7 @@ from .formats import FP4Format, dequantize, round_from_float64
 
 __all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference", "routed_epilogue",
            "moe_activation", "gate_up_halves", "MOE_ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "route_reference",
-           "ROUTE_WEIGHTS"]
+           "ROUTE_WEIGHTS", "combine_reference"]
 
 # The activations a routed product can end in, and where gate and up lie in W's 2I rows: "gpt-oss" interleaved
 # (rows 2i and 2i + 1; transformers 5.17 GptOssExperts: gate_up[..., ::2], gate_up[..., 1::2]), "silu" halves
@@ -172,3 +172,13 @@ def route_reference(logits: torch.Tensor, top_k: int, weights: str = "softmax_se
     terms = x if weights == "softmax_all" else top
     result = torch.exp(top - largest) / torch.exp(terms - largest).sum(dim=-1, keepdim=True)
     return ids, result if out_dtype == torch.float64 else round_from_float64(result, out_dtype)
+
+
+def combine_reference(y: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The result of ``fp4gemv.moe_combine``: ``y [T, k, H]`` (float32) summed over k in IEEE fp32 in slot order,
+    ``(y[:, 0] + y[:, 1]) + ...``, then rounded once to ``out_dtype`` (nearest, ties to even).  The op is defined
+    by this order (not by the exact sum), so every backend gives these bits."""
+    total = y[:, 0].clone()
+    for j in range(1, y.shape[1]):
+        total = total + y[:, j]
+    return total.to(out_dtype)

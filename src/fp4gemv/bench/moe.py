@@ -291,7 +291,7 @@ def moe_benchmark(name: str, tokens_list=(1, 8, 16), copies: int = COPIES,
             "routing_us": lambda c: fused_route(model, logits[c]),
             "gate_up_act_us": lambda c: layers[c].activated(x, routes[c][0]),
             "down_us": lambda c: layers[c].weighted_down(activations[c], *routes[c]),
-            "combine_us": lambda c: FP4Experts.combine(weighted[c], x.dtype),
+            "combine_us": lambda c: layers[c].combine(weighted[c], x.dtype),
             "layer_us": whole_layer,
         }
         gemv_us = _median(device_time_us(routed_gemvs, range(copies)))

@@ -117,3 +117,13 @@ from .reference import RouteReference  # noqa: E402
 
 ROUTE_KERNELS: tuple[KernelSpec, ...] = (MoeRoute(), RouteReference())
 __all__ += ["ROUTE_KERNELS"]
+
+
+# --- MoE combine (fp4gemv.moe_combine): the k weighted expert outputs of each token summed, one launch -------------
+# The table ``fp4gemv.combine`` reads (``moe_combine.CombineCase``): the kernel on CUDA, the reference elsewhere.
+
+from .moe_combine import MoeCombine  # noqa: E402
+from .reference import CombineReference  # noqa: E402
+
+COMBINE_KERNELS: tuple[KernelSpec, ...] = (MoeCombine(), CombineReference())
+__all__ += ["COMBINE_KERNELS"]

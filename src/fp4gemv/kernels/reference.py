@@ -3,11 +3,11 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
-from ..reference import fp4_values, gemv_reference, route_reference, routed_gemv_reference
+from ..reference import combine_reference, fp4_values, gemv_reference, route_reference, routed_gemv_reference
 from ..target import Target
 from .spec import GemvCase, GemvOperands, KernelSpec, MoeCase, MoeOperands
 
-__all__ = ["Reference", "MoeReference", "RouteReference"]
+__all__ = ["Reference", "MoeReference", "RouteReference", "CombineReference"]
 
 _ONLY_WHEN_ASKED = "the reference runs only when asked for (or off CUDA with backend 'auto')"
 
@@ -69,3 +69,16 @@ class RouteReference(KernelSpec):
         ids, weights = route_reference(ops.logits, case.top_k, case.weights, case.out_dtype)
         ops.ids.copy_(ids)
         ops.weights.copy_(weights)
+
+
+class CombineReference(KernelSpec):
+    """``reference.combine_reference`` of y, copied into the result (any device and strides)."""
+
+    name = "combine_reference"
+    config_type = None
+
+    def why_not(self, case, target: Target) -> str | None:
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
+
+    def launch(self, ops, config, target: Target) -> None:
+        ops.out.copy_(combine_reference(ops.y, ops.case.out_dtype))

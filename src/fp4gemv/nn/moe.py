@@ -15,7 +15,8 @@ the k outputs are summed with the routing weights.
 
 gate_up and the activation are computed in fp32 inside moe_gemv's launch (``reference.moe_activation``), the
 activation rounded once to the hidden dtype for down; down's result plus bias times the routing weight in fp32
-(the same launch), summed over the k experts in fp32, then rounded to the hidden dtype.
+(the same launch), summed over the k experts in fp32 in slot order (``fp4gemv.moe_combine``), then rounded to the
+hidden dtype.
 
 Checkpoints, read without repacking where the layout allows:
 
@@ -122,8 +123,9 @@ class FP4Experts(nn.Module):
     Expert ids come from the router's top-k and are not checked (no sync per step): an id outside [0, E)
     contributes zeros (``fp4gemv.moe``).
 
-    A step is two ``moe_gemv`` launches and a sum: gate_up with the activation in its epilogue (``activated``),
-    down with the routing weights in its epilogue (``weighted_down``), the k outputs summed (``combine``).
+    A step is three launches: two ``moe_gemv`` (gate_up with the activation in its epilogue, ``activated``; down
+    with the routing weights in its epilogue, ``weighted_down``) and ``moe_combine`` (the k outputs summed,
+    ``combine``).
     """
 
     def __init__(self, gate_up, down: ExpertWeights, *, activation: Activation = "gpt-oss",
@@ -204,10 +206,10 @@ class FP4Experts(nn.Module):
                              pair_weights=top_k_weights.reshape(tokens * top_k, 1))
         return y.reshape(tokens, top_k, self.hidden_size)
 
-    @staticmethod
-    def combine(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The k weighted expert outputs ``y`` ``[T, k, H]`` (float32) summed in fp32, rounded once to ``dtype``."""
-        return y.sum(dim=1).to(dtype)
+    def combine(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The k weighted expert outputs ``y`` ``[T, k, H]`` (float32) summed in fp32 in slot order, rounded once to
+        ``dtype``: ``fp4gemv.moe_combine``, one launch."""
+        return library.moe_combine(y, out_dtype=dtype, backend=self.backend)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
                 ) -> torch.Tensor:
