@@ -15,8 +15,8 @@ the k outputs are summed with the routing weights.
 
 gate_up and the activation are computed in fp32 inside moe_gemv's launch (``reference.moe_activation``), the
 activation rounded once to the hidden dtype for down; down's result plus bias times the routing weight in fp32
-(the same launch), summed over the k experts in fp32 in slot order (``fp4gemv.moe_combine``), then rounded to the
-hidden dtype.
+(the same launch), summed over the k experts in fp32 (in slot order by ``fp4gemv.moe_combine``; under
+``torch.compile`` by inductor's fused sum), then rounded to the hidden dtype.
 
 Checkpoints, read without repacking where the layout allows:
 
@@ -207,8 +207,13 @@ class FP4Experts(nn.Module):
         return y.reshape(tokens, top_k, self.hidden_size)
 
     def combine(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The k weighted expert outputs ``y`` ``[T, k, H]`` (float32) summed in fp32 in slot order, rounded once to
-        ``dtype``: ``fp4gemv.moe_combine``, one launch."""
+        """The k weighted expert outputs ``y`` ``[T, k, H]`` (float32) summed in fp32, rounded once to ``dtype``:
+        ``fp4gemv.moe_combine`` (slot order, one launch where torch's sum and cast take two).  Under
+        ``torch.compile`` torch's sum and cast instead, which inductor fuses with the ops around them (such as the
+        decoder layer's residual add) into one kernel, where the custom op would stay a launch of its own; the fp32
+        sum's order is then inductor's."""
+        if torch.compiler.is_compiling():
+            return y.sum(dim=1).to(dtype)
         return library.moe_combine(y, out_dtype=dtype, backend=self.backend)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
