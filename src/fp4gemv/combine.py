@@ -78,11 +78,12 @@ class PreparedCombine(KeptLaunch):
             self._launch((y.data_ptr(), out.data_ptr()))
             return
         plan = self.plan
+        operands = CombineOperands(plan.case, y, out)
         with torch.no_grad():  # no autograd graph on any backend (inference only, moe_combine's docstring)
             if self._template is not None:
-                self._launch_jit(CombineOperands(plan.case, y, out))
+                self._launch_jit(operands)
             else:
-                plan.spec.launch(CombineOperands(plan.case, y, out), plan.config, plan.target)
+                plan.spec.launch(operands, plan.config, plan.target)
 
 
 _FIELDS = {"y": 0, "out": 1}

@@ -42,7 +42,8 @@ BF16_SCALE_BIAS = 119
 BF16_ACTIVATION_BIAS = 64
 # The constants the decode multiplies by (mp0, mp1: sums of two powers of two, decode_word_bf16), passed in
 # registers (kernel arguments) so that ptxas keeps the multiplications on the FMA pipe: with literal constants
-# it turns them into shifts and LEA on the ALU pipe, which the decode already fills (64 lanes per cycle per SM against the FMA pipe's 128).
+# it turns them into shifts and LEA on the ALU pipe, which the decode already fills (64 lanes per cycle per SM
+# against the FMA pipe's 128).
 MULTIPLIERS = {"mp0": 2**6 + 2**12, "mp1": 2**2 + 2**8, "m24": 2**24, "m29": 2**29}
 _E8M0_ZERO = "0f00400000"  # 2^-127, the value of e8m0 byte 0 (an fp32 subnormal)
 

@@ -3,7 +3,8 @@ summed in fp32 in slot order, ``(y[:, 0] + y[:, 1]) + ...``, rounded once to the
 as ``store_rounded``).
 
 What it replaces: ``y.sum(1).to(dtype)``, a reduction and a cast (two launches: 3.0-3.4 us of device time on the
-H200 at gpt-oss and Qwen3 shapes, T = 1-16, against 1.1-1.4 us for this kernel; docs/performance.md, round 18).
+H200 at gpt-oss and Qwen3 shapes, T = 1-16, against 1.1-1.4 us for a probe of this kernel's form; this one has not
+been timed yet; docs/performance.md, round 18).
 One program per (token, ``BLOCK`` columns of H): k loads of ``BLOCK`` floats, k - 1 additions, one store.  The
 additions are IEEE fp32 in a fixed order, so every backend gives the same bits (``reference.combine_reference``).
 """

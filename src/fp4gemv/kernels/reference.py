@@ -5,23 +5,29 @@ from __future__ import annotations
 
 from ..reference import combine_reference, fp4_values, gemv_reference, route_reference, routed_gemv_reference
 from ..target import Target
-from .spec import GemvCase, GemvOperands, KernelSpec, MoeCase, MoeOperands
+from .spec import GemvOperands, KernelSpec, MoeOperands
 
 __all__ = ["Reference", "MoeReference", "RouteReference", "CombineReference"]
 
 _ONLY_WHEN_ASKED = "the reference runs only when asked for (or off CUDA with backend 'auto')"
 
 
-class Reference(KernelSpec):
+class _AskedReference(KernelSpec):
+    """What every op's reference spec shares: no configuration, and it runs only when asked for (or where Triton
+    does not run, such as CPU tensors with backend 'auto')."""
+
+    config_type = None
+
+    def why_not(self, case, target: Target) -> str | None:
+        return _ONLY_WHEN_ASKED if target.runs_triton else None
+
+
+class Reference(_AskedReference):
     """``reference.gemv_reference`` of the operands' exact values (``reference.fp4_values``), copied into the
     output: exact products and sums in float64, one rounding to the output dtype.  Any device, layout and
     alignment; no configuration."""
 
     name = "reference"
-    config_type = None
-
-    def why_not(self, case: GemvCase, target: Target) -> str | None:
-        return _ONLY_WHEN_ASKED if target.runs_triton else None
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         case = ops.case
@@ -33,15 +39,11 @@ class Reference(KernelSpec):
         ops.out.copy_(gemv_reference(a, b, case.out_dtype))
 
 
-class MoeReference(KernelSpec):
+class MoeReference(_AskedReference):
     """``reference.routed_gemv_reference`` of the operands, copied into the output (any device, layout and
     alignment; no configuration)."""
 
     name = "moe_reference"
-    config_type = None
-
-    def why_not(self, case: MoeCase, target: Target) -> str | None:
-        return _ONLY_WHEN_ASKED if target.runs_triton else None
 
     def launch(self, ops: MoeOperands, config, target: Target) -> None:
         d = ops.case.dense
@@ -55,14 +57,10 @@ class MoeReference(KernelSpec):
 
 # --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------
 
-class RouteReference(KernelSpec):
+class RouteReference(_AskedReference):
     """``reference.route_reference`` of the logits, copied into the results (any device and strides)."""
 
     name = "route_reference"
-    config_type = None
-
-    def why_not(self, case, target: Target) -> str | None:
-        return _ONLY_WHEN_ASKED if target.runs_triton else None
 
     def launch(self, ops, config, target: Target) -> None:
         case = ops.case
@@ -71,14 +69,10 @@ class RouteReference(KernelSpec):
         ops.weights.copy_(weights)
 
 
-class CombineReference(KernelSpec):
+class CombineReference(_AskedReference):
     """``reference.combine_reference`` of y, copied into the result (any device and strides)."""
 
     name = "combine_reference"
-    config_type = None
-
-    def why_not(self, case, target: Target) -> str | None:
-        return _ONLY_WHEN_ASKED if target.runs_triton else None
 
     def launch(self, ops, config, target: Target) -> None:
         ops.out.copy_(combine_reference(ops.y, ops.case.out_dtype))
