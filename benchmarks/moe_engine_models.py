@@ -4,6 +4,8 @@ against ``moe_weight_only`` on NVFP4 experts of gpt-oss-20b, gpt-oss-120b and Qw
     PYTHONPATH=src python benchmarks/moe_engine_models.py [sweep]   -> moe_engine_time.json in $OUT (or .)
     PYTHONPATH=src python benchmarks/moe_engine_models.py padded    (round 16: scale rows padded to 16 bytes, T = 1-16)
     PYTHONPATH=src python benchmarks/moe_engine_models.py padded mxfp4    (round 17: gpt-oss's MXFP4 experts)
+    PYTHONPATH=src python benchmarks/moe_engine_models.py orders [mxfp4|nvfp4]   (round 19: each layer in both code
+        orders, ``FP4Tensor.with_code_order``: the checkpoint's and the engines' native one, T = 1, 8, 16)
 
 First ``split_times``: gpt-oss-20b's gate_up (NVFP4, bias, the gpt-oss activation) with the chunk launch alone, the
 engine launch alone and both.  Then per model and T: the routed GEMVs of one layer (gate_up with its activation,
@@ -51,8 +53,13 @@ def padded_scale_rows(p):
                                        p.weight.fmt.name, "linear", p.weight.global_scale))
 
 
+def in_order(p, order):
+    """``p`` (ExpertWeights) with its codes in ``order`` (a copy where it differs)."""
+    return p._replace(weight=p.weight.with_code_order(order))
+
+
 def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"), configs=None, padded=False,
-        fmt="nvfp4"):
+        fmt="nvfp4", orders=("checkpoint",)):
     e, h, i, k, act, bias = MODELS[name]
     g = torch.Generator(device="cuda").manual_seed(0)
     pad = padded_scale_rows if padded else (lambda p: p)
@@ -61,6 +68,8 @@ def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"),
     if act == "silu" and fmt == "nvfp4":  # [E, 2] scales: gate's and up's (the same here)
         layers = [(gu._replace(global_scales=torch.stack([gu.global_scales, gu.global_scales], 1)), dn)
                   for gu, dn in layers]
+    by_order = {order: layers if order == "checkpoint" else [(in_order(gu, order), in_order(dn, order))
+                                                              for gu, dn in layers] for order in orders}
     for tokens in tokens_list:
         logits = [router_logits(type("M", (), {"experts": e})(), tokens, seed=1000 * tokens + c) for c in range(COPIES)]
         routes = [route(lg, k) if act == "gpt-oss" else route_softmax_topk(lg, k) for lg in logits]
@@ -74,7 +83,7 @@ def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"),
         d_out = torch.empty(tokens * k, 1, h, device="cuda", dtype=torch.float32)
         alpha, limit = (1.702, 7.0) if act == "gpt-oss" else (None, None)
 
-        def part(which, kernel, config):
+        def make_part(which, kernel, config, layers):
             def launch(c):
                 (gu, dn), (ids, w) = layers[c], routes[c]
                 if which in ("both", "gate_up"):
@@ -88,26 +97,29 @@ def run(name, tokens_list=(1, 8, 16), kernels=("moe_engine", "moe_weight_only"),
                                      (config if config is None else config), pair_weights=w.reshape(-1, 1))
             return launch
 
-        for kernel in kernels:
-            for config in ([None] if kernel != "moe_engine" or configs is None else [None] + configs):
-                try:
-                    both = med(device_time_us(part("both", kernel, config), range(COPIES)))
-                    gate = med(device_time_us(part("gate_up", kernel, config), range(COPIES)))
-                    down = med(device_time_us(part("down", kernel, config), range(COPIES)))
-                except Exception as exc:  # noqa: BLE001
-                    print(name, tokens, kernel, config, "FAILED", repr(exc)[:300], flush=True)
-                    continue
-                row = dict(model=name, fmt=fmt, tokens=tokens, kernel=kernel,
-                           config=None if config is None else list(config),
-                           distinct=statistics.mean(distinct), mbytes=nbytes / 1e6, read=read_name, read_us=read_us,
-                           routed_us=both, gate_up_us=gate, down_us=down, fraction=read_us / both)
-                rows_out.append(row)
-                print(f"{name:14s} {fmt} T={tokens:2d} {kernel:16s} {str(config):60s} routed {both:7.1f} us "
-                      f"(gate_up {gate:6.1f}, down {down:6.1f}) read {read_us:6.1f} -> {read_us / both:.2f}",
-                      flush=True)
-                with open(os.path.join(OUT, "moe_engine_time.json"), "w") as f:
-                    json.dump(rows_out, f, indent=1)
-    del layers
+        for order in orders:
+            for kernel in kernels:
+                for config in ([None] if kernel != "moe_engine" or configs is None else [None] + configs):
+                    def part(which, kernel, config, order=order):
+                        return make_part(which, kernel, config, by_order[order])
+                    try:
+                        both = med(device_time_us(part("both", kernel, config), range(COPIES)))
+                        gate = med(device_time_us(part("gate_up", kernel, config), range(COPIES)))
+                        down = med(device_time_us(part("down", kernel, config), range(COPIES)))
+                    except Exception as exc:  # noqa: BLE001
+                        print(name, tokens, order, kernel, config, "FAILED", repr(exc)[:300], flush=True)
+                        continue
+                    row = dict(model=name, fmt=fmt, tokens=tokens, kernel=kernel, code_order=order,
+                               config=None if config is None else list(config), distinct=statistics.mean(distinct),
+                               mbytes=nbytes / 1e6, read=read_name, read_us=read_us, routed_us=both, gate_up_us=gate,
+                               down_us=down, fraction=read_us / both)
+                    rows_out.append(row)
+                    print(f"{name:14s} {fmt} {order:10s} T={tokens:2d} {kernel:16s} {str(config):40s} routed "
+                          f"{both:7.1f} us (gate_up {gate:6.1f}, down {down:6.1f}) read {read_us:6.1f} -> "
+                          f"{read_us / both:.2f}", flush=True)
+                    with open(os.path.join(OUT, "moe_engine_time.json"), "w") as f:
+                        json.dump(rows_out, f, indent=1)
+    del layers, by_order
     torch.cuda.empty_cache()
 
 
@@ -152,6 +164,13 @@ if __name__ == "__main__":
         for name in MODELS:
             if fmt == "nvfp4" or name.startswith("gpt-oss"):
                 run(name, tokens_list=(1, 2, 4, 8, 16), padded=True, fmt=fmt)
+        print("total", time.time() - t0)
+        sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "orders":
+        fmt = sys.argv[2] if len(sys.argv) > 2 else "mxfp4"
+        for name in MODELS:
+            if fmt == "nvfp4" or name.startswith("gpt-oss"):
+                run(name, padded=True, fmt=fmt, orders=("checkpoint", "native"))
         print("total", time.time() - t0)
         sys.exit(0)
     C = MoeEngineConfig

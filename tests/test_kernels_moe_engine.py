@@ -215,11 +215,13 @@ _COMPILE = textwrap.dedent("""
     from fp4gemv.target import SM90
     from fp4gemv.kernels.moe_engine import moe_engine_launches, MoeEngineConfig
 
-    def build(experts, m, k, tokens, top_k, activation, layout, rows, fmt="nvfp4", aligned=False):
+    def build(experts, m, k, tokens, top_k, activation, layout, rows, fmt="nvfp4", aligned=False,
+              order="checkpoint"):
         w = O.random_fp4((experts, m, k), fmt, layout, seed=1, device="cpu")
         if aligned:  # scale rows 16 bytes apart, as FP4Experts stores them
             scales = aligned_scale_rows(w.scales)[..., :w.scales.shape[-1]]
             w = fp4gemv.FP4Tensor(w.data, scales, fmt, layout)
+        w = w.with_code_order(order)
         x = O.random_activation((tokens, k), torch.bfloat16, seed=2, device="cpu")
         ids = torch.randint(0, experts, (tokens, top_k), dtype=torch.int32)
         alpha, limit = moe.epilogue_constants(activation, None, None)
@@ -233,7 +235,9 @@ _COMPILE = textwrap.dedent("""
                  (128, 1536, 2048, 8, 8, "silu", "swizzled", 4), (4, 7168, 4096, 1, 4, None, "linear", 1),
                  (128, 1536, 2048, 8, 8, "silu", "linear", 8),
                  (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", True),
-                 (4, 7168, 4096, 16, 4, None, "linear", 8, "mxfp4")):
+                 (4, 7168, 4096, 16, 4, None, "linear", 8, "mxfp4"),
+                 (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", True, "native"),
+                 (128, 1536, 2048, 8, 8, "silu", "linear", 8, "nvfp4", False, "native")):
         kernel, grid, args, options = build(*case)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -247,18 +251,19 @@ _COMPILE = textwrap.dedent("""
         stack = sum(int(s.split(":")[1]) for s in local_memory(c))
         print(options["ROWS"], int(options["SCALE_COPY"]), int(options["ONE_BOX"]), int(options["MX"]),
               options["maxnreg"], registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], ops_["LDG"],
-              listing[:mma[-1]].count("LDSM"), stack, step_local, step_stores)
+              listing[:mma[-1]].count("LDSM"), stack, step_local, step_stores, mma[-1] - mma[0])
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 7
-    copies = []
+    assert len(lines) == 9
+    copies, spans = [], []
     for line in lines:
         (rows, scale_copy, one_box, mx, maxnreg, regs, tma, mma, syncs, ldg, ldsm, stack, step_local,
-         step_stores) = map(int, line.split())
+         step_stores, span) = map(int, line.split())
         copies.append((scale_copy, one_box, mx))
+        spans.append(span)
         assert regs <= maxnreg, line
         # 8 weight copies (4 warp chunks x 2 row halves) or one, 2 of scales (the row halves) or none, one per row
         assert tma == (1 if one_box else 8) + 2 * scale_copy + rows, line
@@ -273,8 +278,13 @@ def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(comp
         # whose scale addresses are loaded per step), 3.6 none.  No shared-memory stores in the step: the operand
         # permutations (the activation's, the k32 words' split) are register renames.
         assert step_local == 0 and stack <= 16 and step_stores == 0, line
-    # K % 256, scale rows of 180 bytes, swizzled; MXFP4 scale rows padded to 96 bytes, K = 4096
-    assert copies == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 0), (1, 0, 1), (1, 1, 1)]
+    # K % 256, scale rows of 180 bytes, swizzled; MXFP4 scale rows padded to 96 bytes, K = 4096; the native order
+    assert copies == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 0, 1),
+                      (1, 0, 0)]
+    # The native code order's decode (10 instructions a word against 13) shortens the step: the instructions from
+    # the first mma to the last, MXFP4 gpt-oss gate_up and NVFP4 Qwen3 gate_up, native against checkpoint.
+    print("step spans", spans)
+    assert spans[7] < 0.92 * spans[5] and spans[8] < 0.92 * spans[4], spans
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------

@@ -363,6 +363,16 @@ def _words():
     return words + [0x76543210, 0xFEDCBA98, 0x89ABCDEF]
 
 
+def _assert_pairs(regs, pairs, w, dtype, fold):
+    """Each register of ``pairs`` holds (e_i, e_{i+4}) of checkpoint word ``w`` in ``dtype``, times ``fold``."""
+    for i, reg in enumerate(pairs):
+        halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
+        got = halves.view(dtype).double()
+        codes = [(w >> (4 * i)) & 15, (w >> (4 * (i + 4))) & 15]
+        expected = formats.decode_e2m1(torch.tensor(codes)).double() * fold
+        assert torch.equal(got, expected), (hex(w), i, got, expected)
+
+
 @pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16), ids=dtype_name)
 def test_decode_ptx_places_every_code(dtype):
     """The decoders on words covering every code in every position: pair i of a word is (e_i, e_{i+4}), each
@@ -378,12 +388,48 @@ def test_decode_ptx_places_every_code(dtype):
         else:
             emulate_ptx(_mma_step.decode_word_bf16("w", pairs, "t", "u", {m: m for m in mul}), regs)
             fold = 2.0**-126
-        for i, reg in enumerate(pairs):
-            halves = torch.tensor([regs[reg] & 0xFFFF, regs[reg] >> 16], dtype=torch.int32).to(torch.int16)
-            got = halves.view(dtype).double()
-            codes = [(w >> (4 * i)) & 15, (w >> (4 * (i + 4))) & 15]
-            expected = formats.decode_e2m1(torch.tensor(codes)).double() * fold
-            assert torch.equal(got, expected), (hex(w), i, got, expected)
+        _assert_pairs(regs, pairs, w, dtype, fold)
+
+
+@pytest.mark.parametrize("act", ("f16", "bf16", "fp4"))
+def test_native_decode_ptx_places_every_code(act):
+    """The native-order decoders (``_mma_step.decode_native_bf16`` / ``_f16``) on the words of
+    ``test_decode_ptx_places_every_code`` reordered by ``formats.reorder_codes``, with the multipliers a launch
+    passes (``_mma_step.multipliers``): the same pairs (e_i, e_{i+4}) as the checkpoint order's decoders give."""
+    values = _mma_step.multipliers(act, "native")
+    assert values != _mma_step.multipliers(act, "checkpoint")
+    decode = _mma_step.decode_native_bf16 if act == "bf16" else _mma_step.decode_native_f16
+    dtype, fold = (torch.bfloat16, 2.0**-126) if act == "bf16" else (torch.float16, 2.0**-14)
+    words = _words()
+    packed = torch.tensor([[(w >> (8 * j)) & 0xFF for j in range(4)] for w in words], dtype=torch.uint8)
+    native = formats.reorder_codes(packed, "checkpoint", "native")
+    assert torch.equal(formats.reorder_codes(native, "native", "checkpoint"), packed)
+    for w, nb in zip(words, native.tolist()):
+        regs = {"w": int.from_bytes(bytes(nb), "little"), **values}
+        pairs = ("p0", "p1", "p2", "p3")
+        emulate_ptx(decode("w", pairs, "t", "u", {m: m for m in values}), regs)
+        _assert_pairs(regs, pairs, w, dtype, fold)
+
+
+def test_native_code_order_fields():
+    """``formats.reorder_codes`` puts code j of each half-word at ``NATIVE_CODE_FIELDS[j]`` (the definition
+    spelled out on one half-word per code and position), keeps K order across half-words, and refuses an odd
+    number of bytes or an unknown order."""
+    for j, (mag, sign) in enumerate(formats.NATIVE_CODE_FIELDS):
+        for code in range(16):
+            half = torch.tensor([[(code << (4 * j)) & 0xFF, (code << (4 * j)) >> 8]], dtype=torch.uint8)
+            got = formats.reorder_codes(half, "checkpoint", "native")
+            value = int(got[0, 0]) | int(got[0, 1]) << 8
+            assert value == (code & 7) << mag | (code >> 3) << sign, (j, code, hex(value))
+    data = torch.arange(256, dtype=torch.uint8).reshape(2, 2, 64)
+    assert formats.reorder_codes(data[:, :, :32], "native", "native").data_ptr() == data.data_ptr()
+    # A non-contiguous view converts like its copy.
+    assert torch.equal(formats.reorder_codes(data[:, :, 8:40], "checkpoint", "native"),
+                       formats.reorder_codes(data[:, :, 8:40].contiguous(), "checkpoint", "native"))
+    with pytest.raises(ValueError, match="K/2 even"):
+        formats.reorder_codes(data[..., :3], "checkpoint", "native")
+    with pytest.raises(ValueError, match="target: expected one of"):
+        formats.reorder_codes(data, "checkpoint", "kernel")
 
 
 def test_e8m0_ptx_decodes_every_byte():

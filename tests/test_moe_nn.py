@@ -17,6 +17,7 @@ import torch
 import fp4gemv
 from fp4gemv import FP4Tensor
 from fp4gemv.nn import ExpertWeights, FP4Experts, gpt_oss_experts, nvfp4_experts, quantize_experts
+from fp4gemv.nn.moe import EXPERT_CODE_ORDER, _gpt_oss_projection
 from fp4gemv.nn.checkpoints import layer_tensors
 from fp4gemv.nn.linear import FP4Linear
 from operands import random_fp4
@@ -121,7 +122,8 @@ def gpt_oss_checkpoint(fp4: FP4Experts, prefix: str) -> dict:
     for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
         p = fp4.projection(name)
         e, rows, k = p.weight.shape
-        out[f"{prefix}.{key}_blocks"] = p.weight.data.reshape(e, rows, k // 32, 16).clone()
+        data = p.weight.with_code_order("checkpoint").data
+        out[f"{prefix}.{key}_blocks"] = data.reshape(e, rows, k // 32, 16).clone()
         out[f"{prefix}.{key}_scales"] = p.weight.linear_scales().clone()
         out[f"{prefix}.{key}_bias"] = p.bias.clone()
     return out
@@ -145,21 +147,41 @@ def test_linear_scale_rows_are_kept_16_bytes_apart():
                 assert not stored[..., w.scales.shape[-1]:].any(), (hidden, name)
 
 
-def test_gpt_oss_checkpoint_loads_without_copies():
-    """The blocks are viewed as they are; the scales too where their rows are 16 bytes apart, else (K = 64: 2
-    bytes a row, as gpt-oss's 90) they are copied once into rows 16 bytes apart (``layouts.aligned_scale_rows``)."""
+def test_gpt_oss_checkpoint_loads_with_one_copy_of_the_data():
+    """The blocks are viewed as they are, then kept in the experts' code order (``EXPERT_CODE_ORDER``, native: one
+    copy; the checkpoint order keeps the view); the scales are viewed where their rows are 16 bytes apart, else (K =
+    64: 2 bytes a row, as gpt-oss's 90) copied once into rows 16 bytes apart (``layouts.aligned_scale_rows``)."""
     module = random_gpt_oss_experts(tiny_gpt_oss_config(), seed=7)
     fp4 = quantize_experts(module, "mxfp4", backend="triton")
     prefix = "model.layers.0.mlp.experts"
     tensors = gpt_oss_checkpoint(fp4, prefix)
     loaded = gpt_oss_experts(tensors, prefix, backend="triton")
+    assert EXPERT_CODE_ORDER == "native" and loaded.code_order == "native"
+    views = FP4Experts(_gpt_oss_projection(tensors, prefix, "gate_up_proj", None),
+                       _gpt_oss_projection(tensors, prefix, "down_proj", None), code_order="checkpoint",
+                       backend="triton")
     for name, key in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+        blocks = tensors[f"{prefix}.{key}_blocks"]
         w = loaded.projection(name).weight
-        assert w.data.data_ptr() == tensors[f"{prefix}.{key}_blocks"].data_ptr()
+        assert w.code_order == "native" and w.data.data_ptr() != blocks.data_ptr()
+        assert torch.equal(w.with_code_order("checkpoint").data, blocks.reshape(w.data.shape))
+        assert views.projection(name).weight.data.data_ptr() == blocks.data_ptr()
         assert torch.equal(w.scales, tensors[f"{prefix}.{key}_scales"]) and w.scales.stride(-2) == 16
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(8))
     ids, weights = routing(2, 8, 2, seed=9)
     assert torch.equal(loaded(x, ids, weights), fp4(x, ids, weights))
+    assert torch.equal(views(x, ids, weights), fp4(x, ids, weights))
+    # The state dict holds the checkpoint order whatever the module keeps, and load_state_dict takes it.
+    state = loaded.state_dict()
+    for key in ("gate_up", "down"):
+        data = state[f"{key}_data"]
+        assert torch.equal(data, views.state_dict()[f"{key}_data"])
+        assert torch.equal(data, tensors[f"{prefix}.{key}_proj_blocks"].reshape(data.shape))
+    views.load_state_dict(state)
+    native = gpt_oss_experts(tensors, prefix, backend="triton")
+    native.load_state_dict(views.state_dict())
+    assert torch.equal(native.gate_up_data, loaded.gate_up_data)
+    assert torch.equal(native(x, ids, weights), fp4(x, ids, weights))
     bad = dict(tensors)
     bad[f"{prefix}.down_proj_scales"] = bad[f"{prefix}.down_proj_scales"][:, :, :1]
     with pytest.raises(ValueError, match=rf"{prefix}.down_proj_scales: expected uint8 e8m0"):

@@ -96,7 +96,9 @@ def _gpt_oss_expert_tensors(fp4: FP4Experts, prefix: str) -> dict[str, torch.Ten
     for name in ("gate_up", "down"):
         p = fp4.projection(name)
         experts, rows, k = p.weight.shape
-        out[f"{prefix}.{name}_proj_blocks"] = p.weight.data.reshape(experts, rows, k // 32, 16)
+        # The checkpoint's code order, whichever one the module keeps.
+        out[f"{prefix}.{name}_proj_blocks"] = p.weight.with_code_order("checkpoint").data.reshape(experts, rows,
+                                                                                                  k // 32, 16)
         out[f"{prefix}.{name}_proj_scales"] = p.weight.linear_scales().view(torch.uint8)
         out[f"{prefix}.{name}_proj_bias"] = p.bias.to(torch.bfloat16)
     return out
@@ -136,7 +138,8 @@ def _check_gpt_oss_experts(model, tensors, where, dtype=torch.float32, layout="l
             key = f"model.layers.{i}.mlp.experts.{name}_proj"
             p = experts.projection(name)
             assert p.weight.scale_layout == layout and p.global_scales is None and p.weight.global_scale is None
-            assert torch.equal(p.weight.data, tensors[f"{key}_blocks"].reshape(p.weight.data.shape)), (where, key)
+            stored = p.weight.with_code_order("checkpoint").data
+            assert torch.equal(stored, tensors[f"{key}_blocks"].reshape(stored.shape)), (where, key)
             assert torch.equal(p.weight.linear_scales().view(torch.uint8), tensors[f"{key}_scales"]), (where, key)
             assert p.bias.dtype == dtype and torch.equal(p.bias, tensors[f"{key}_bias"].to(dtype)), (where, key)
     # No float tensor of an expert projection's shape exists anywhere in the loaded model.
@@ -318,10 +321,12 @@ def test_qwen3_per_expert_nvfp4_loads_as_fp4_experts(qwen3):
             assert isinstance(experts, FP4Experts) and experts.activation == "silu", where
             key = f"model.layers.{i}.mlp.experts"
             gate_up, down = experts.projection("gate_up"), experts.projection("down")
+            gate_up_data = gate_up.weight.with_code_order("checkpoint").data  # the layers' own code order
+            down_data = down.weight.with_code_order("checkpoint").data
             for e in range(EXPERTS):
                 gate, up = layers[f"{key}.{e}.gate_proj"], layers[f"{key}.{e}.up_proj"]
-                assert torch.equal(gate_up.weight.data[e], torch.cat([gate.weight, up.weight])), (where, key, e)
-                assert torch.equal(down.weight.data[e], layers[f"{key}.{e}.down_proj"].weight), (where, key, e)
+                assert torch.equal(gate_up_data[e], torch.cat([gate.weight, up.weight])), (where, key, e)
+                assert torch.equal(down_data[e], layers[f"{key}.{e}.down_proj"].weight), (where, key, e)
                 assert gate_up.global_scales[e].tolist() == [float(gate.weight_multiplier()),
                                                              float(up.weight_multiplier())]
             assert gate_up.bias is None and down.bias is None
@@ -410,7 +415,7 @@ def test_gpt_oss_loads_onto_cuda_and_runs(gpt_oss):
     model = from_pretrained(directory, device="cuda", dtype=torch.float32)
     experts = model.model.layers[0].mlp.experts
     assert isinstance(experts, FP4Experts) and experts.projection("down").weight.data.device.type == "cuda"
-    assert torch.equal(experts.projection("down").weight.data.cpu(),
+    assert torch.equal(experts.projection("down").weight.with_code_order("checkpoint").data.cpu(),
                        tensors["model.layers.0.mlp.experts.down_proj_blocks"].reshape(EXPERTS, 64, 32))
     prompt = _prompt("cuda")
     reference = copy.deepcopy(reference).to("cuda")

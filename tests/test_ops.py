@@ -374,14 +374,19 @@ def test_custom_ops_pass_opcheck():
 
     w, x = _fp4(2, 128, 64, global_scale=0.5), _x(2, 3, 64)
     b = _fp4(2, 1, 64, seed=2, layout="swizzled")
-    float_args = (w.data, w.scales, w.global_scale, x, None, None, "nvfp4", "linear", "")
-    fp4_args = (w.data, w.scales, w.global_scale, b.data, b.scales, None, "nvfp4", "linear", "swizzled")
-    grad_args = (w.data, w.scales, w.global_scale, x.clone().requires_grad_(), None, None, "nvfp4", "linear", "")
-    for args in (float_args, fp4_args, grad_args):
+    orders = ("checkpoint", "checkpoint")
+    float_args = (w.data, w.scales, w.global_scale, x, None, None, "nvfp4", "linear", "", *orders)
+    fp4_args = (w.data, w.scales, w.global_scale, b.data, b.scales, None, "nvfp4", "linear", "swizzled", *orders)
+    grad_args = (w.data, w.scales, w.global_scale, x.clone().requires_grad_(), None, None, "nvfp4", "linear", "",
+                 *orders)
+    native = w.with_code_order("native")
+    native_args = (native.data, native.scales, native.global_scale, x.clone().requires_grad_(), None, None, "nvfp4",
+                   "linear", "", "native", "checkpoint")
+    for args in (float_args, fp4_args, grad_args, native_args):
         result = opcheck(torch.ops.fp4gemv.gemv.default, (*args, torch.float32, "auto", None, None))
         assert set(result.values()) == {"SUCCESS"}, result
     result = opcheck(torch.ops.fp4gemv.dequantize.default, (b.data, b.scales, None, "nvfp4", "swizzled",
-                                                            torch.bfloat16))
+                                                            "checkpoint", torch.bfloat16))
     assert set(result.values()) == {"SUCCESS"}, result
     out = torch.empty(2, 128, 3, dtype=torch.float16)
     result = opcheck(torch.ops.fp4gemv.gemv_out.default, (*float_args, out, "auto", None, None))

@@ -24,6 +24,9 @@ __all__ = [
     "encode_e2m1",
     "pack_e2m1",
     "unpack_e2m1",
+    "CODE_ORDERS",
+    "NATIVE_CODE_FIELDS",
+    "reorder_codes",
     "decode_e4m3",
     "encode_e4m3",
     "decode_e8m0",
@@ -132,6 +135,62 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """Unpack bytes ``[..., K/2]`` (uint8 or float4_e2m1fn_x2) into e2m1 codes ``[..., K]``."""
     p = as_uint8(packed)
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
+
+
+# The orders of the e2m1 codes in packed bytes.  "checkpoint": element 2i in the low nibble of byte i, as files and
+# the GPU MODE task store them.  "native": the same bytes with the bits of each 16-bit half-word (4 codes, the
+# low byte first) permuted so that the tensor-core kernels' bf16 decode takes 10 instructions a 32-bit word where
+# the checkpoint's takes 13 (``kernels._mma_step.decode_native_bf16``; docs/performance.md, round 18): code j of
+# a half-word keeps its magnitude (3 bits) and sign at the bits ``NATIVE_CODE_FIELDS[j]``.  Codes stay in their
+# half-word, so K order, blocks and scales are the checkpoint's.
+CODE_ORDERS = ("checkpoint", "native")
+NATIVE_CODE_FIELDS = ((6, 15), (3, 12), (0, 14), (9, 13))  # code j: (lowest magnitude bit, sign bit)
+
+
+def _half_word_table(to_native: bool) -> torch.Tensor:
+    """The 65536 half-words mapped from the checkpoint order to the native one (or back), int64 (index: the
+    half-word as an unsigned number, its low byte the first)."""
+    u = torch.arange(1 << 16, dtype=torch.int64)
+    checkpoint, native = u, torch.zeros_like(u)
+    for j, (mag, sign) in enumerate(NATIVE_CODE_FIELDS):
+        native |= ((u >> (4 * j)) & 7) << mag | ((u >> (4 * j + 3)) & 1) << sign
+    table = torch.empty_like(u)
+    if to_native:
+        table[checkpoint] = native
+    else:
+        table[native] = checkpoint
+    return table
+
+
+_HALF_WORD_TABLES: dict[bool, torch.Tensor] = {}
+
+
+def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
+    """Packed e2m1 bytes ``[..., K/2]`` (K/2 even) in code order ``source`` as a new contiguous uint8 tensor in
+    ``target`` (``CODE_ORDERS``), on data's device; ``data`` itself (as uint8) when the orders agree.  One table
+    lookup per 16-bit half-word (the bytes viewed as little-endian int16, as x86, Arm and NVIDIA GPUs store them),
+    in slices of 16 M half-words so that the int32 indices stay small beside the result (about 0.4 GB/s on one
+    CPU core)."""
+    for name, order in (("source", source), ("target", target)):
+        if order not in CODE_ORDERS:
+            raise ValueError(f"{name}: expected one of {CODE_ORDERS}, got {order!r}")
+    d = as_uint8(data)
+    if source == target:
+        return d
+    if d.dim() < 1 or d.shape[-1] % 2:
+        raise ValueError(f"data: expected [..., K/2] bytes with K/2 even (whole 16-bit half-words), got shape "
+                         f"{tuple(d.shape)}")
+    to_native = target == "native"
+    if to_native not in _HALF_WORD_TABLES:
+        _HALF_WORD_TABLES[to_native] = _half_word_table(to_native).to(torch.int16)  # wraps to the same 16 bits
+    table = _HALF_WORD_TABLES[to_native].to(d.device)
+    d = d.contiguous() if d.storage_offset() % 2 == 0 else d.clone()  # whole half-words in memory
+    halves = d.view(torch.int16).reshape(-1)
+    out = torch.empty_like(halves)
+    step = 1 << 24
+    for r in range(0, halves.numel(), step):
+        torch.index_select(table, 0, halves[r:r + step].to(torch.int32) & 0xFFFF, out=out[r:r + step])
+    return out.view(torch.uint8).view(d.shape)
 
 
 def decode_e4m3(raw: torch.Tensor) -> torch.Tensor:

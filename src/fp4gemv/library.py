@@ -58,10 +58,11 @@ gemv.__doc__ = ops.gemv.__doc__ + """
 quantize.__doc__ = eager_quantize.__doc__
 
 
-def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout):
-    a = FP4Tensor(a_data, a_scales, fmt, a_layout, a_global_scale)
+def _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, a_order,
+              b_order):
+    a = FP4Tensor(a_data, a_scales, fmt, a_layout, a_global_scale, a_order)
     if b_scales is not None:
-        b = FP4Tensor(b, b_scales, fmt, b_layout, b_global_scale)
+        b = FP4Tensor(b, b_scales, fmt, b_layout, b_global_scale, b_order)
     return a, b
 
 
@@ -88,9 +89,10 @@ def _config_list(kernel: str | None, config) -> list[int] | None:
 def _gemv_op(
     a_data: torch.Tensor, a_scales: torch.Tensor, a_global_scale: torch.Tensor | None, b: torch.Tensor,
     b_scales: torch.Tensor | None, b_global_scale: torch.Tensor | None, fmt: str, a_layout: str, b_layout: str,
-    out_dtype: torch.dtype, backend: str, kernel: str | None, config: list[int] | None,
+    a_order: str, b_order: str, out_dtype: torch.dtype, backend: str, kernel: str | None, config: list[int] | None,
 ) -> torch.Tensor:
-    a, b = _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout)
+    a, b = _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, a_order,
+                     b_order)
     return ops.gemv(a, b, out_dtype=out_dtype, backend=backend, kernel=kernel, config=_config(kernel, config))
 
 
@@ -98,9 +100,10 @@ def _gemv_op(
 def _gemv_out_op(
     a_data: torch.Tensor, a_scales: torch.Tensor, a_global_scale: torch.Tensor | None, b: torch.Tensor,
     b_scales: torch.Tensor | None, b_global_scale: torch.Tensor | None, fmt: str, a_layout: str, b_layout: str,
-    out: torch.Tensor, backend: str, kernel: str | None, config: list[int] | None,
+    a_order: str, b_order: str, out: torch.Tensor, backend: str, kernel: str | None, config: list[int] | None,
 ) -> None:
-    a, b = _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout)
+    a, b = _operands(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, a_order,
+                     b_order)
     ops.gemv(a, b, out=out, out_dtype=out.dtype, backend=backend, kernel=kernel, config=_config(kernel, config))
 
 
@@ -112,14 +115,14 @@ def _fake_shape(a_data: torch.Tensor, b: torch.Tensor, b_scales: torch.Tensor | 
 
 
 @_gemv_op.register_fake
-def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, out_dtype, backend,
-      kernel, config):
+def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, a_order, b_order,
+      out_dtype, backend, kernel, config):
     return a_data.new_empty(_fake_shape(a_data, b, b_scales), dtype=out_dtype)
 
 
 @_gemv_out_op.register_fake
-def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, out, backend,
-      kernel, config):
+def _(a_data, a_scales, a_global_scale, b, b_scales, b_global_scale, fmt, a_layout, b_layout, a_order, b_order, out,
+      backend, kernel, config):
     return None
 
 
@@ -134,7 +137,8 @@ def _custom_op_gemv(a, b, out, out_dtype, backend, kernel, config) -> torch.Tens
     the copy) when there is no out or a gradient is to flow, else ``fp4gemv::gemv_out``."""
     fp4 = isinstance(b, FP4Tensor)
     args = (a.data, a.scales, a.global_scale, b.data if fp4 else b, b.scales if fp4 else None,
-            b.global_scale if fp4 else None, a.fmt.name, a.scale_layout, b.scale_layout if fp4 else "")
+            b.global_scale if fp4 else None, a.fmt.name, a.scale_layout, b.scale_layout if fp4 else "",
+            a.code_order, b.code_order if fp4 else "checkpoint")
     options = (backend, kernel, _config_list(kernel, config))
     if out is None:
         return torch.ops.fp4gemv.gemv(*args, out_dtype, *options)
@@ -161,27 +165,27 @@ def _differentiable_gemv(a, b, *, out, out_dtype, backend, kernel, config) -> to
 
 @torch.library.custom_op("fp4gemv::dequantize", mutates_args=())
 def _dequantize_op(data: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor | None, fmt: str,
-                   scale_layout: str, dtype: torch.dtype) -> torch.Tensor:
-    return dequantize(FP4Tensor(data, scales, fmt, scale_layout, global_scale), dtype)
+                   scale_layout: str, code_order: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(FP4Tensor(data, scales, fmt, scale_layout, global_scale, code_order), dtype)
 
 
 @_dequantize_op.register_fake
-def _(data, scales, global_scale, fmt, scale_layout, dtype):
+def _(data, scales, global_scale, fmt, scale_layout, code_order, dtype):
     return data.new_empty((*data.shape[:-1], 2 * data.shape[-1]), dtype=dtype)
 
 
 def _gemv_setup_context(ctx, inputs, output) -> None:
     a_data, a_scales, a_global_scale, b = inputs[:4]
-    fmt, a_layout = inputs[6], inputs[7]
+    fmt, a_layout, a_order = inputs[6], inputs[7], inputs[9]
     ctx.save_for_backward(a_data, a_scales, a_global_scale)
-    ctx.weight_format = (fmt, a_layout)
+    ctx.weight_format = (fmt, a_layout, a_order)
     ctx.b_dims, ctx.b_dtype = b.dim(), b.dtype
 
 
 def _gemv_backward(ctx, grad: torch.Tensor):
     """db = dy^T @ W for a float b (``[L?, N, K]`` or ``[K]``), summed over a batch b was broadcast along; no
     gradient for anything else (the FP4 weight is frozen; FP4 activations have none)."""
-    grads = [None] * 13
+    grads = [None] * 15
     if ctx.needs_input_grad[3]:
         a_data, a_scales, a_global_scale = ctx.saved_tensors
         weight = torch.ops.fp4gemv.dequantize(a_data, a_scales, a_global_scale, *ctx.weight_format, torch.float32)
@@ -235,11 +239,11 @@ def _traced_quantize(x, fmt, scale_layout, global_scale, backend, check_values, 
 def _moe_gemv_op(
     w_data: torch.Tensor, w_scales: torch.Tensor, w_global_scale: torch.Tensor | None, x: torch.Tensor,
     expert_ids: torch.Tensor, bias: torch.Tensor | None, global_scales: torch.Tensor | None, fmt: str,
-    scale_layout: str, out_dtype: torch.dtype, backend: str, check_values: bool, kernel: str | None,
-    config: list[int] | None, activation: str | None, alpha: float | None, limit: float | None,
+    scale_layout: str, code_order: str, out_dtype: torch.dtype, backend: str, check_values: bool,
+    kernel: str | None, config: list[int] | None, activation: str | None, alpha: float | None, limit: float | None,
     pair_weights: torch.Tensor | None,
 ) -> torch.Tensor:
-    w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale)
+    w = FP4Tensor(w_data, w_scales, fmt, scale_layout, w_global_scale, code_order)
     # No id check inside a traced graph (it would sync): ids outside [0, E) give zeros (fp4gemv.moe).  Global
     # scales are read when asked, as eagerly (a sync where the op runs).
     return moe.moe_gemv(w, x, expert_ids, bias=bias, global_scales=global_scales, out_dtype=out_dtype,
@@ -249,8 +253,8 @@ def _moe_gemv_op(
 
 
 @_moe_gemv_op.register_fake
-def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, out_dtype, backend,
-      check_values, kernel, config, activation, alpha, limit, pair_weights):
+def _(w_data, w_scales, w_global_scale, x, expert_ids, bias, global_scales, fmt, scale_layout, code_order, out_dtype,
+      backend, check_values, kernel, config, activation, alpha, limit, pair_weights):
     rows = w_data.shape[1] // 2 if activation is not None else w_data.shape[1]
     return x.new_empty((expert_ids.shape[0], expert_ids.shape[1], rows), dtype=out_dtype)
 
@@ -270,7 +274,8 @@ def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_d
                                                  pair_weights=pair_weights)
     moe.refuse_gradients(x, bias, global_scales, pair_weights)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
-                                        w.fmt.name, w.scale_layout, out_dtype, backend, check_values, kernel,
+                                        w.fmt.name, w.scale_layout, w.code_order, out_dtype, backend, check_values,
+                                        kernel,
                                         _config_list(kernel, config), activation, alpha, limit, pair_weights)
     if out is None:
         return result

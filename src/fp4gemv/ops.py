@@ -221,6 +221,7 @@ def _fp4_meta(t, data: torch.Tensor, scales: torch.Tensor) -> FP4Meta:
         scale_align=alignment(scales, tuple(addressing[:4])), has_global_scale=t.global_scale is not None,
         scale_tile_align=alignment(scales, (addressing.batch, addressing.r32 if t.scale_layout == "linear"
                                             else addressing.row_tile)),
+        code_order=t.code_order,
     )
 
 
@@ -377,7 +378,7 @@ def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[t
     if type(b) is FP4Tensor:
         bd, bs, bg = b.data, b.scales, b.global_scale
         pb, pbs, pbg = bd.data_ptr(), bs.data_ptr(), 0 if bg is None else bg.data_ptr()
-        bk = (b.fmt, b.scale_layout, bd.shape, bd.stride(), bs.stride(), bg is None,
+        bk = (b.fmt, b.scale_layout, b.code_order, bd.shape, bd.stride(), bs.stride(), bg is None,
               bd.get_device() if cuda else bd.device)
     elif isinstance(b, torch.Tensor):
         pb, pbs, pbg = b.data_ptr(), 0, 0
@@ -392,7 +393,7 @@ def _key_and_addresses(a, b, out, out_dtype, backend, kernel, config) -> tuple[t
         return None, None
     where = torch.cuda.current_device() if cuda else interpreting()
     align = (pa & 15, ps & 15, pg & 15, pb & 15, pbs & 15, pbg & 15, po & 15)
-    key = (a.fmt, a.scale_layout, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
+    key = (a.fmt, a.scale_layout, a.code_order, ad.shape, ad.stride(), asc.stride(), ag is None, device, bk, ok, align,
            out_dtype, backend, kernel, type(config), config, where)
     return key, (pa, ps, pb, po, pbs, pg, pbg)  # GemvAddresses' order; a plain tuple is faster to make
 

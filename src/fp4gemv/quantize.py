@@ -231,9 +231,12 @@ def dequantize(
     ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``formats.round_from_float64``).
     ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
     picks one).  Returns a new contiguous tensor, outside autograd on every backend (an FP4 tensor is frozen).
+    Codes in the native order are first put back in the checkpoint's (``FP4Tensor.with_code_order``: a copy of
+    the packed bytes, an eighth of a bf16 result's).
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
+    t = t.with_code_order("checkpoint")
     if dtype not in (*_OUTPUT_DTYPES, torch.float64):
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
     resolved = _resolve_backend(backend, t.device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import layouts
-from .formats import FP4Format, dequantize, round_from_float64
+from .formats import FP4Format, dequantize, reorder_codes, round_from_float64
 
 __all__ = ["gemv_reference", "fp4_values", "quantized_gemv_reference", "routed_gemv_reference", "routed_epilogue",
            "moe_activation", "gate_up_halves", "MOE_ACTIVATIONS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "route_reference",
@@ -39,10 +39,11 @@ def gemv_reference(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = to
 
 
 def fp4_values(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Format, scale_layout: str,
-               global_scale: torch.Tensor | None) -> torch.Tensor:
-    """The exact float64 values ``[..., R, K]`` of packed e2m1 ``data`` ``[..., R, K/2]`` with block ``scales``
-    in ``scale_layout`` (``"linear"`` ``[..., R, K/bs]`` or ``"swizzled"`` ``[..., R_p * C_p]``), times
-    ``global_scale`` when given: an FP4Tensor's fields."""
+               global_scale: torch.Tensor | None, code_order: str = "checkpoint") -> torch.Tensor:
+    """The exact float64 values ``[..., R, K]`` of packed e2m1 ``data`` ``[..., R, K/2]`` (codes in ``code_order``,
+    ``formats.reorder_codes``) with block ``scales`` in ``scale_layout`` (``"linear"`` ``[..., R, K/bs]`` or
+    ``"swizzled"`` ``[..., R_p * C_p]``), times ``global_scale`` when given: an FP4Tensor's fields."""
+    data = reorder_codes(data, code_order, "checkpoint")
     if scale_layout == "swizzled":
         scales = layouts.unswizzle_scales(scales, data.shape[-2], 2 * data.shape[-1] // fmt.block_size)
     return dequantize(data, scales, fmt, global_scale, torch.float64)
@@ -52,16 +53,16 @@ def quantized_gemv_reference(a, b, out_dtype: torch.dtype = torch.float16) -> to
     """The exact result of ``fp4gemv.gemv(a, b)``: both operands in float64, then :func:`gemv_reference`.
 
     a: an FP4Tensor ``[L?, M, K]`` (read through its fields ``data``, ``scales``, ``fmt``, ``scale_layout``,
-    ``global_scale``), dequantized exactly.  b: an FP4Tensor ``[L?, N, K]`` likewise, or a float tensor
+    ``global_scale``, ``code_order``), dequantized exactly.  b: an FP4Tensor ``[L?, N, K]`` likewise, or a float tensor
     ``[L?, N, K]`` or ``[K]`` taken as given.  Batch dimensions broadcast as in ``torch.matmul``.  Returns
     ``[L?, M, N]`` (``[L?, M]`` for a ``[K]`` vector) in ``out_dtype``, rounded once;
     ``out_dtype=torch.float64`` gives the exact value itself.
     """
-    a_values = fp4_values(a.data, a.scales, a.fmt, a.scale_layout, a.global_scale)
+    a_values = fp4_values(a.data, a.scales, a.fmt, a.scale_layout, a.global_scale, a.code_order)
     if isinstance(b, torch.Tensor):
         b_values = b.to(torch.float64)
     else:
-        b_values = fp4_values(b.data, b.scales, b.fmt, b.scale_layout, b.global_scale)
+        b_values = fp4_values(b.data, b.scales, b.fmt, b.scale_layout, b.global_scale, b.code_order)
     if b_values.dim() == 1:
         return gemv_reference(a_values, b_values[None, :], out_dtype)[..., 0]
     return gemv_reference(a_values, b_values, out_dtype)
@@ -114,13 +115,13 @@ def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Form
                           bias: torch.Tensor | None = None, global_scales: torch.Tensor | None = None,
                           out_dtype: torch.dtype = torch.float16, activation: str | None = None,
                           alpha: float = 0.0, limit: float = 0.0,
-                          pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+                          pair_weights: torch.Tensor | None = None, code_order: str = "checkpoint") -> torch.Tensor:
     """The exact result of ``fp4gemv.moe_gemv``: ``out[t, j] = W[e] @ x[t] (+ bias[e])`` for ``e = ids[t, j]``, in
     float64, then :func:`routed_epilogue` in float64 (``activation``, ``pair_weights``), rounded once to
     ``out_dtype`` (``torch.float64``: the exact value); pairs with an id outside ``[0, E)`` give zeros.
 
-    data, scales, fmt, scale_layout, global_scale: the experts ``[E, M, K]`` as an FP4Tensor's fields (one global
-    scale for all); global_scales: ``[E]``, one per expert, or ``[E, 2]`` with an activation (gate's, up's);
+    data, scales, fmt, scale_layout, global_scale, code_order: the experts ``[E, M, K]`` as an FP4Tensor's fields
+    (one global scale for all); global_scales: ``[E]``, one per expert, or ``[E, 2]`` with an activation (gate's, up's);
     x ``[T, K]``; expert_ids ``[T, k]``; bias ``[E, M]``.  Only the experts named are dequantized.  Returns
     ``[T, k, M]`` (``[T, k, M / 2]`` with an activation).
     """
@@ -132,7 +133,7 @@ def routed_gemv_reference(data: torch.Tensor, scales: torch.Tensor, fmt: FP4Form
         if not 0 <= e < experts:
             continue
         tokens, slots = (expert_ids == e).nonzero(as_tuple=True)
-        w_e = fp4_values(data[e], scales[e], fmt, scale_layout, global_scale)
+        w_e = fp4_values(data[e], scales[e], fmt, scale_layout, global_scale, code_order)
         if global_scales is not None and half_scales is None:
             w_e = w_e * global_scales[e].to(torch.float64)
         result[tokens, slots] = x64[tokens] @ w_e.T

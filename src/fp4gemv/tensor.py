@@ -8,6 +8,9 @@ tensor built from another library's buffers, or from the GPU MODE task's operand
   in one of two layouts (``fp4gemv.layouts``): ``"linear"`` ``[L?, R, K/bs]``, or ``"swizzled"``
   ``[L?, R_p * C_p]``, the 128x4 cuBLAS/CUTLASS swizzle with rows padded to 128 and scale columns to 4.
 * ``global_scale``: an optional fp32 scalar that multiplies every value (NVFP4's per-tensor scale).
+* ``code_order``: how the codes sit in the bytes (``formats.CODE_ORDERS``): ``"checkpoint"`` as above, or
+  ``"native"``, the bits of each 16-bit half-word permuted for the tensor-core kernels' shorter decode
+  (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode it refuse it by name.
 
 Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.  The container calls
 no op: ``fp4gemv.quantize`` makes one from floats, ``fp4gemv.dequantize`` turns one back into floats.
@@ -83,12 +86,14 @@ class FP4Tensor:
             a positive normal float32 (as ``quantize`` requires): a number is always checked, a tensor's value
             only with ``check_values=True`` (reading it synchronises the device, and the op layer builds
             FP4Tensors on every call).
+        code_order: ``"checkpoint"`` (element 2i in the low nibble of byte i) or ``"native"``
+            (``formats.reorder_codes``): what the bytes of ``data`` hold.
 
     Tensors are kept as given (viewed as uint8, never copied); the attributes cannot be rebound afterwards.
     Raises TypeError / ValueError naming the argument, the expected and the actual.
     """
 
-    __slots__ = ("data", "scales", "fmt", "scale_layout", "global_scale")
+    __slots__ = ("data", "scales", "fmt", "scale_layout", "global_scale", "code_order")
 
     def __init__(
         self,
@@ -97,6 +102,7 @@ class FP4Tensor:
         fmt: str | formats.FP4Format = "nvfp4",
         scale_layout: ScaleLayout = "linear",
         global_scale: float | torch.Tensor | None = None,
+        code_order: str = "checkpoint",
         *,
         check_values: bool = False,
     ) -> None:
@@ -114,6 +120,8 @@ class FP4Tensor:
             )
         if scale_layout not in SCALE_LAYOUTS:
             raise ValueError(f"scale_layout: expected 'linear' or 'swizzled', got {scale_layout!r}")
+        if code_order not in formats.CODE_ORDERS:
+            raise ValueError(f"code_order: expected one of {formats.CODE_ORDERS}, got {code_order!r}")
         _check_tensor("scales", scales, (torch.uint8, fmt.scale_dtype))
         *batch, rows, _ = data.shape
         cols = k // fmt.block_size
@@ -140,6 +148,7 @@ class FP4Tensor:
         init(self, "fmt", fmt)
         init(self, "scale_layout", scale_layout)
         init(self, "global_scale", checked_global_scale(global_scale, data.device, check_values))
+        init(self, "code_order", code_order)
 
     def __setattr__(self, name, value):
         raise AttributeError(f"FP4Tensor is immutable: make a new one instead of setting {name!r}")
@@ -171,14 +180,16 @@ class FP4Tensor:
         # Rebuilt through the constructor from plain tensors and strings, so that
         # ``torch.load(weights_only=True)`` can load it once the class is allowlisted (below) and a
         # loaded tensor is validated like a constructed one.
-        return (FP4Tensor, (self.data, self.scales, self.fmt.name, self.scale_layout, self.global_scale))
+        return (FP4Tensor, (self.data, self.scales, self.fmt.name, self.scale_layout, self.global_scale,
+                            self.code_order))
 
     def __repr__(self) -> str:
         g = self.global_scale
         gs = "None" if g is None else "(meta)" if g.device.type == "meta" else f"{g.item():g}"
         return (
             f"FP4Tensor(shape={tuple(self.shape)}, fmt={self.fmt.name!r}, scale_layout={self.scale_layout!r}, "
-            f"global_scale={gs}, device={self.device})"
+            f"global_scale={gs}, device={self.device}"
+            + (f", code_order={self.code_order!r})" if self.code_order != "checkpoint" else ")")
         )
 
     # --- conversions ---------------------------------------------------------------------------------------
@@ -196,7 +207,17 @@ class FP4Tensor:
         if scale_layout == self.scale_layout:
             return self
         scales = layouts.swizzle_scales(self.scales) if scale_layout == "swizzled" else self.linear_scales()
-        return FP4Tensor(self.data, scales, self.fmt, scale_layout, self.global_scale)
+        return FP4Tensor(self.data, scales, self.fmt, scale_layout, self.global_scale, self.code_order)
+
+    def with_code_order(self, code_order: str) -> FP4Tensor:
+        """The same values with codes in ``code_order`` (``formats.CODE_ORDERS``): this tensor when already so,
+        else one with a reordered copy of the data (``formats.reorder_codes``) and the same scales."""
+        if code_order not in formats.CODE_ORDERS:
+            raise ValueError(f"code_order: expected one of {formats.CODE_ORDERS}, got {code_order!r}")
+        if code_order == self.code_order:
+            return self
+        data = formats.reorder_codes(self.data, self.code_order, code_order)
+        return FP4Tensor(data, self.scales, self.fmt, self.scale_layout, self.global_scale, code_order)
 
     def to(self, device: str | torch.device) -> FP4Tensor:
         """A copy on ``device`` (or this tensor when already there); bytes are copied as they are.  ValueError /
@@ -215,7 +236,8 @@ class FP4Tensor:
         if device == self.device:
             return self
         gs = None if self.global_scale is None else self.global_scale.to(device)
-        return FP4Tensor(self.data.to(device), self.scales.to(device), self.fmt, self.scale_layout, gs)
+        return FP4Tensor(self.data.to(device), self.scales.to(device), self.fmt, self.scale_layout, gs,
+                         self.code_order)
 
     def first_rows(self, n: int) -> FP4Tensor:
         """The first ``n`` rows, without a copy.
@@ -230,7 +252,8 @@ class FP4Tensor:
         else:
             rows_p, cols_p = layouts.padded_scale_shape(n, self.k // self.fmt.block_size)
             scales = self.scales[..., : rows_p * cols_p]
-        return FP4Tensor(self.data[..., :n, :], scales, self.fmt, self.scale_layout, self.global_scale)
+        return FP4Tensor(self.data[..., :n, :], scales, self.fmt, self.scale_layout, self.global_scale,
+                         self.code_order)
 
     # --- constructors --------------------------------------------------------------------------------------
 

@@ -81,7 +81,7 @@ def _deferred(spec: KernelSpec, case: GemvCase | MoeCase, target: Target,
     None."""
     for rule in DEFERRALS:
         if rule.kernel == spec.name and rule.when(case) \
-                and kernel_by_name(rule.to, kernels).why_not(case, target) is None:
+                and kernel_by_name(rule.to, kernels).refusal(case, target) is None:
             return rule.why
     return None
 
@@ -93,13 +93,13 @@ def choose_kernel(case: GemvCase | MoeCase, target: Target, kernel: str | None =
     ValueError with every spec's reason otherwise."""
     if kernel is not None:
         spec = kernel_by_name(kernel, kernels)
-        reason = spec.why_not(case, target)
+        reason = spec.refusal(case, target)
         if reason is not None:
             raise ValueError(f"kernel: {kernel!r} cannot run {case.describe()} on {target.describe()}: {reason}")
         return spec
     reasons = []
     for spec in kernels:
-        reason = spec.why_not(case, target)
+        reason = spec.refusal(case, target)
         if reason is None:
             reason = _deferred(spec, case, target, kernels)
             if reason is None:

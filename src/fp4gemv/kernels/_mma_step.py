@@ -29,8 +29,9 @@ from typing import NamedTuple
 
 from ._ptx import AsmOperands, PtxBlock, decode_word_f16
 
-__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_bf16",
-           "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS"]
+__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_bf16", "decode_native_bf16",
+           "decode_native_f16", "multipliers", "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS",
+           "NATIVE_PAIR_MULTIPLIERS"]
 
 MODES = ("fold", "k32", "split")
 # NVFP4 x bf16, fold: the e4m3 scale times 2^119 keeps weight x scale (v * s * 2^-126 * 2^119) a normal bf16.
@@ -45,6 +46,12 @@ BF16_ACTIVATION_BIAS = 64
 # it turns them into shifts and LEA on the ALU pipe, which the decode already fills (64 lanes per cycle per SM
 # against the FMA pipe's 128).
 MULTIPLIERS = {"mp0": 2**6 + 2**12, "mp1": 2**2 + 2**8, "m24": 2**24, "m29": 2**29}
+# The weights' code orders a step decodes (``formats.CODE_ORDERS``): the checkpoint's (code i of a 32-bit word at
+# bits 4 i) and the kernel-native one (``formats.to_native_codes``: per 16-bit half, pair 0's magnitude at bits 6-8
+# and sign at 15, pair 1's at 3-5 and 12, pair 2's at 0-2 and 14, pair 3's at 9-11 and 13), where the bf16 decode
+# takes 10 instructions a word against 13 (docs/performance.md, round 18).  The pair multipliers mp0, mp1 depend on
+# the order and the 16-bit float (``multipliers``).
+NATIVE_PAIR_MULTIPLIERS = {"bf16": (2**6 + 2**1, 2**2 + 2**8), "f16": (2**6 + 2**3, 2**9 + 2**1)}
 _E8M0_ZERO = "0f00400000"  # 2^-127, the value of e8m0 byte 0 (an fp32 subnormal)
 
 
@@ -52,7 +59,8 @@ class StepSpec(NamedTuple):
     """What one compiled step does.  ``fmt``: 'nvfp4' or 'mxfp4'; ``act``: 'f16', 'bf16' or 'fp4' (the
     weights' format); ``mode``: one of ``MODES``; ``tiles``: m16 tiles per warp; ``chunks``: 128-element K
     chunks per warp and step; ``n_tiles``: 1 or 2; ``sfa_col_tile`` / ``sfb_col_tile``: the scale layouts'
-    column-tile strides (4 linear, 512 swizzled); ``tail``: the last, partial step (loads masked by K)."""
+    column-tile strides (4 linear, 512 swizzled); ``tail``: the last, partial step (loads masked by K);
+    ``order``: the weights' code order (``formats.CODE_ORDERS``; FP4 activations are in the checkpoint's)."""
 
     fmt: str
     act: str
@@ -63,6 +71,7 @@ class StepSpec(NamedTuple):
     sfa_col_tile: int
     sfb_col_tile: int
     tail: bool
+    order: str = "checkpoint"
 
 
 def fold_exponent(fmt: str, act: str, mode: str) -> int:
@@ -93,6 +102,47 @@ def decode_word_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str
         lines += [f"and.b32 {t}, {src}, {(0x000F000F, 0x00F000F0)[i % 2]:#010x};",
                   f"mul.lo.u32 {t}, {t}, {mul[k]};", f"and.b32 {p}, {t}, 0x81C081C0;"]
     return lines
+
+
+def multipliers(act: str, order: str) -> dict[str, int]:
+    """The values of ``MULTIPLIERS`` a step decoding ``order`` weights for ``act`` activations passes (kernel
+    arguments, in ``MULTIPLIERS``' order): the pair multipliers of the native decodes, the checkpoint's otherwise."""
+    if order == "checkpoint":
+        return dict(MULTIPLIERS)
+    mp0, mp1 = NATIVE_PAIR_MULTIPLIERS["f16" if act in ("f16", "fp4") else "bf16"]
+    return {**MULTIPLIERS, "mp0": mp0, "mp1": mp1}
+
+
+def decode_native_bf16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, mul: dict[str, str]) -> list[str]:
+    """``decode_word_bf16`` for a word in the native code order (``NATIVE_PAIR_MULTIPLIERS``): pair 0 is a mask;
+    pair 1 a shift by 3 and a mask; pair 2 (magnitude at bits 0-2, sign at 14) a mask, a multiplication by
+    2^6 + 2^1 (``mul['mp0']``: the copies at bits 6-8 and 15 fall on disjoint bits, as in ``decode_word_bf16``) and
+    a mask; pair 3 (magnitude at 9-11, sign at 13) a mask and a ``mul.hi`` by 2^29 (a shift right by 3) for the
+    magnitude, a shift left by 2 for the sign and one ``lop3``: 10 instructions a word."""
+    p0, p1, p2, p3 = pairs
+    return [f"and.b32 {p0}, {word}, 0x81C081C0;",
+            f"shl.b32 {t}, {word}, 3;", f"and.b32 {p1}, {t}, 0x81C081C0;",
+            f"and.b32 {t}, {word}, 0x40074007;", f"mul.lo.u32 {t}, {t}, {mul['mp0']};",
+            f"and.b32 {p2}, {t}, 0x81C081C0;",
+            f"and.b32 {t}, {word}, 0x0E000E00;", f"mul.hi.u32 {t}, {t}, {mul['m29']};", f"shl.b32 {u}, {word}, 2;",
+            f"lop3.b32 {p3}, {t}, {u}, 0x80008000, 0xF8;"]
+
+
+def decode_native_f16(word: str, pairs: tuple[str, str, str, str], t: str, u: str, mul: dict[str, str]) -> list[str]:
+    """The fp16 pairs (``_ptx.decode_word_f16``'s ``sign << 15 | code << 9``) of a word in the native code order:
+    pair 0 the magnitude masked and shifted by 3 and the sign or-ed in place (``lop3``); pair 1 (magnitude at 3-5,
+    sign at 12) a mask, a multiplication by 2^6 + 2^3 (``mul['mp0']``) and a mask; pair 2 (0-2, 14) the same with
+    2^9 + 2^1 (``mul['mp1']``); pair 3 (magnitude in place at 9-11, sign at 13) a mask, a shift by 2 and a ``lop3``:
+    12 instructions a word."""
+    p0, p1, p2, p3 = pairs
+    return [f"and.b32 {t}, {word}, 0x01C001C0;", f"shl.b32 {t}, {t}, 3;",
+            f"lop3.b32 {p0}, {t}, {word}, 0x80008000, 0xF8;",
+            f"and.b32 {t}, {word}, 0x10381038;", f"mul.lo.u32 {t}, {t}, {mul['mp0']};",
+            f"and.b32 {p1}, {t}, 0x8E008E00;",
+            f"and.b32 {t}, {word}, 0x40074007;", f"mul.lo.u32 {t}, {t}, {mul['mp1']};",
+            f"and.b32 {p2}, {t}, 0x8E008E00;",
+            f"and.b32 {t}, {word}, 0x0E000E00;", f"shl.b32 {u}, {word}, 2;",
+            f"lop3.b32 {p3}, {t}, {u}, 0x80008000, 0xF8;"]
 
 
 def _f32_hex(x: float) -> str:
@@ -189,11 +239,17 @@ class _Step(PtxBlock):
         self.emit(f"mov.b32 {bias}, {(127 + BF16_ACTIVATION_BIAS) * 0x00800080:#010x};")  # (2^64, 2^64)
         self.emit(*(f"mul.rn.bf16x2 {p}, {p}, {bias};" for p in pairs))
 
-    def decode(self, word: str, prefix: str) -> list[str]:
+    def decode(self, word: str, prefix: str, weights: bool = True) -> list[str]:
+        """The pairs (e_i, e_{i+4}) of ``word``: a weight word in the step's code order (``spec.order``), an FP4
+        activation word (``weights`` False) in the checkpoint's."""
         pairs = tuple(self.reg("b32", f"{prefix}_{i}") for i in range(4))
         t, u = self.reg("b32", f"{prefix}_t"), self.reg("b32", f"{prefix}_u")
+        native = weights and self.spec.order == "native"
         if self.mma_type == "bf16":
-            self.emit(*decode_word_bf16(word, pairs, t, u, self.mul))
+            decode = decode_native_bf16 if native else decode_word_bf16
+            self.emit(*decode(word, pairs, t, u, self.mul))
+        elif native:
+            self.emit(*decode_native_f16(word, pairs, t, u, self.mul))
         else:
             self.emit(*decode_word_f16(word, pairs, t, u, self.mul["m29"]))
         return list(pairs)
@@ -292,7 +348,7 @@ class _FoldStep(_Step):
                     xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
                     b[nt] = []
                     for q in range(4):
-                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                        for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}", weights=False):
                             self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
                             b[nt].append(p)
                 else:
@@ -372,7 +428,7 @@ class _SplitStep(_Step):
                 if not self.mx:
                     xs = self.scale_pairs_e4m3(xsraw[nt, u], f"xsc{nt}_{u}", bias=False)
                 for q in range(4):
-                    for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}"):
+                    for p in self.decode(xraw[nt, u][q], f"xd{nt}_{u}_{q}", weights=False):
                         if not self.mx:
                             self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
                         b[nt].append(p)
@@ -456,7 +512,7 @@ class _K32Step(_Step):
             b, xscale = {}, {}
             for nt in range(s.n_tiles):
                 if fp4:
-                    b[nt] = self.decode(xraw[nt, j][0], f"xd{nt}_{j}")
+                    b[nt] = self.decode(xraw[nt, j][0], f"xd{nt}_{j}", weights=False)
                     xscale[nt] = [self.e8m0(xsraw[nt, j, jj], f"xsf{nt}_{j}_{jj}") for jj in range(2)]
                 else:
                     b[nt] = self.float_pairs(xraw[nt, j], f"b{nt}_{j}_")

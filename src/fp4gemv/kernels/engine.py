@@ -42,10 +42,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
+from ..formats import CODE_ORDERS, decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from ..target import Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
-from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent
+from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent, multipliers
 from ._ptx import AsmOperands, PtxBlock
 from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
 
@@ -99,10 +99,10 @@ class _RegisterFold(_Step):
 
     FMT, MODE = "nvfp4", "fold"
 
-    def __init__(self, tiles: int, n_tiles: int):
+    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint"):
         PtxBlock.__init__(self)
         self.mma_type = "bf16"
-        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False)
+        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
         pack = 8 * tiles
         names = [("w", "l"), ("s", "r", pack // 4)] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, pack, names + [(m, "r") for m in MULTIPLIERS])
@@ -160,10 +160,10 @@ class _RegisterK32(_Step):
 
     FMT, MODE = "mxfp4", "k32"
 
-    def __init__(self, tiles: int, n_tiles: int):
+    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint"):
         PtxBlock.__init__(self)
         self.mma_type = "bf16"
-        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False)
+        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
         names = [("wl", "r"), ("wh", "r"), ("s", "l")] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, 8 * tiles, names + [(m, "r") for m in MULTIPLIERS])
         self.constraints = op.constraint_string()
@@ -235,9 +235,9 @@ FOLD_EXPONENT = step_fold_exponent("nvfp4")
 
 
 @functools.lru_cache(maxsize=None)
-def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4") -> tuple[str, str]:
-    """(asm, constraints) of one consumer step of ``fmt`` weights (``STEPS``)."""
-    step = STEPS[fmt](tiles, n_tiles)
+def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4", order: str = "checkpoint") -> tuple[str, str]:
+    """(asm, constraints) of one consumer step of ``fmt`` weights in code order ``order`` (``STEPS``)."""
+    step = STEPS[fmt](tiles, n_tiles, order)
     return step.text(), step.constraints
 
 
@@ -449,6 +449,7 @@ class Engine(TritonKernelSpec):
 
     name = "engine"
     config_type = EngineConfig
+    code_orders = CODE_ORDERS
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if target_reason(target) is not None:
@@ -504,11 +505,12 @@ def engine_launch(ops: GemvOperands, config: EngineConfig):
                               gl.NVMMASharedLayout(0, 8, rank=3))
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
                               gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
-    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1)
+    order = case.a.code_order
+    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, "nvfp4", order)
     lw, lx, w64, x64 = _layouts(config.tiles, rows)
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
     args = (w_desc, s_desc, x_desc, ops.out, gsa, m, n, k, ops.out.stride(1), ops.out.stride(2),
-            *MULTIPLIERS.values())
+            *multipliers("bf16", order).values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
                    W64=w64, X64=x64,

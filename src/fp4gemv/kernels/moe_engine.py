@@ -55,9 +55,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
-from ._mma_step import MULTIPLIERS
+from ._mma_step import multipliers
 from .engine import (STEP_K, STEPS, WARPS, _as_int64, _k32_words, _layouts, _x_operands, check_ring_config,
                      k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
@@ -541,6 +542,7 @@ class MoeEngine(TritonKernelSpec):
 
     name = "moe_engine"
     config_type = MoeEngineConfig
+    code_orders = CODE_ORDERS
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         d = case.dense
@@ -735,7 +737,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     lxr = _row_major(tiles, rows, mx)
     x64 = _copy_layouts()["x64"]
     w32, l32 = k32_weight_layouts(tiles)
-    asm, constraints = step_asm(tiles, 2 if rows > 8 else 1, d.fmt.name)
+    asm, constraints = step_asm(tiles, 2 if rows > 8 else 1, d.fmt.name, d.a.code_order)
     sc = d.a.scales
     sms = target.sm_count or SM90.sm_count
     items = case.pairs * row_tiles  # chunks <= pairs
@@ -743,7 +745,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     args = (*_call_arguments(ops, config, plan), m, half, e, k,
             sc.batch, sc.row_tile, sc.r32, sc.r4, sc.col_tile, case.global_scales_stride,
             case.global_scales_half_stride, *case.bias_strides, *case.out_strides, *case.pair_weights_strides,
-            case.alpha, case.limit, *MULTIPLIERS.values())
+            case.alpha, case.limit, *multipliers("bf16", d.a.code_order).values())
     # The row tiles and k as constants: the item's division by them and the pairs' by k are a few integer
     # instructions (a division by a runtime value is a reciprocal and a correction).
     options = dict(ROW_TILES=row_tiles, TOP_K=case.top_k, TILES=tiles, STAGES=config.stages, ROWS=rows,

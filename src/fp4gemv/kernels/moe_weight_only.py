@@ -33,9 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._common import store_rounded
-from ._mma_step import MULTIPLIERS, fold_exponent, step_asm
+from ._mma_step import fold_exponent, multipliers, step_asm
 from .spec import ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
 from .weight_only import (MAX_SPLIT_N, PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES,
                           twin_column_row, column_result, fragment_rows, k_loop, program_lanes, step_spec, tile_rows,
@@ -78,6 +79,7 @@ class MoeWeightOnly(TritonKernelSpec):
 
     name = "moe_weight_only"
     config_type = WeightOnlyConfig
+    code_orders = CODE_ORDERS
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         if case.pairs > MAX_PAIRS:
@@ -129,7 +131,7 @@ class MoeWeightOnly(TritonKernelSpec):
             out_stride_t=case.out_strides[0], out_stride_j=case.out_strides[1], out_stride_m=case.out_strides[2],
             pw_stride_t=case.pair_weights_strides[0], pw_stride_j=case.pair_weights_strides[1],
             alpha=case.alpha, limit=case.limit, HALF=case.out_rows,
-            **MULTIPLIERS,
+            **multipliers(spec.act, spec.order),
             P_PAD=triton.next_power_of_2(case.pairs), BINS=triton.next_power_of_2(case.experts + 1),
             COLS=columns(case, config), MODE=MODE_CODES[spec.mode], MX=dense.fmt.name == "mxfp4",
             ACT=ACT_CODES[spec.act], TILES=config.tiles, WARPS=config.warps, CHUNKS=config.chunks,
@@ -137,7 +139,7 @@ class MoeWeightOnly(TritonKernelSpec):
             HAS_BIAS=case.bias_dtype is not None, HAS_PW=case.pair_weights_dtype is not None,
             ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
-            ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail,
+            ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
@@ -227,6 +229,7 @@ def moe_weight_only_kernel(
     CONSTRAINTS_FULL: tl.constexpr,
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
+    NATIVE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
@@ -280,7 +283,7 @@ def moe_weight_only_kernel(
             # Float activations: the step reads no activation scales (pxs, col_scale_ptrs: placeholders).
             a0, a1, a2, a3 = k_loop(pa, ps, px, px, px, px, xon, muls, col_ptrs, col_ptrs, k_first, c, zero, K,
                                     MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, 4, USE_PTX, False,
-                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL)
+                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE)
             accumulators = (a0, a1, a2, a3)
             # The pairs (int32) rather than their int64 offsets stay live across the K loop: fewer registers.
             out_offsets = ()

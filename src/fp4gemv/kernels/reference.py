@@ -3,6 +3,7 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
+from ..formats import CODE_ORDERS
 from ..reference import combine_reference, fp4_values, gemv_reference, route_reference, routed_gemv_reference
 from ..target import Target
 from .spec import GemvOperands, KernelSpec, MoeOperands
@@ -17,6 +18,7 @@ class _AskedReference(KernelSpec):
     does not run, such as CPU tensors with backend 'auto')."""
 
     config_type = None
+    code_orders = activation_code_orders = CODE_ORDERS
 
     def why_not(self, case, target: Target) -> str | None:
         return _ONLY_WHEN_ASKED if target.runs_triton else None
@@ -31,9 +33,11 @@ class Reference(_AskedReference):
 
     def launch(self, ops: GemvOperands, config, target: Target) -> None:
         case = ops.case
-        a = fp4_values(ops.a_data, ops.a_scales, case.fmt, case.a.scale_layout, ops.a_global_scale)
+        a = fp4_values(ops.a_data, ops.a_scales, case.fmt, case.a.scale_layout, ops.a_global_scale,
+                       case.a.code_order)
         if case.fp4_activation:
-            b = fp4_values(ops.b_data, ops.b_scales, case.fmt, case.b.scale_layout, ops.b_global_scale)
+            b = fp4_values(ops.b_data, ops.b_scales, case.fmt, case.b.scale_layout, ops.b_global_scale,
+                           case.b.code_order)
         else:
             b = ops.b_data
         ops.out.copy_(gemv_reference(a, b, case.out_dtype))
@@ -52,7 +56,7 @@ class MoeReference(_AskedReference):
         c = ops.case
         ops.out.copy_(routed_gemv_reference(ops.w_data, ops.w_scales, d.fmt, d.a.scale_layout, per_tensor, ops.x,
                                             ops.expert_ids, ops.bias, per_expert, d.out_dtype, c.activation, c.alpha,
-                                            c.limit, ops.pair_weights))
+                                            c.limit, ops.pair_weights, d.a.code_order))
 
 
 # --- MoE routing (fp4gemv.moe_route) -----------------------------------------------------------------------------

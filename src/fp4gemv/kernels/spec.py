@@ -80,7 +80,7 @@ class FP4Meta:
     align: largest power of two (<= 16) dividing the data's address and its batch and row strides;
     scale_align: the same for the scale bytes (their address and the addressing's row strides);
     scale_tile_align: the same for where a bulk copy of scales starts (the address, the batch stride, and the row
-    stride (linear) or the 128-row tile's (swizzled))."""
+    stride (linear) or the 128-row tile's (swizzled)); code_order: the FP4Tensor's (``formats.CODE_ORDERS``)."""
 
     rows: int
     batch_stride: int
@@ -91,6 +91,7 @@ class FP4Meta:
     scale_align: int
     has_global_scale: bool
     scale_tile_align: int = 1
+    code_order: str = "checkpoint"
 
 
 @dataclass(frozen=True)
@@ -285,19 +286,45 @@ def too_many_rows(case: GemvCase) -> str | None:
     return None
 
 
+def _fp4_operands(case, spec: KernelSpec) -> list[tuple[str, FP4Meta, tuple[str, ...]]]:
+    """The FP4 operands of a GEMV or routed case, by the names errors give them, with the code orders ``spec``
+    decodes for each (none for the other ops' cases)."""
+    dense = case.dense if isinstance(case, MoeCase) else case
+    if not isinstance(dense, GemvCase):
+        return []
+    operands = [("w" if dense is not case else "a", dense.a, spec.code_orders)]
+    if isinstance(dense.b, FP4Meta):
+        operands.append(("b", dense.b, spec.activation_code_orders))
+    return operands
+
+
 class KernelSpec:
     """One GEMV implementation as the dispatcher sees it.  Subclasses set ``name`` and ``config_type`` and
     implement :meth:`why_not`, :meth:`default_config` and :meth:`launch`."""
 
     name: ClassVar[str]
     config_type: ClassVar[type | None] = None
+    # The code orders (``formats.CODE_ORDERS``) this kernel decodes, of the weights (a, the experts) and of FP4
+    # activations (b): the native order only where its decode is written and tested (``refusal`` checks them).
+    code_orders: ClassVar[tuple[str, ...]] = ("checkpoint",)
+    activation_code_orders: ClassVar[tuple[str, ...]] = ("checkpoint",)
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
-        """None when this kernel runs ``case`` on ``target``; else the reason, naming the argument at fault."""
+        """None when this kernel runs ``case`` on ``target``; else the reason, naming the argument at fault.  The
+        code orders are ``refusal``'s: ``why_not`` need not look at them."""
         raise NotImplementedError
 
+    def refusal(self, case, target: Target) -> str | None:
+        """Why this kernel does not run ``case`` on ``target`` (an operand's code order it does not decode, then
+        ``why_not``), or None: what the dispatcher asks, so that no kernel reads codes in an order it was not
+        written for."""
+        for name, meta, orders in _fp4_operands(case, self):
+            if meta.code_order not in orders:
+                return f"{name} in code order {meta.code_order!r} (it decodes {' and '.join(orders)})"
+        return self.why_not(case, target)
+
     def supports(self, case: GemvCase, target: Target) -> bool:
-        return self.why_not(case, target) is None
+        return self.refusal(case, target) is None
 
     def default_config(self, case: GemvCase, target: Target):
         """The measured default launch configuration (None for an implementation without one)."""

@@ -18,16 +18,18 @@ activation rounded once to the hidden dtype for down; down's result plus bias ti
 (the same launch), summed over the k experts in fp32 (in slot order by ``fp4gemv.moe_combine``; under
 ``torch.compile`` by inductor's fused sum), then rounded to the hidden dtype.
 
-Checkpoints, read without repacking where the layout allows:
+Checkpoints, read without repacking where the layout allows (``FP4Experts`` then keeps one copy of the data in its
+code order, ``EXPERT_CODE_ORDER``):
 
 * gpt-oss (openai/gpt-oss ``gpt_oss/torch/weights.py``; transformers ``integrations/mxfp4.py``
   ``_convert_moe_packed_tensors``: ``sub[:, 0::2] = lut[blk & 0x0F]``, ``ldexp(value, scales - 127)``):
   ``<prefix>.gate_up_proj_blocks`` uint8 ``[E, 2I, H/32, 16]``, ``gate_up_proj_scales`` uint8 e8m0
   ``[E, 2I, H/32]``, ``gate_up_proj_bias`` ``[E, 2I]``, ``down_proj_blocks`` ``[E, H, I/32, 16]``,
   ``down_proj_scales``, ``down_proj_bias`` ``[E, H]``: the blocks are viewed as FP4Tensor data
-  ``[E, rows, K/2]`` (same bytes) and the scales as linear e8m0 scales: no copy (:func:`gpt_oss_experts`) but
-  of the scales where K/32 is not a multiple of 16 (gpt-oss's 90 bytes a row): ``FP4Experts`` keeps linear scale
-  rows 16 bytes apart (``layouts.aligned_scale_rows``), which the routed engine's bulk copies need.
+  ``[E, rows, K/2]`` (same bytes) and the scales as linear e8m0 scales (:func:`gpt_oss_experts`); ``FP4Experts``
+  then keeps the blocks in its code order (the native one: one reordered copy, the view let go) and linear
+  scale rows 16 bytes apart (``layouts.aligned_scale_rows``: a copy where K/32 is not a multiple of 16, as
+  gpt-oss's 90 bytes a row), which the routed engine's bulk copies need.
 * NVFP4 experts stored one linear layer per expert, ``<prefix>.<e>.gate_proj`` / ``up_proj`` / ``down_proj``,
   in compressed-tensors (``weight_packed``, ``weight_scale``, ``weight_global_scale`` a divisor) or ModelOpt
   form (``weight``, ``weight_scale``, ``weight_scale_2`` a multiplier), each layer read by
@@ -45,13 +47,13 @@ import torch
 from torch import nn
 
 from .. import layouts, library
-from ..formats import check_global_scales
+from ..formats import CODE_ORDERS, check_global_scales, reorder_codes
 from ..reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from ..tensor import FP4Tensor
 from .linear import FP4Linear, per_tensor_scale
 
 __all__ = ["ExpertWeights", "FP4Experts", "gpt_oss_experts", "nvfp4_experts", "quantize_experts", "expert_kind",
-           "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "EXPERT_SCALE_LAYOUT"]
+           "GPT_OSS_ALPHA", "GPT_OSS_LIMIT", "EXPERT_SCALE_LAYOUT", "EXPERT_CODE_ORDER"]
 
 Activation = Literal["gpt-oss", "silu"]
 # The block-scale layout the model-level entry points (``quantize_model``, ``load_quantized``, ``from_pretrained``)
@@ -60,6 +62,10 @@ Activation = Literal["gpt-oss", "silu"]
 # which took 1.17-1.32x the engine's time at T = 8-16 on gpt-oss's shapes: docs/performance.md, rounds 16-17) and
 # every MoE benchmark measures.
 EXPERT_SCALE_LAYOUT = "linear"
+# The code order FP4Experts keeps its weights in (``FP4Tensor.code_order``): the native one, whose bf16 decode takes
+# 10 instructions a word against the checkpoint order's 13 in the routed kernels' step (docs/performance.md, rounds
+# 18-19).  Its state_dict holds the checkpoint order, and load_state_dict takes it: files never see the native one.
+EXPERT_CODE_ORDER = "native"
 
 
 class ExpertWeights(NamedTuple):
@@ -90,9 +96,10 @@ def _stacked_gate_up(gate: ExpertWeights, up: ExpertWeights) -> ExpertWeights:
     likewise (zeros for a missing one), the global scales as ``[E, 2]`` (gate's, up's: each the projection's
     per-expert scale, or its tensor's one, or 1)."""
     layout = gate.weight.scale_layout
-    g, u = gate.weight.with_scale_layout("linear"), up.weight.with_scale_layout("linear")
+    g = gate.weight.with_scale_layout("linear")
+    u = up.weight.with_scale_layout("linear").with_code_order(g.code_order)
     weight = FP4Tensor(torch.cat([g.data, u.data], dim=1), torch.cat([g.scales, u.scales], dim=1), g.fmt.name,
-                       "linear").with_scale_layout(layout)
+                       "linear", None, g.code_order).with_scale_layout(layout)
     bias = None
     if gate.bias is not None or up.bias is not None:
         zeros = (gate.bias if gate.bias is not None else up.bias).new_zeros(g.shape[:2])
@@ -119,6 +126,8 @@ class FP4Experts(nn.Module):
         pair ``(gate, up)`` of ExpertWeights ``[E, I, H]`` (stacked here into halves, once: a copy).
     down: ExpertWeights ``[E, H, I]``.
     activation: ``"gpt-oss"`` (clamped SwiGLU, ``alpha``, ``limit``) or ``"silu"``.
+    code_order: the order the weights' codes are kept in (``EXPERT_CODE_ORDER``; given weights in another order
+        are copied into it once).  ``state_dict`` and ``load_state_dict`` use the checkpoint order whatever it is.
     backend: moe_gemv's backend (``"auto"``: the Triton kernel on CUDA, the float64 reference on CPU).
     Expert ids come from the router's top-k and are not checked (no sync per step): an id outside [0, E)
     contributes zeros (``fp4gemv.moe``).
@@ -129,10 +138,13 @@ class FP4Experts(nn.Module):
     """
 
     def __init__(self, gate_up, down: ExpertWeights, *, activation: Activation = "gpt-oss",
-                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT, backend: str = "auto") -> None:
+                 alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT, backend: str = "auto",
+                 code_order: str = EXPERT_CODE_ORDER) -> None:
         super().__init__()
         if activation not in ("gpt-oss", "silu"):
             raise ValueError(f"activation: expected 'gpt-oss' or 'silu', got {activation!r}")
+        if code_order not in CODE_ORDERS:
+            raise ValueError(f"code_order: expected one of {CODE_ORDERS}, got {code_order!r}")
         projections = list(gate_up) if isinstance(gate_up, tuple) and not isinstance(gate_up, ExpertWeights) \
             else [gate_up]
         if len(projections) not in (1, 2):
@@ -160,12 +172,13 @@ class FP4Experts(nn.Module):
         fused = projections[0] if len(projections) == 1 else _stacked_gate_up(*projections)
         self.num_experts, self.hidden_size, self.intermediate_size = experts, hidden, intermediate
         self.activation, self.alpha, self.limit, self.backend = activation, alpha, limit, backend
+        self.code_order = code_order
         self._formats = {}
         for name, p in (("gate_up", fused), ("down", down)):
             scales = p.weight.scales
             if p.weight.scale_layout == "linear":  # rows 16 bytes apart: the routed engine copies them in bulk
                 scales = layouts.aligned_scale_rows(scales)
-            self.register_buffer(f"{name}_data", p.weight.data)
+            self.register_buffer(f"{name}_data", reorder_codes(p.weight.data, p.weight.code_order, code_order))
             self.register_buffer(f"{name}_scales", scales)
             self.register_buffer(f"{name}_weight_global_scale", p.weight.global_scale)
             self.register_buffer(f"{name}_bias", p.bias)
@@ -178,8 +191,28 @@ class FP4Experts(nn.Module):
         fmt, layout, cols = self._formats[name]
         b = self._buffers
         scales = b[f"{name}_scales"][..., :cols] if layout == "linear" else b[f"{name}_scales"]
-        weight = FP4Tensor(b[f"{name}_data"], scales, fmt, layout, b[f"{name}_weight_global_scale"])
+        weight = FP4Tensor(b[f"{name}_data"], scales, fmt, layout, b[f"{name}_weight_global_scale"], self.code_order)
         return ExpertWeights(weight, b[f"{name}_bias"], b[f"{name}_global_scales"])
+
+    # The packed data in the state dict is in the checkpoint order, whatever order the module keeps.
+    _DATA = ("gate_up_data", "down_data")
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        for name in self._DATA:
+            if prefix + name in destination:
+                destination[prefix + name] = reorder_codes(destination[prefix + name], self.code_order, "checkpoint")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        state_dict = dict(state_dict)
+        for name in self._DATA:
+            given = state_dict.get(prefix + name)
+            mine = self._buffers[name]
+            if isinstance(given, torch.Tensor) and given.dtype == torch.uint8 and given.shape == mine.shape:
+                state_dict[prefix + name] = reorder_codes(given, "checkpoint", self.code_order)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def activation_arguments(self) -> dict:
         """The activation's keyword arguments of ``moe_gemv`` (activation, alpha, limit)."""

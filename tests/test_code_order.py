@@ -1,0 +1,185 @@
+"""The native code order (``formats.CODE_ORDERS``, ``FP4Tensor.code_order``): the container keeps it through every
+conversion, the reference and dequantize read it, the kernels whose decode is written for it (weight_only,
+moe_weight_only, engine, moe_engine) give the checkpoint order's bits on the same values, and every other kernel
+refuses it by name.  The decode's PTX itself is emulated in tests/test_kernels_weight_only.py (every code in every
+position); here the interpreter runs the weight-only kernels' twin on CPU tensors, and the GPU runs the PTX."""
+
+import io
+
+import pytest
+import torch
+
+import fp4gemv
+from fp4gemv import FP4Tensor, formats, gemv, ops
+from fp4gemv.kernels import GEMV_KERNELS, MOE_KERNELS, choose_kernel
+from fp4gemv.kernels.moe_engine import MoeEngineConfig
+from fp4gemv.kernels.weight_only import WeightOnlyConfig
+from fp4gemv.target import SM90
+from operands import DEVICE, random_activation, random_fp4
+from test_moe import random_ids
+
+# The kernels that decode the native order; every other one must refuse it.
+NATIVE_KERNELS = {"weight_only", "engine", "reference", "moe_weight_only", "moe_engine", "moe_general",
+                  "moe_reference"}
+
+
+def _native(t: FP4Tensor) -> FP4Tensor:
+    n = t.with_code_order("native")
+    assert n.code_order == "native" and not torch.equal(n.data, t.data)
+    return n
+
+
+def test_the_container_keeps_the_order():
+    t = random_fp4((2, 40, 128), "nvfp4", "linear", seed=1, global_scale=0.5, device="cpu")
+    assert t.code_order == "checkpoint" and t.with_code_order("checkpoint") is t
+    n = _native(t)
+    assert torch.equal(n.with_code_order("checkpoint").data, t.data) and n.scales is t.scales
+    assert "code_order='native'" in repr(n) and "code_order" not in repr(t)
+    for other in (n.with_scale_layout("swizzled"), n.first_rows(3), n.to("cpu")):
+        assert other.code_order == "native"
+    buffer = io.BytesIO()
+    torch.save(n, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    assert loaded.code_order == "native" and torch.equal(loaded.data, n.data)
+    with pytest.raises(ValueError, match="code_order: expected one of"):
+        FP4Tensor(t.data, t.scales, "nvfp4", "linear", None, "kernel")
+    with pytest.raises(ValueError, match="code_order: expected one of"):
+        t.with_code_order("swizzled")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_reference_and_dequantize_read_the_native_order(fmt, layout):
+    a = random_fp4((2, 24, 256), fmt, layout, seed=2, device="cpu")
+    n = _native(a)
+    x = random_activation((2, 3, 256), torch.bfloat16, seed=3, device="cpu")
+    assert torch.equal(gemv(n, x, backend="reference"), gemv(a, x, backend="reference"))
+    b = random_fp4((2, 3, 256), fmt, layout, seed=4, device="cpu")
+    assert torch.equal(gemv(a, _native(b), backend="reference", out_dtype=torch.float32),
+                       gemv(a, b, backend="reference", out_dtype=torch.float32))
+    for backend in ("reference", "triton"):  # triton: the interpreter on CPU tensors
+        assert torch.equal(fp4gemv.dequantize(n, torch.bfloat16, backend=backend),
+                           fp4gemv.dequantize(a, torch.bfloat16, backend=backend))
+    w = random_fp4((4, 32, 256), fmt, layout, seed=5, device="cpu")
+    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32)
+    xs = random_activation((2, 256), torch.bfloat16, seed=6, device="cpu")
+    assert torch.equal(fp4gemv.moe_gemv(_native(w), xs, ids, backend="reference", activation="silu"),
+                       fp4gemv.moe_gemv(w, xs, ids, backend="reference", activation="silu"))
+
+
+def test_kernels_without_the_native_decode_refuse_it_by_name():
+    """On the H200's target every GEMV and routed kernel outside ``NATIVE_KERNELS`` refuses native weights, and
+    FP4 activations in the native order go only to the reference; the default choice stays a tensor-core kernel."""
+    a = random_fp4((64, 2048), "nvfp4", "linear", seed=7, device="cpu")
+    x = random_activation((4, 2048), torch.bfloat16, seed=8, device="cpu")
+    native = _native(a)
+    case = ops.gemv_operands(native, x, torch.empty(64, 4, dtype=torch.bfloat16)).case
+    for spec in GEMV_KERNELS:
+        reason = spec.refusal(case, SM90)
+        if spec.name in NATIVE_KERNELS:
+            assert reason is None or "code order" not in reason, (spec.name, reason)
+        else:
+            assert reason == "a in code order 'native' (it decodes checkpoint)", (spec.name, reason)
+    assert choose_kernel(case, SM90).name == "weight_only"
+    with pytest.raises(ValueError, match="'general' cannot run .* a in code order 'native'"):
+        choose_kernel(case, SM90, "general")
+    b = random_fp4((4, 2048), "nvfp4", "linear", seed=9, device="cpu")
+    fp4_case = ops.gemv_operands(a, _native(b), torch.empty(64, 4)).case
+    assert [s.name for s in GEMV_KERNELS if s.refusal(fp4_case, SM90) is None] == []
+    assert "b in code order 'native'" in GEMV_KERNELS[[s.name for s in GEMV_KERNELS].index("weight_only")].refusal(
+        fp4_case, SM90)
+    w = random_fp4((8, 64, 2048), "mxfp4", "linear", seed=10, device="cpu")
+    ids = torch.zeros((4, 2), dtype=torch.int32)
+    moe_case = fp4gemv.moe.plan_moe(_native(w), x, ids, None, None, torch.empty(4, 2, 64, dtype=torch.bfloat16),
+                                    torch.bfloat16, SM90, None, None).case
+    for spec in MOE_KERNELS:
+        reason = spec.refusal(moe_case, SM90)
+        assert (reason is None or "code order" not in reason) == (spec.name in NATIVE_KERNELS), (spec.name, reason)
+
+
+# (fmt, activation, config, N): fold, k32 and split, float and FP4 activations, tails in M and K.
+WEIGHT_ONLY_CASES = [
+    ("nvfp4", torch.bfloat16, WeightOnlyConfig(2, 2, 1), 3),
+    ("nvfp4", torch.float16, WeightOnlyConfig(1, 2, 2), 9),
+    ("mxfp4", torch.bfloat16, WeightOnlyConfig(2, 2, 1), 16),
+    ("mxfp4", torch.float16, WeightOnlyConfig(1, 4, 1), 1),
+    ("nvfp4", torch.bfloat16, WeightOnlyConfig(2, 2, 1, split=True), 2),
+    ("mxfp4", torch.float16, WeightOnlyConfig(1, 2, 1, split=True), 1),
+    ("nvfp4", "fp4", WeightOnlyConfig(2, 2, 1), 4),
+    ("mxfp4", "fp4", WeightOnlyConfig(1, 2, 1, split=True), 2),
+]
+
+
+@pytest.mark.parametrize("fmt,act,config,n", WEIGHT_ONLY_CASES, ids=str)
+def test_weight_only_gives_the_checkpoint_orders_bits(fmt, act, config, n):
+    """weight_only on native weights: the same bits as on the checkpoint's (the same values in the same sums),
+    in the interpreter's twin on a CPU and in the PTX on a GPU."""
+    a = random_fp4((40, 320), fmt, "linear", seed=11, device=DEVICE)
+    if act == "fp4":
+        b = random_fp4((n, 320), fmt, "swizzled", seed=12, device=DEVICE)
+    else:
+        b = random_activation((n, 320), act, seed=12, device=DEVICE)
+    want = gemv(a, b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
+    got = gemv(_native(a), b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("kernel,dtype", [("moe_weight_only", torch.bfloat16), ("moe_general", torch.float32)])
+def test_routed_kernels_give_the_checkpoint_orders_bits(fmt, tokens, kernel, dtype):
+    w = random_fp4((6, 48, 256), fmt, "linear", seed=13, device=DEVICE)
+    x = random_activation((tokens, 256), dtype, seed=14, device=DEVICE)
+    ids = random_ids(tokens, 2, 6, seed=15)
+    kw = dict(backend="triton", kernel=kernel, activation="gpt-oss", check_ids=False)
+    want = fp4gemv.moe_gemv(w, x, ids, **kw)
+    assert torch.equal(fp4gemv.moe_gemv(_native(w), x, ids, **kw), want)
+
+
+def test_native_order_under_torch_compile():
+    """The custom ops carry the order: a compiled gemv and moe_gemv on native weights give the eager bits."""
+    a = random_fp4((32, 256), "mxfp4", "linear", seed=16, device="cpu")
+    x = random_activation((2, 256), torch.bfloat16, seed=17, device="cpu")
+    n = _native(a)
+    compiled = torch.compile(lambda w, v: gemv(w, v, backend="reference"), fullgraph=True)
+    assert torch.equal(compiled(n, x), gemv(a, x, backend="reference"))
+    w = random_fp4((4, 32, 256), "nvfp4", "linear", seed=18, device="cpu")
+    ids = torch.tensor([[1, 2], [0, 1]], dtype=torch.int32)
+    moe_compiled = torch.compile(lambda ww, v, i: fp4gemv.moe_gemv(ww, v, i, backend="reference"), fullgraph=True)
+    assert torch.equal(moe_compiled(_native(w), x, ids), fp4gemv.moe_gemv(w, x, ids, backend="reference"))
+
+
+# --- GPU: the engines -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16])
+def test_engine_gives_the_checkpoint_orders_bits(n):
+    a = random_fp4((300, 4096), "nvfp4", "linear", seed=19)
+    x = random_activation((n, 4096), torch.bfloat16, seed=20)
+    want = gemv(a, x, kernel="engine", out_dtype=torch.float32)
+    assert torch.isfinite(want).all() and torch.equal(gemv(_native(a), x, kernel="engine", out_dtype=torch.float32),
+                                                      want)
+
+
+def _padded(w: FP4Tensor, pad: int) -> FP4Tensor:
+    """w with linear scale rows ``pad`` bytes longer (what FP4Experts stores for gpt-oss's 90-byte rows)."""
+    s = w.scales
+    padded = torch.full((*s.shape[:-1], s.shape[-1] + pad), 0x7F, dtype=torch.uint8, device=s.device)
+    padded[..., :s.shape[-1]] = s
+    return FP4Tensor(w.data, padded[..., :s.shape[-1]], w.fmt, "linear", w.global_scale, w.code_order)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("config", [None, MoeEngineConfig(4, 2, 4, 2, 128)])
+def test_moe_engine_gives_the_checkpoint_orders_bits(fmt, config):
+    w = _padded(random_fp4((16, 512, 2880), fmt, "linear", seed=21), 6)
+    x = random_activation((8, 2880), torch.bfloat16, seed=22)
+    ids = random_ids(8, 4, 16, seed=23)
+    kw = dict(kernel="moe_engine", config=config, activation="gpt-oss", check_ids=False)
+    want = fp4gemv.moe_gemv(w, x, ids, **kw)
+    native = _native(w)
+    assert native.scales.data_ptr() == w.scales.data_ptr()
+    assert torch.isfinite(want).all() and torch.equal(fp4gemv.moe_gemv(native, x, ids, **kw), want)
