@@ -4,8 +4,8 @@ against ``moe_weight_only`` on NVFP4 experts of gpt-oss-20b, gpt-oss-120b and Qw
     PYTHONPATH=src python benchmarks/moe_engine_models.py [sweep]   -> moe_engine_time.json in $OUT (or .)
     PYTHONPATH=src python benchmarks/moe_engine_models.py padded    (round 16: scale rows padded to 16 bytes, T = 1-16)
     PYTHONPATH=src python benchmarks/moe_engine_models.py padded mxfp4    (round 17: gpt-oss's MXFP4 experts)
-    PYTHONPATH=src python benchmarks/moe_engine_models.py orders [mxfp4|nvfp4]   (round 19: each layer in both code
-        orders, ``FP4Tensor.with_code_order``: the checkpoint's and the engines' native one, T = 1, 8, 16)
+    PYTHONPATH=src python benchmarks/moe_engine_models.py orders [mxfp4|nvfp4 [MODEL ...]]   (round 19: each layer
+        in both code orders, ``FP4Tensor.with_code_order``: the checkpoint's and the native one, T = 1, 8, 16)
 
 First ``split_times``: gpt-oss-20b's gate_up (NVFP4, bias, the gpt-oss activation) with the chunk launch alone, the
 engine launch alone and both.  Then per model and T: the routed GEMVs of one layer (gate_up with its activation,
@@ -168,7 +168,7 @@ if __name__ == "__main__":
         sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "orders":
         fmt = sys.argv[2] if len(sys.argv) > 2 else "mxfp4"
-        for name in MODELS:
+        for name in sys.argv[3:] or MODELS:
             if fmt == "nvfp4" or name.startswith("gpt-oss"):
                 run(name, padded=True, fmt=fmt, orders=("checkpoint", "native"))
         print("total", time.time() - t0)
