@@ -9,7 +9,7 @@ import torch
 import fp4gemv
 from fp4gemv import combine
 from fp4gemv.kernels import COMBINE_KERNELS, choose_kernel
-from fp4gemv.kernels.moe_combine import MAX_BLOCK, combine_config
+from fp4gemv.kernels.moe_combine import COMBINE_BLOCK, MAX_BLOCK, CombineConfig, MoeCombine, combine_config
 from fp4gemv.reference import combine_reference
 from fp4gemv.target import resolve_target
 from operands import DEVICE
@@ -86,7 +86,7 @@ def test_no_tokens():
 
 def test_kernel_table_the_cpu_path_and_the_config():
     """The kernel where Triton runs, the reference otherwise; backend='auto' on CPU tensors is the reference, bit for
-    bit the kernel's result; blocks of at most MAX_BLOCK columns."""
+    bit the kernel's result; one warp and COMBINE_BLOCK columns a program (fewer where H is smaller)."""
     y = random_y(2, 4, 40, seed=3).cpu()
     case = combine.combine_case(y, torch.bfloat16)
     assert choose_kernel(case, resolve_target("auto", y.device), None, COMBINE_KERNELS).name == "combine_reference"
@@ -96,8 +96,10 @@ def test_kernel_table_the_cpu_path_and_the_config():
         assert choose_kernel(case, resolve_target("triton", y.device), None, COMBINE_KERNELS).name == "moe_combine"
     for out_dtype in DTYPES:
         assert torch.equal(fp4gemv.moe_combine(y, out_dtype=out_dtype), combine_reference(y, out_dtype))
-    assert combine_config(2880).block == MAX_BLOCK and combine_config(100).block == 128
-    assert combine_config(2880).num_warps == 4 and combine_config(1).num_warps == 1
+    assert combine_config(2880) == CombineConfig(COMBINE_BLOCK, 1) == combine_config(2048) and COMBINE_BLOCK <= MAX_BLOCK
+    assert combine_config(100) == CombineConfig(128, 1) and combine_config(1) == CombineConfig(1, 1)
+    with pytest.raises(ValueError, match="config.block: expected at most"):
+        MoeCombine().check_config(CombineConfig(2 * MAX_BLOCK, 1))
 
 
 def test_validation_names_the_argument():

@@ -3,8 +3,8 @@ summed in fp32 in slot order, ``(y[:, 0] + y[:, 1]) + ...``, rounded once to the
 as ``store_rounded``).
 
 What it replaces: ``y.sum(1).to(dtype)``, a reduction and a cast (two launches: 3.0-3.4 us of device time on the
-H200 at gpt-oss and Qwen3 shapes, T = 1-16, against 1.1-1.4 us for a probe of this kernel's form; this one has not
-been timed yet; docs/performance.md, round 18).
+H200 at gpt-oss and Qwen3 shapes, T = 1-16; this kernel 2.1-2.5 us in the same graphs: docs/performance.md, rounds
+18 and 19).
 One program per (token, ``BLOCK`` columns of H): k loads of ``BLOCK`` floats, k - 1 additions, one store.  The
 additions are IEEE fp32 in a fixed order, so every backend gives the same bits (``reference.combine_reference``).
 """
@@ -25,7 +25,8 @@ from .spec import Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["CombineCase", "CombineOperands", "CombineConfig", "combine_config", "moe_combine_kernel", "MoeCombine"]
 
-# Columns of H per program at most (4 warps, 8 floats a thread per slot).
+# Columns of H per program: the default (one warp, 4 floats a thread per slot) and the most a config may ask.
+COMBINE_BLOCK = 128
 MAX_BLOCK = 1024
 
 
@@ -59,10 +60,11 @@ class CombineConfig(NamedTuple):
 
 
 def combine_config(hidden: int) -> CombineConfig:
-    """H in one program up to ``MAX_BLOCK`` columns, else blocks of it; 4 warps from 512 columns, fewer below (a
-    warp per 128; sized, not measured)."""
-    block = min(triton.next_power_of_2(hidden), MAX_BLOCK)
-    return CombineConfig(block=block, num_warps=max(1, min(4, block // 128)))
+    """Programs of one warp and 128 columns (4 floats a thread per slot).  Measured on the H200 (round 19,
+    gpt-oss's k = 4, H = 2880 and Qwen3's k = 8, H = 2048 at T = 1, 8, 16): the best or level with it (2.1-2.5
+    us) in all six cases, where 1024 columns and 4 warps (8 floats a thread) took 4.6-5.2 us at k = 8."""
+    block = min(triton.next_power_of_2(hidden), COMBINE_BLOCK)
+    return CombineConfig(block=block, num_warps=1)
 
 
 class MoeCombine(TritonKernelSpec):
@@ -79,6 +81,8 @@ class MoeCombine(TritonKernelSpec):
 
     def check_config(self, config: CombineConfig, case: CombineCase | None = None) -> None:
         check_powers_of_two(config, ("block", "num_warps"))
+        if config.block > MAX_BLOCK:
+            raise ValueError(f"config.block: expected at most {MAX_BLOCK} columns, got {config.block}")
 
     def triton_launch(self, case: CombineCase, config: CombineConfig, target: Target) -> TritonLaunch:
         args = dict(y_ptr=Src("y", torch.float32), out_ptr=Src("out", case.out_dtype), H=case.hidden,
