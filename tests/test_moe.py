@@ -397,24 +397,20 @@ for fmt, layout, tokens, top_k, bias, per_expert, kernel, activation in [
                             kernel=kernel, activation=activation,
                             pair_weights=torch.ones(tokens, top_k) if activation else None)
     compiled = launch.compile()
-    sass = sass_instructions(compiled) if os.path.exists(CUOBJDUMP) else None
-    hmma = -1 if sass is None else sum("HMMA" in i for i in sass)
-    prefetch = -1 if sass is None else sum("UBLKPF.L2" in i for i in sass)
-    print(launch.spec.name, fmt, layout, tokens, top_k, "local:", local_memory(compiled), "hmma:", hmma,
-          "prefetch:", prefetch)
+    hmma = sum("HMMA" in i for i in sass_instructions(compiled)) if os.path.exists(CUOBJDUMP) else -1
+    print(launch.spec.name, fmt, layout, tokens, top_k, "local:", local_memory(compiled), "hmma:", hmma)
 """
 
 
 def test_compiles_for_sm90_without_local_memory(compile_for_sm90):
     """The routed kernels compile for sm_90 as the JIT would compile them: no local memory; the tensor-core one
-    with its mma (HMMA) in the SASS, where cuobjdump is bundled, and without the bulk L2 prefetch
-    (``UBLKPF.L2``, ``moe_weight_only._prefetch_rows``), off by default."""
+    with its mma (HMMA) in the SASS, where cuobjdump is bundled."""
     lines = compile_for_sm90(_SM90_SCRIPT).strip().splitlines()
     assert len(lines) == 7, lines
     for line in lines:
         assert "local: []" in line, line
         if line.startswith("moe_weight_only"):
-            assert "hmma: 0" not in line and "prefetch: 0" in line, line  # the L2 prefetch is off by default
+            assert "hmma: 0" not in line, line
     assert [line.split()[0] for line in lines] == ["moe_weight_only"] * 4 + ["moe_general"] + ["moe_weight_only"] * 2
 
 

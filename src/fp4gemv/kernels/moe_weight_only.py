@@ -18,13 +18,6 @@ column's activation row pointer and output offset are gathered from its pair (to
 ``out[t, j]``); a group with more pairs than columns (T > 8, in split T > 4, or a token naming one expert in
 several slots) loops, re-reading the expert's rows from L2.
 
-Prefetch.  Under programmatic dependent launch a program starts while the previous launch ends; before its wait
-it reads the ids (they may still be changing if that launch writes them), finds the expert its column would
-take, and asks L2 for its rows (one ``cp.async.bulk.prefetch.L2`` a row, ``_prefetch_rows``; PTX mode, rows of
-16-byte multiples).  The prefetch moves no data into the program and a stale id only fetches rows in vain, so
-results never depend on it; the product starts after the wait, from the ids read then.  In an MoE layer the ids
-come from the router, two launches before down, so down's weights stream while gate_up ends.
-
 Arithmetic as ``weight_only``'s (exact products, one fp32 accumulation on the tensor cores, the fold undone in
 the epilogue; bf16 in k32 and split: the 2^-70 <= |x| < 2^64 window of its module docstring), then the global
 scale (per tensor or per expert), the bias added in fp32, one rounding.  An id outside [0, E) (possible only
@@ -57,22 +50,6 @@ MAX_PAIRS = 256
 MAX_EXPERTS = 1023
 # Programmatic dependent launch by default (the kernel waits for the previous launch before reading the ids).
 PDL_DEFAULT = True
-
-# With PDL, each program asks L2 for its weight rows before waiting for the previous launch (``_prefetch_rows``):
-# the rows of the expert the ids named then, which a router two launches back has long written (gpt-oss's down
-# after gate_up), so the weights stream while the previous launch ends.
-PREFETCH_DEFAULT = False
-
-
-def prefetch_aligned(k: int, align: int, row_stride: int) -> bool:
-    """Bulk prefetches take whole 16-byte units at 16-byte aligned addresses: rows of K/2 bytes a multiple of 16,
-    back to back, the data's address and strides 16-byte aligned (``FP4Meta.align``)."""
-    return (k // 2) % 16 == 0 and align == 16 and row_stride == k // 2
-
-
-def wants_prefetch(case: MoeCase) -> bool:
-    return PREFETCH_DEFAULT
-
 
 # The kernel's ACTIVATION constexpr: gate and up interleaved (gpt-oss) or in halves (silu), reference.MOE_ACTIVATIONS.
 ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
@@ -163,8 +140,6 @@ class MoeWeightOnly(TritonKernelSpec):
             ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
             ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
-            row_bytes=dense.k // 2, PREFETCH=pdl and target.mode == "ptx" and wants_prefetch(case)
-            and case.activation != "silu" and prefetch_aligned(dense.k, a.align, a.row_stride),
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
@@ -203,22 +178,6 @@ def _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl
     same = (key == my_key) & pair_ok
     rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
     return found, my_key, count, same, rank, pairs
-
-
-@triton.jit
-def _prefetch_rows(w_ptr, expert, pid_m, M, w_stride_e, row_bytes, TILES: tl.constexpr, WARPS: tl.constexpr):
-    """Ask L2 for the program's weight rows of ``expert`` (rows ``16 * TILES * pid_m`` on, clamped at M: one byte
-    range, the rows back to back), split over the program's threads in 16-byte multiples, one bulk prefetch each
-    (``prefetch_aligned``); no data comes back."""
-    first = pid_m * (16 * TILES)
-    total = (tl.minimum(first + 16 * TILES, M) - first).to(tl.int64) * row_bytes
-    piece = (total // (32 * WARPS) + 15) // 16 * 16
-    i = tl.arange(0, 32 * WARPS).to(tl.int64)
-    size = tl.minimum(tl.maximum(total - i * piece, 0), piece).to(tl.int32)
-    ptrs = w_ptr + expert * w_stride_e + first.to(tl.int64) * row_bytes + i * piece
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                              "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -267,7 +226,7 @@ def moe_weight_only_kernel(
     out_stride_t, out_stride_j, out_stride_m,
     pw_stride_t, pw_stride_j,
     alpha, limit, HALF,
-    mp0, mp1, m24, m29, row_bytes,
+    mp0, mp1, m24, m29,
     P_PAD: tl.constexpr,
     BINS: tl.constexpr,
     COLS: tl.constexpr,
@@ -291,21 +250,11 @@ def moe_weight_only_kernel(
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
     NATIVE: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
     if PDL:  # the ids may come from the previous launch (a router): wait before the first read, not in k_loop
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH:
-            # Speculative: the ids read before the wait may still be changing (written by the previous launch),
-            # so they pick only which rows L2 fetches while that launch ends (a clamped, in-bounds expert); the
-            # product reads them again after the wait.
-            early, early_key, _, _, _, _ = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD,
-                                                     BINS)
-            if early:
-                _prefetch_rows(w_ptr, tl.minimum(early_key, E - 1).to(tl.int64), pid_m, M, w_stride_e, row_bytes,
-                               TILES, WARPS)
         tl.extra.cuda.gdc_wait()
     found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group,
                                                         P_PAD, BINS)
