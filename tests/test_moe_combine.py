@@ -96,7 +96,8 @@ def test_kernel_table_the_cpu_path_and_the_config():
         assert choose_kernel(case, resolve_target("triton", y.device), None, COMBINE_KERNELS).name == "moe_combine"
     for out_dtype in DTYPES:
         assert torch.equal(fp4gemv.moe_combine(y, out_dtype=out_dtype), combine_reference(y, out_dtype))
-    assert combine_config(2880) == CombineConfig(COMBINE_BLOCK, 1) == combine_config(2048) and COMBINE_BLOCK <= MAX_BLOCK
+    assert combine_config(2880) == CombineConfig(COMBINE_BLOCK, 1) == combine_config(2048)
+    assert COMBINE_BLOCK <= MAX_BLOCK
     assert combine_config(100) == CombineConfig(128, 1) and combine_config(1) == CombineConfig(1, 1)
     with pytest.raises(ValueError, match="config.block: expected at most"):
         MoeCombine().check_config(CombineConfig(2 * MAX_BLOCK, 1))

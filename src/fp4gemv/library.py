@@ -275,8 +275,7 @@ def moe_gemv(w, x, expert_ids, *, bias=None, global_scales=None, out=None, out_d
     moe.refuse_gradients(x, bias, global_scales, pair_weights)
     result = torch.ops.fp4gemv.moe_gemv(w.data, w.scales, w.global_scale, x, expert_ids, bias, global_scales,
                                         w.fmt.name, w.scale_layout, w.code_order, out_dtype, backend, check_values,
-                                        kernel,
-                                        _config_list(kernel, config), activation, alpha, limit, pair_weights)
+                                        kernel, _config_list(kernel, config), activation, alpha, limit, pair_weights)
     if out is None:
         return result
     out.copy_(result)

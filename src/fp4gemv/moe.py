@@ -319,8 +319,8 @@ def _key_and_addresses(w, x, expert_ids, bias, global_scales, out, pair_weights,
     order (0 where absent; out's 0 when not given); (None, None) where validation must look (w not an
     FP4Tensor, an argument that is neither a tensor nor None, a tensor without strides or address).
 
-    Keyed: w's format, layout, code order, data shape and strides, scale strides (their shape follows, ``ops``' key says
-    why), whether it has a global scale; each other tensor's dtype, shape, strides and device (on CUDA its index,
+    Keyed: w's format, layout, code order, data shape and strides, scale strides (their shape follows, ``ops``' key
+    says why), whether it has a global scale; each other tensor's dtype, shape, strides and device (on CUDA its index,
     where the current device is keyed too) or None; the alignment (address mod 16) of every address, which the
     plan's alignments and Triton's specialization read; ``settings`` (out_dtype, backend, kernel, config,
     activation, alpha, limit), each with its type (validation refuses a bool alpha, a plain tuple config, which
@@ -347,8 +347,8 @@ def _key_and_addresses(w, x, expert_ids, bias, global_scales, out, pair_weights,
         return None, None
     px, pi, pb, pgs, po, pp = pointers
     where = torch.cuda.current_device() if cuda else interpreting()
-    key = ("moe", w.fmt, w.scale_layout, w.code_order, wd.shape, wd.stride(), ws.stride(), wg is None, device, pw & 15, ps & 15,
-           pg & 15, *parts, settings, tuple(map(type, settings)), where)
+    key = ("moe", w.fmt, w.scale_layout, w.code_order, wd.shape, wd.stride(), ws.stride(), wg is None, device,
+           pw & 15, ps & 15, pg & 15, *parts, settings, tuple(map(type, settings)), where)
     return key, (pw, ps, pg if global_scales is None else pgs, px, pi, pb, po, pp)  # _operand_tensors' order
 
 

@@ -236,9 +236,9 @@ def dequantize(
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
-    t = t.with_code_order("checkpoint")
     if dtype not in (*_OUTPUT_DTYPES, torch.float64):
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
+    t = t.with_code_order("checkpoint")
     resolved = _resolve_backend(backend, t.device)
     _check_config(config)
     if resolved == "reference" or dtype == torch.float64:

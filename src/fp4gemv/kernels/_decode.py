@@ -91,18 +91,24 @@ def doubled_e2m1(code):
 
 
 @triton.jit
+def native_codes(bits, i):
+    """Codes ``i`` (element order) of ``bits`` (a word or block, broadcast against ``i``) in the native code order:
+    code j = i % 4 of half-word i // 4 has its magnitude's lowest bit and its sign at ``formats.NATIVE_CODE_FIELDS[j]``
+    = (6, 15), (3, 12), (0, 14), (9, 13)."""
+    j = i % 4
+    base = 16 * (i // 4)
+    mag_bit = base + tl.where(j == 0, 6, tl.where(j == 1, 3, tl.where(j == 2, 0, 9)))
+    sign_bit = base + tl.where(j == 0, 15, tl.where(j == 1, 12, tl.where(j == 2, 14, 13)))
+    return ((bits >> mag_bit) & 7) | (((bits >> sign_bit) & 1) << 3)
+
+
+@triton.jit
 def e2m1_word_values(words, NATIVE: tl.constexpr = False):
     """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order: code i in
     bits 4i..4i+3; with ``NATIVE`` the native order's fields, ``formats.NATIVE_CODE_FIELDS`` in each half-word)."""
     w = tl.expand_dims(words, len(words.shape))
     if NATIVE:
-        i = tl.arange(0, 8)
-        j = i % 4
-        base = 16 * (i // 4)
-        # NATIVE_CODE_FIELDS: (6, 15), (3, 12), (0, 14), (9, 13) for j = 0 .. 3.
-        mag_bit = base + tl.where(j == 0, 6, tl.where(j == 1, 3, tl.where(j == 2, 0, 9)))
-        sign_bit = base + tl.where(j == 0, 15, tl.where(j == 1, 12, tl.where(j == 2, 14, 13)))
-        codes = ((w >> mag_bit) & 7) | (((w >> sign_bit) & 1) << 3)
+        codes = native_codes(w, tl.arange(0, 8))
     else:
         codes = (w >> (tl.arange(0, 8) * 4)) & 15
     return doubled_e2m1(codes).to(tl.float32) * 0.5
@@ -114,12 +120,7 @@ def unpack_block(packed, NATIVE: tl.constexpr = False):
     order's fields, ``formats.NATIVE_CODE_FIELDS`` in each of the four half-words)."""
     p = tl.expand_dims(packed, len(packed.shape))
     if NATIVE:
-        i = tl.arange(0, 16).to(tl.int64)
-        j = i % 4
-        base = 16 * (i // 4)
-        mag_bit = base + tl.where(j == 0, 6, tl.where(j == 1, 3, tl.where(j == 2, 0, 9)))
-        sign_bit = base + tl.where(j == 0, 15, tl.where(j == 1, 12, tl.where(j == 2, 14, 13)))
-        return ((p >> mag_bit) & 7) | (((p >> sign_bit) & 1) << 3)
+        return native_codes(p, tl.arange(0, 16).to(tl.int64))
     shifts = tl.arange(0, 16).to(tl.int64) * 4
     return (p >> shifts) & 15
 

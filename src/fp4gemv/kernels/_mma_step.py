@@ -47,7 +47,7 @@ BF16_ACTIVATION_BIAS = 64
 # against the FMA pipe's 128).
 MULTIPLIERS = {"mp0": 2**6 + 2**12, "mp1": 2**2 + 2**8, "m24": 2**24, "m29": 2**29}
 # The weights' code orders a step decodes (``formats.CODE_ORDERS``): the checkpoint's (code i of a 32-bit word at
-# bits 4 i) and the kernel-native one (``formats.to_native_codes``: per 16-bit half, pair 0's magnitude at bits 6-8
+# bits 4 i) and the kernel-native one (``formats.reorder_codes``: per 16-bit half, pair 0's magnitude at bits 6-8
 # and sign at 15, pair 1's at 3-5 and 12, pair 2's at 0-2 and 14, pair 3's at 9-11 and 13), where the bf16 decode
 # takes 10 instructions a word against 13 (docs/performance.md, round 18).  The pair multipliers mp0, mp1 depend on
 # the order and the 16-bit float (``multipliers``).
