@@ -621,55 +621,6 @@ def test_asm_pack_is_the_registers_dimension_in_order(compile_for_sm90):
     assert "ORDER [7.0, 1007.0, 2007.0, 3007.0]" in out, out
 
 
-_AOT_AHEAD = r"""
-import json, sys, torch
-from aot import Sm90Launch, local_memory, registers, sass_listing
-from fp4gemv.kernels.weight_only import WeightOnlyConfig
-from operands import random_activation, random_fp4
-
-def inner_loops(listing):
-    # each backward branch's body with 8 to 16 HMMA: the K loop of one step (no nested loop)
-    import re
-    for i, (addr, op, rest) in enumerate(listing):
-        target = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-        if target and int(target.group(1), 16) < addr:
-            body = [o for a, o, _ in listing if int(target.group(1), 16) <= a <= addr]
-            if 8 <= sum("HMMA" in o for o in body) <= 16:
-                yield body
-
-report = {}
-for label, fmt, k, n, cfg, cap in CASES:
-    a = random_fp4((256, k), fmt, "linear", 1)
-    b = torch.zeros(n, k, dtype=torch.bfloat16)
-    for ahead in (False, True):
-        config = WeightOnlyConfig(*cfg)._replace(ahead=ahead, maxnreg=cap if ahead else 0)
-        launch = Sm90Launch(a, b, out_dtype=torch.float32, kernel="weight_only", config=config)
-        kernel = launch.compile()
-        loop = next(inner_loops(sass_listing(kernel)))
-        first_mma = next(i for i, o in enumerate(loop) if "HMMA" in o)
-        report[f"{label} {ahead}"] = dict(local=local_memory(kernel), regs=registers(kernel),
-                                          loads=sum(o.startswith("LDG") for o in loop),
-                                          early=sum(o.startswith("LDG") for o in loop[:first_mma]))
-print("REPORT " + json.dumps(report))
-"""
-_AHEAD_CASES = [("split-mx", "mxfp4", 2880, 1, (1, 2, 1, True), 80), ("k32", "mxfp4", 2880, 3, (1, 2, 1, False), 80),
-                ("fold", "nvfp4", 2048, 3, (1, 4, 1, False), 80), ("split-nv-c2", "nvfp4", 768, 1, (1, 2, 2, True), 104)]
-
-
-def test_ahead_compiles_for_sm90_with_every_load_before_the_first_mma(compile_for_sm90):
-    """``ahead`` under a register cap (80 for one chunk, 104 for two): no local memory, the step loop issues the same
-    loads as the plain one (the next step's weights and scales instead of its own) and all of them before its first
-    mma (ptxas -O1)."""
-    out = compile_for_sm90(f"CASES = {_AHEAD_CASES!r}\n" + _AOT_AHEAD)
-    report = json.loads(out.split("REPORT ", 1)[1])
-    for label, *_ in _AHEAD_CASES:
-        plain, ahead = report[f"{label} False"], report[f"{label} True"]
-        assert ahead["local"] == [] and plain["local"] == [], (label, report)
-        assert ahead["regs"] <= dict((c[0], c[-1]) for c in _AHEAD_CASES)[label], (label, ahead)
-        assert ahead["loads"] == plain["loads"], (label, plain, ahead)
-        assert ahead["early"] == ahead["loads"], (label, ahead)
-
-
 # --- GPU ----------------------------------------------------------------------------------------------------
 
 
@@ -694,25 +645,6 @@ def test_weight_only_ptx_and_twin_within_bound(fmt, activation, n, config):
     for shape, layout in (((2432, 4608, 2), "swizzled"), ((208, 2880, 3), "linear"), ((200, 320, 1), "swizzled")):
         a, b = build_case(fmt, activation, n, layout, shape, layout == "linear", seed=len(str(n)))
         _both_within_bound(a, b, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("activation", (torch.bfloat16, "fp4"), ids=str)
-def test_ahead_matches_the_plain_steps_bit_for_bit_on_gpu(fmt, activation):
-    """``ahead`` (each step's weights loaded by the step before) runs the same asm arithmetic: bit for bit the
-    plain steps' results in every mode (split, fold / k32), with two chunks and two tiles, with and without a
-    register cap, on K with and without a partial last step."""
-    cases = [(2, WeightOnlyConfig(1, 4, 1, split=True), 80), (2, WeightOnlyConfig(2, 2, 2, split=True), 0),
-             (8, WeightOnlyConfig(1, 8, 1), 80)]
-    for m, k, batch in ((208, 2880, 2), (96, 1024, 1)):
-        for n, config, cap in cases:
-            a, b = build_case(fmt, activation, n, "linear", (m, k, batch), True, seed=k + n)
-            plain = run(a, b, poisoned(result_shape(a, b), torch.float32), config, backend="triton-ptx")
-            ahead = config._replace(ahead=True, maxnreg=cap)
-            got = run(a, b, poisoned(result_shape(a, b), torch.float32), ahead, backend="triton-ptx")
-            assert torch.equal(got.view(torch.int32), plain.view(torch.int32)), (m, k, n, ahead)
-            _both_within_bound(a, b, ahead)
 
 
 @pytest.mark.gpu

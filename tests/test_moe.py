@@ -446,33 +446,6 @@ def test_tensor_core_step_ptx_on_gpu(fmt, layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, layout", [("nvfp4", "swizzled"), ("mxfp4", "linear")])
-def test_ahead_steps_match_the_plain_steps_bit_for_bit_on_gpu(fmt, layout):
-    """``WeightOnlyConfig.ahead`` moves each step's weight loads into the step before; the arithmetic is the same
-    asm, so the results are the plain steps' bit for bit, and exact: split (T = 1, the default configuration under
-    an 80-register cap), k32 / fold (T = 3, two tiles and two chunks), K with a partial last step (2880) and with
-    whole steps only (1024)."""
-    for m, k in ((272, 2880), (96, 1024)):
-        w = random_fp4((16, m, k), fmt, layout, seed=60 + k)
-        bias = random_activation((16, m), torch.bfloat16, seed=61)
-        for tokens in (1, 3):
-            x = random_activation((tokens, k), torch.bfloat16, seed=62 + tokens)
-            ids = random_ids(tokens, 4, 16, seed=63 + tokens)
-            config = plan_of(w, x, ids, torch.bfloat16, bias, backend="auto", kernel="moe_weight_only").config
-            if tokens == 1:
-                ahead = config._replace(ahead=True, maxnreg=80)
-            else:
-                config = config._replace(tiles=2, chunks=2)
-                ahead = config._replace(ahead=True)
-            plain = fp4gemv.moe_gemv(w, x, ids, bias=bias, kernel="moe_weight_only", config=config)
-            got = fp4gemv.moe_gemv(w, x, ids, bias=bias, kernel="moe_weight_only", config=ahead,
-                                   out=poisoned(plain.shape, torch.bfloat16))
-            assert torch.equal(got.view(torch.int16), plain.view(torch.int16)), (m, k, tokens, ahead)
-            assert_routed_exact(got, w, x, ids, torch.bfloat16, bias=bias, kernel="moe_weight_only", config=ahead,
-                                backend="auto")
-
-
-@pytest.mark.gpu
 def test_cuda_graph_with_bad_ids_stays_in_bounds():
     """Under capture the ids are not checked: replayed with ids outside [0, E) the kernel writes zeros for those
     pairs, the exact result for the others, and touches nothing else (the sync after replay would raise an

@@ -29,8 +29,8 @@ from typing import NamedTuple
 
 from ._ptx import AsmOperands, PtxBlock, decode_word_f16
 
-__all__ = ["StepSpec", "MODES", "step_asm", "first_loads_asm", "carried_count", "weight_load_plan", "fold_exponent",
-           "decode_word_bf16", "decode_native_bf16", "decode_native_f16", "multipliers", "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS",
+__all__ = ["StepSpec", "MODES", "step_asm", "fold_exponent", "decode_word_bf16", "decode_native_bf16",
+           "decode_native_f16", "multipliers", "BF16_SCALE_BIAS", "BF16_ACTIVATION_BIAS", "MULTIPLIERS",
            "NATIVE_PAIR_MULTIPLIERS"]
 
 MODES = ("fold", "k32", "split")
@@ -60,10 +60,7 @@ class StepSpec(NamedTuple):
     weights' format); ``mode``: one of ``MODES``; ``tiles``: m16 tiles per warp; ``chunks``: 128-element K
     chunks per warp and step; ``n_tiles``: 1 or 2; ``sfa_col_tile`` / ``sfb_col_tile``: the scale layouts'
     column-tile strides (4 linear, 512 swizzled); ``tail``: the last, partial step (loads masked by K);
-    ``order``: the weights' code order (``formats.CODE_ORDERS``; FP4 activations are in the checkpoint's);
-    ``ahead``: the step's weight and weight-scale registers come from the previous step's asm (inputs ``c*``,
-    ``carried_count`` of them) and it loads the next step's (outputs) once its activation has arrived, before its
-    decode (``first_loads_asm`` loads the first step's)."""
+    ``order``: the weights' code order (``formats.CODE_ORDERS``; FP4 activations are in the checkpoint's)."""
 
     fmt: str
     act: str
@@ -75,7 +72,6 @@ class StepSpec(NamedTuple):
     sfb_col_tile: int
     tail: bool
     order: str = "checkpoint"
-    ahead: bool = False
 
 
 def fold_exponent(fmt: str, act: str, mode: str) -> int:
@@ -166,52 +162,7 @@ def _inputs(spec: StepSpec) -> list[tuple[str, str]]:
     names += [("xon", "r")] + [(m, "r") for m in MULTIPLIERS]
     if spec.tail:
         names.append(("kleft", "r"))
-    if spec.ahead:
-        names += _NEXT_INPUTS + [(f"c{i}", "f") for i in range(carried_count(spec))]
     return names
-
-
-# The next step's weight and scale byte offsets and the elements of K left from the thread's first chunk there.
-_NEXT_INPUTS = [("kan", "r"), ("ksn", "r"), ("kleftn", "r")]
-_NEXT_OFFSET = {"ka": "kan", "ks": "ksn"}
-
-
-def weight_load_plan(spec: StepSpec) -> list[tuple[int, str, int, str, str, int, int]]:
-    """A step's weight and weight-scale loads of one element (row), as ``ahead`` carries them: (first carried
-    slot, load kind, registers, pointer, offset, immediate, first element of K): fold and split 16-byte words and
-    the scale bytes of each chunk (slots 5 u .. 5 u + 4), k32 each block's word and e8m0 byte (2 j, 2 j + 1)."""
-    s = spec
-    if s.mode == "k32":
-        plan = []
-        for j in range(4 * s.chunks):
-            col = (j // 4) * s.sfa_col_tile + j % 4
-            plan += [(2 * j, "u32", 1, "pa", "ka", 16 * j, 32 * j), (2 * j + 1, "u8", 1, "ps", "ks", col, 32 * j)]
-        return plan
-    mx_bytes = s.mode == "split" and s.fmt == "mxfp4"
-    plan = []
-    for u in range(s.chunks):
-        plan.append((5 * u, "v4.u32", 4, "pa", "ka", 64 * u, 128 * u))
-        plan.append((5 * u + 4, "u8" if mx_bytes else "b16", 1, "ps", "ks",
-                     (1 if mx_bytes else 2) * s.sfa_col_tile * u, 128 * u))
-    return plan
-
-
-def carried_count(spec: StepSpec) -> int:
-    """The 32-bit registers per element that ``ahead`` carries from one step to the next."""
-    return sum(n for _, _, n, *_ in weight_load_plan(spec))
-
-
-@functools.lru_cache(maxsize=None)
-def first_loads_asm(spec: StepSpec) -> tuple[str, str]:
-    """(asm, constraints) loading the weights and scales an ``ahead`` step carries, for the first step: inputs
-    ``pa``, ``ps`` (``pack`` each), then ``kan``, ``ksn``, ``kleftn`` (that step's offsets and elements left);
-    ``carried_count`` outputs (float32 registers holding the loaded bits)."""
-    op = AsmOperands(0, 2 * spec.tiles, [("pa", "l"), ("ps", "l")] + _NEXT_INPUTS, tied=False,
-                     untied=carried_count(spec))
-    block = _Step(spec, op)
-    block.next_loads()
-    block.finish()
-    return block.text(), op.constraint_string()
 
 
 @functools.lru_cache(maxsize=None)
@@ -228,10 +179,8 @@ def step_asm(spec: StepSpec) -> tuple[str, str]:
     """
     if spec.mode not in MODES:
         raise ValueError(f"spec.mode: expected one of {MODES}, got {spec.mode!r}")
-    op = AsmOperands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec),
-                     untied=carried_count(spec) if spec.ahead else 0)
+    op = AsmOperands(2 * spec.n_tiles, 2 * spec.tiles, _inputs(spec))
     body = {"fold": _FoldStep, "k32": _K32Step, "split": _SplitStep}[spec.mode](spec, op)
-    body.finish()
     return body.text(), op.constraint_string()
 
 
@@ -243,46 +192,7 @@ class _Step(PtxBlock):
         super().__init__()
         self.spec, self.op = spec, op
         self.mma_type = "bf16" if spec.act == "bf16" else "f16"
-        self.mul = {m: op(m) for m in MULTIPLIERS if m in op.index}
-        self._outputs: list[str] = []  # ahead: the next step's registers, moved into the outputs last
-
-    def carried(self) -> dict[tuple[int, int], str]:
-        """``ahead``: this step's weights and scales, given by the previous step (inputs ``c*``), by (slot,
-        element): .b32 registers (a ``b16`` scale pair as .b16)."""
-        op, values = self.op, {}
-        for slot, kind, n, *_ in weight_load_plan(self.spec):
-            for e in range(op.pack):
-                for i in range(n):
-                    values[slot + i, e] = self.reg("b32", f"cu{slot + i}_{e}")
-                    self.emit(f"mov.b32 {values[slot + i, e]}, {op(f'c{slot + i}', e)};")
-                if kind == "b16":
-                    lo, hi = self.reg("b16", f"cl{slot}_{e}"), self.reg("b16", f"ch{slot}_{e}")
-                    self.emit(f"mov.b32 {{{lo}, {hi}}}, {values[slot, e]};")
-                    values[slot, e] = lo
-        return values
-
-    def next_loads(self) -> None:
-        """``ahead``: load the next step's weights and scales (``weight_load_plan``, offsets ``kan``, ``ksn``, masked
-        where ``kleftn`` says K has ended) into registers that ``finish`` moves into the untied outputs.  A step emits
-        them after its activation's first use: a warp's loads return in order, so loads issued before its own
-        activation loads would hold those up."""
-        if not self.spec.ahead:
-            return
-        op = self.op
-        preds: dict[int, str] = {}
-        for slot, kind, n, pointer, offset, imm, first in weight_load_plan(self.spec):
-            if first not in preds:
-                preds[first] = self.reg("pred", f"pn{first}")
-                self.emit(f"setp.gt.s32 {preds[first]}, {op('kleftn')}, {first};")
-            for e in range(op.pack):
-                regs = [self.reg("b32", f"nx{slot + i}_{e}") for i in range(n)]
-                self.load("u16" if kind == "b16" else kind, regs, op(pointer, e), op(_NEXT_OFFSET[offset]), imm,
-                          preds[first])
-                self._outputs += [f"mov.b32 {op.untied_out(slot + i, e)}, {r};" for i, r in enumerate(regs)]
-
-    def finish(self) -> None:
-        """The last lines: ``ahead``'s next-step registers into the outputs."""
-        self.emit(*self._outputs)
+        self.mul = {m: op(m) for m in MULTIPLIERS}
 
     def acc(self, t: int, nt: int, r: int) -> str:
         """Fragment register r of tile t, n-tile nt: output 2 nt + r % 2, element 2 t + r // 2."""
@@ -385,14 +295,6 @@ class _Step(PtxBlock):
         self.emit(f"mov.f32 {z}, 0f00000000;")
         return z
 
-    def carried_chunks(self) -> tuple[dict, dict]:
-        """fold and split ``ahead``: (words[e, u], scale bytes[e, u]) of this step from the carried registers."""
-        cur = self.carried()
-        words = {(e, u): [cur[5 * u + q, e] for q in range(4)]
-                 for u in range(self.spec.chunks) for e in range(self.op.pack)}
-        sraw = {(e, u): cur[5 * u + 4, e] for u in range(self.spec.chunks) for e in range(self.op.pack)}
-        return words, sraw
-
     def chunk_weights(self, preds: list[str | None]) -> dict:
         """16-byte weight loads (fold, split): words[e, u] = the 4 words of row e, chunk u."""
         words = {}
@@ -425,15 +327,12 @@ class _FoldStep(_Step):
         fp4 = s.act == "fp4"
         preds = [self.in_k(f"pk{u}", 128 * u) for u in range(U)]
         # Every load of the step first: weights, their scales, the activation (and its scales).
-        if s.ahead:
-            words, sraw = self.carried_chunks()
-        else:
-            words = self.chunk_weights(preds)
-            sraw = {}
-            for u in range(U):
-                for e in range(P):
-                    sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
-                    self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
+        words = self.chunk_weights(preds)
+        sraw = {}
+        for u in range(U):
+            for e in range(P):
+                sraw[e, u] = self.reg("b16", f"sr{e}_{u}")
+                self.load("b16", [sraw[e, u]], op("ps", e), op("ks"), 2 * s.sfa_col_tile * u, preds[u])
         xraw, xsraw = {}, {}
         for nt in range(s.n_tiles):
             for u in range(U):
@@ -454,8 +353,6 @@ class _FoldStep(_Step):
                             b[nt].append(p)
                 else:
                     b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
-            if u == 0:
-                self.next_loads()
             for t in range(s.tiles):
                 scales = [self.scale_pairs_e4m3(sraw[2 * t + h, u], f"sc{t}_{h}_{u}", bias=s.act == "bf16")
                           for h in range(2)]
@@ -482,17 +379,12 @@ class _SplitStep(_Step):
         self.emit(f"setp.ne.s32 {on}, {op('xon')}, 0;")
         preds = [self.in_k(f"pk{u}", 128 * u) for u in range(spec.chunks)]
         xpreds = [self.in_k(f"px{u}", 128 * u, on) for u in range(spec.chunks)]
-        if spec.ahead:
-            words, sraw = self.carried_chunks()
-        else:
-            words = self.chunk_weights(preds)
-            sraw = self.weight_scale_loads(preds)
+        words = self.chunk_weights(preds)
+        sraw = self.weight_scale_loads(preds)
         xraw, xsraw = self.activation_loads(preds, [p if p is not None else on for p in xpreds])
         zero = self.zero()
         for u in range(spec.chunks):
             b, xscale = self.activation_pairs(u, xraw, xsraw)
-            if u == 0:
-                self.next_loads()
             for t in range(spec.tiles):
                 self.tile_blocks(t, u, words, self.weight_scales(t, u, sraw), b, xscale, zero)
 
@@ -595,18 +487,13 @@ class _K32Step(_Step):
         blocks = 4 * spec.chunks
         preds = [self.in_k(f"pk{j}", 32 * j) for j in range(blocks)]
         words, sraw, xraw, xsraw = {}, {}, {}, {}
-        if s.ahead:
-            cur = self.carried()
-            words = {(e, j): cur[2 * j, e] for j in range(blocks) for e in range(P)}
-            sraw = {(e, j): cur[2 * j + 1, e] for j in range(blocks) for e in range(P)}
-        else:
-            for j in range(blocks):
-                col = (j // 4) * s.sfa_col_tile + j % 4
-                for e in range(P):
-                    words[e, j] = self.reg("b32", f"w{e}_{j}")
-                    self.load("u32", [words[e, j]], op("pa", e), op("ka"), 16 * j, preds[j])
-                    sraw[e, j] = self.reg("b32", f"sr{e}_{j}")
-                    self.load("u8", [sraw[e, j]], op("ps", e), op("ks"), col, preds[j])
+        for j in range(blocks):
+            col = (j // 4) * s.sfa_col_tile + j % 4
+            for e in range(P):
+                words[e, j] = self.reg("b32", f"w{e}_{j}")
+                self.load("u32", [words[e, j]], op("pa", e), op("ka"), 16 * j, preds[j])
+                sraw[e, j] = self.reg("b32", f"sr{e}_{j}")
+                self.load("u8", [sraw[e, j]], op("ps", e), op("ks"), col, preds[j])
         for nt in range(s.n_tiles):
             for j in range(blocks):
                 if fp4:
@@ -631,8 +518,6 @@ class _K32Step(_Step):
                     b[nt] = self.float_pairs(xraw[nt, j], f"b{nt}_{j}_")
                     if s.act == "bf16":
                         self.bias_bf16(b[nt])
-            if j == 0:
-                self.next_loads()
             for t in range(s.tiles):
                 a = [self.decode(words[2 * t + h, j], f"a{t}_{h}_{j}") for h in range(2)]
                 for nt in range(s.n_tiles):

@@ -10,20 +10,17 @@ __all__ = ["AsmOperands", "PtxBlock", "decode_word_f16", "E2M1_BYTE_TABLES", "E2
 
 class AsmOperands:
     """Numbering of an ``inline_asm_elementwise`` call's operands: ``n_out`` outputs of ``pack`` registers
-    each, then ``untied`` more outputs of ``pack`` registers (``untied_out``), then (``tied``) an input tied to
-    each of the first ``n_out`` outputs' registers, then named inputs of ``pack`` registers each, in order (element
-    e of input ``name`` is ``self(name, e)``).  A name given as ``(name, kind, registers)`` takes that many
-    registers instead: an 8-bit input packs four elements per 32-bit register (``pack // 4``)."""
+    each, then (``tied``) an input tied to each output register, then named inputs of ``pack`` registers each,
+    in order (element e of input ``name`` is ``self(name, e)``).  A name given as ``(name, kind, registers)``
+    takes that many registers instead: an 8-bit input packs four elements per 32-bit register (``pack // 4``)."""
 
     def __init__(self, n_out: int, pack: int, names: list[tuple[str, str] | tuple[str, str, int]],
-                 out_kind: str = "f", tied: bool = True, untied: int = 0):
+                 out_kind: str = "f", tied: bool = True):
         self.pack = pack
-        self.n_out = n_out
         outputs = n_out * pack
-        self.constraints = ([f"={out_kind}"] * (outputs + untied * pack)
-                            + ([str(i) for i in range(outputs)] if tied else []))
+        self.constraints = [f"={out_kind}"] * outputs + ([str(i) for i in range(outputs)] if tied else [])
         self.index: dict[str, int] = {}
-        first = (2 * outputs if tied else outputs) + untied * pack
+        first = 2 * outputs if tied else outputs
         for name, kind, *registers in names:
             count = registers[0] if registers else pack
             self.index[name] = first
@@ -36,10 +33,6 @@ class AsmOperands:
     def out(self, i: int) -> str:
         """Output register i (0 .. n_out * pack - 1)."""
         return f"${i}"
-
-    def untied_out(self, i: int, e: int) -> str:
-        """Element e of untied output i (after the ``n_out`` tied ones)."""
-        return f"${(self.n_out + i) * self.pack + e}"
 
     def constraint_string(self) -> str:
         return ",".join(self.constraints)

@@ -38,9 +38,9 @@ from ..target import SM90, Target
 from ._common import store_rounded
 from ._mma_step import fold_exponent, multipliers, step_asm
 from .spec import ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
-from .weight_only import (MAX_SPLIT_N, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES, ahead_arguments,
-                          launch_options, twin_column_row, column_result, fragment_rows, k_loop, program_lanes,
-                          step_spec, tile_rows, weight_only_config, weight_pointers)
+from .weight_only import (MAX_SPLIT_N, PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES,
+                          twin_column_row, column_result, fragment_rows, k_loop, program_lanes, step_spec, tile_rows,
+                          weight_only_config, weight_pointers)
 
 __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS", "MAX_COLUMNS"]
 
@@ -140,12 +140,14 @@ class MoeWeightOnly(TritonKernelSpec):
             ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
             ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
-            **ahead_arguments(spec),
         )
+        options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
+        if config.loads_first:
+            options["ptx_options"] = PTXAS_LOADS_FIRST
         # With an activation a 16-row tile holds 8 (gate, up) pairs: 8 output rows.
         grid = (triton.cdiv(case.out_rows, (8 if case.activation else 16) * config.tiles),
                 min(case.pairs, case.experts + 1))
-        return TritonLaunch(moe_weight_only_kernel, grid, args, launch_options(config, pdl))
+        return TritonLaunch(moe_weight_only_kernel, grid, args, options)
 
 
 # --- the kernel ---------------------------------------------------------------------------------------------
@@ -248,10 +250,6 @@ def moe_weight_only_kernel(
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
     NATIVE: tl.constexpr,
-    AHEAD: tl.constexpr,
-    NC: tl.constexpr,
-    ASM_FIRST: tl.constexpr,
-    CONSTRAINTS_FIRST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
@@ -295,8 +293,7 @@ def moe_weight_only_kernel(
             # Float activations: the step reads no activation scales (pxs, col_scale_ptrs: placeholders).
             a0, a1, a2, a3 = k_loop(pa, ps, px, px, px, px, xon, muls, col_ptrs, col_ptrs, k_first, c, zero, K,
                                     MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, 4, USE_PTX, False,
-                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE, AHEAD, NC,
-                                    ASM_FIRST, CONSTRAINTS_FIRST)
+                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE)
             accumulators = (a0, a1, a2, a3)
             # The pairs (int32) rather than their int64 offsets stay live across the K loop: fewer registers.
             out_offsets = ()

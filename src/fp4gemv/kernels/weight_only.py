@@ -51,12 +51,11 @@ from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import e2m1_word_values
-from ._mma_step import StepSpec, carried_count, first_loads_asm, fold_exponent, multipliers, step_asm
+from ._mma_step import StepSpec, fold_exponent, multipliers, step_asm
 from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch,
                    global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
-           "ahead_arguments", "launch_options",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA", "PTXAS_LOADS_FIRST", "ACT_CODES", "MODE_CODES",
            "program_lanes", "tile_rows", "weight_pointers", "fragment_rows", "twin_column_row", "k_loop",
            "column_result"]
@@ -84,9 +83,7 @@ class WeightOnlyConfig(NamedTuple):
     dependent launch (where the target has it), ``loads_first``: compile with ``ptxas -O1``, which keeps every
     load of a step at its top (``-O3`` sinks them towards their first use: in the SASS of 7168 x 16384, split,
     2 tiles, 5 of the step's 12 loads, 2 of its 4 weight loads, were issued before its first mma;
-    docs/performance.md, the weight-only kernel's section), ``ahead``: each step loads the next step's weights and
-    scales at its top, so that they are in flight while it decodes its own (``_mma_step.StepSpec.ahead``; the PTX
-    path only, the twin's loads are its own), ``maxnreg``: registers per thread ptxas may use (0: its choice)."""
+    docs/performance.md, the weight-only kernel's section)."""
 
     tiles: int = 1
     warps: int = 4
@@ -94,8 +91,6 @@ class WeightOnlyConfig(NamedTuple):
     split: bool = False
     pdl: bool = False
     loads_first: bool = True
-    ahead: bool = False
-    maxnreg: int = 0
 
 
 def mode(fmt: str, config: WeightOnlyConfig) -> str:
@@ -164,25 +159,7 @@ def step_spec(case: GemvCase, config: WeightOnlyConfig, tail: bool = False) -> S
     n_tiles = (1 if case.n <= 2 else 2) if step_mode == "split" else (1 if case.n <= 8 else 2)
     return StepSpec(case.fmt.name, _activation_code(case), step_mode, config.tiles, config.chunks, n_tiles,
                     case.a.scales.col_tile, case.b.scales.col_tile if case.fp4_activation else 4, tail,
-                    case.a.code_order, config.ahead)
-
-
-def launch_options(config: WeightOnlyConfig, pdl: bool) -> dict:
-    """The compile and launch options of a configuration (``pdl``: where the target has it)."""
-    options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
-    if config.loads_first:
-        options["ptx_options"] = PTXAS_LOADS_FIRST
-    if config.maxnreg:
-        options["maxnreg"] = config.maxnreg
-    return options
-
-
-def ahead_arguments(spec: StepSpec) -> dict:
-    """``k_loop``'s ``ahead`` constexprs of a launch compiling ``spec`` (its full step)."""
-    if not spec.ahead:
-        return dict(AHEAD=False, NC=0, ASM_FIRST="", CONSTRAINTS_FIRST="")
-    asm, constraints = first_loads_asm(spec)
-    return dict(AHEAD=True, NC=carried_count(spec), ASM_FIRST=asm, CONSTRAINTS_FIRST=constraints)
+                    case.a.code_order)
 
 
 class WeightOnly(TritonKernelSpec):
@@ -238,9 +215,6 @@ class WeightOnly(TritonKernelSpec):
             raise ValueError(f"config: expected tiles 1, 2 or 4 and chunks 1 or 2, got {config}")
         if not isinstance(config.warps, int) or not 1 <= config.warps <= MAX_WARPS or config.warps & (config.warps - 1):
             raise ValueError(f"config: expected warps a power of two from 1 to {MAX_WARPS}, got {config}")
-        if isinstance(config.maxnreg, bool) or not isinstance(config.maxnreg, int) or not (
-                config.maxnreg == 0 or 32 <= config.maxnreg <= 255):
-            raise ValueError(f"config: expected maxnreg 0 (ptxas's choice) or 32 to 255, got {config}")
         if case is not None and config.split:
             if case.n > MAX_SPLIT_N:
                 raise ValueError(f"config: split takes N <= {MAX_SPLIT_N} activation rows, got N = {case.n}")
@@ -280,10 +254,13 @@ class WeightOnly(TritonKernelSpec):
             SFB_COL_TILE=spec.sfb_col_tile, HAS_GSA=gsa, HAS_GSB=gsb,
             FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode), USE_PTX=target.mode == "ptx", PDL=pdl,
             ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full, ASM_TAIL=asm_tail,
-            CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native", **ahead_arguments(spec),
+            CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
         )
+        options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
+        if config.loads_first:
+            options["ptx_options"] = PTXAS_LOADS_FIRST
         return TritonLaunch(weight_only_gemv_kernel, (triton.cdiv(case.m, 16 * config.tiles), case.batch), args,
-                            launch_options(config, pdl))
+                            options)
 
 
 def _fp4_rows_reason(name: str, meta: FP4Meta, row_bytes: int, nvfp4: bool) -> str | None:
@@ -341,7 +318,16 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
           NATIVE: tl.constexpr):
     """The step at element k0 of every warp's chunks: its byte offsets (the same for every thread), then the
     PTX step or its twin."""
-    ka, ks, kx, kxs, kleft = _offsets(k0, K, k_first, zero, MX, ACT, SFA_COL_TILE, SFB_COL_TILE)
+    BLOCK: tl.constexpr = 32 if MX else 16
+    k0 = tl.cast(k0, tl.int64)
+    ka = k0 // 2
+    ks = (k0 // (4 * BLOCK)) * SFA_COL_TILE
+    if ACT == 2:
+        kx = k0 // 2
+    else:
+        kx = 2 * k0
+    kxs = (k0 // (4 * BLOCK)) * SFB_COL_TILE
+    kleft = (K - k0).to(tl.int32) - k_first  # [1, T]: elements of K left from the thread's first chunk
     if USE_PTX:
         a0, a1, a2, a3 = _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka.to(tl.int32) + zero,
                                    ks.to(tl.int32) + zero, kx.to(tl.int32) + zero, kxs.to(tl.int32) + zero, xon, muls,
@@ -353,27 +339,10 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
 
 
 @triton.jit
-def _offsets(k0, K, k_first, zero, MX: tl.constexpr, ACT: tl.constexpr, SFA_COL_TILE: tl.constexpr,
-             SFB_COL_TILE: tl.constexpr):
-    """The byte offsets of the step at element k0 (weights, weight scales, activation, its scales: int64) and the
-    elements of K left from the thread's first chunk (int32, ``zero``'s shape)."""
-    BLOCK: tl.constexpr = 32 if MX else 16
-    k0 = tl.cast(k0, tl.int64)
-    ka = k0 // 2
-    ks = (k0 // (4 * BLOCK)) * SFA_COL_TILE
-    if ACT == 2:
-        kx = k0 // 2
-    else:
-        kx = 2 * k0
-    kxs = (k0 // (4 * BLOCK)) * SFB_COL_TILE
-    kleft = (K - k0).to(tl.int32) - k_first + zero
-    return ka, ks, kx, kxs, kleft
-
-
-@triton.jit
-def _step_inputs(pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft, MX: tl.constexpr,
-                 ACT: tl.constexpr, TAIL: tl.constexpr):
-    """The operands of ``_mma_step.step_asm`` after the accumulators, in the order of its ``input_names``."""
+def _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft, ASM: tl.constexpr,
+              CONSTRAINTS: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, N_TILES: tl.constexpr,
+              TAIL: tl.constexpr, P: tl.constexpr):
+    """One step of ``_mma_step.step_asm``; the operands in the order of its ``input_names``."""
     # Pointers as integers: the asm's operands are broadcast together, which Triton refuses for pointers.
     ins = (pa.to(tl.int64), ps.to(tl.int64), px.to(tl.int64))
     if ACT == 2:
@@ -387,62 +356,6 @@ def _step_inputs(pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft,
     ins = ins + (xon,) + muls
     if TAIL:
         ins = ins + (kleft,)
-    return ins
-
-
-@triton.jit
-def _first_loads(pa, ps, k0, K, k_first, zero, MX: tl.constexpr, ACT: tl.constexpr, SFA_COL_TILE: tl.constexpr,
-                 SFB_COL_TILE: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, NC: tl.constexpr,
-                 P: tl.constexpr):
-    """``_mma_step.first_loads_asm``: the weights and scales an ``ahead`` step at element k0 carries (a tuple of
-    ``NC`` float32 tensors holding their bits)."""
-    ka, ks, _, _, kleft = _offsets(k0, K, k_first, zero, MX, ACT, SFA_COL_TILE, SFB_COL_TILE)
-    r = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (pa.to(tl.int64), ps.to(tl.int64), ka.to(tl.int32) + zero,
-                                                     ks.to(tl.int32) + zero, kleft),
-                                  dtype=(tl.float32,) * NC, is_pure=True, pack=P)
-    carried = ()
-    for i in tl.static_range(NC):
-        carried = carried + (r[i],)
-    return carried
-
-
-@triton.jit
-def _step_ahead(a0, a1, a2, a3, carried, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, k_first, zero,
-                MX: tl.constexpr, ACT: tl.constexpr, N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr,
-                SFB_COL_TILE: tl.constexpr, TAIL: tl.constexpr, P: tl.constexpr, STEP: tl.constexpr,
-                ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, NC: tl.constexpr):
-    """The ``ahead`` PTX step at element k0: this step's weights from ``carried``, the next step's loaded into
-    the returned carried registers (``_mma_step.StepSpec.ahead``)."""
-    ka, ks, kx, kxs, kleft = _offsets(k0, K, k_first, zero, MX, ACT, SFA_COL_TILE, SFB_COL_TILE)
-    kan, ksn, _, _, kleftn = _offsets(k0 + STEP, K, k_first, zero, MX, ACT, SFA_COL_TILE, SFB_COL_TILE)
-    ins = _step_inputs(pa, ps, px, pxs, pxs0, pxs1, ka.to(tl.int32) + zero, ks.to(tl.int32) + zero,
-                       kx.to(tl.int32) + zero, kxs.to(tl.int32) + zero, xon, muls, kleft, MX, ACT, TAIL)
-    ins = ins + (kan.to(tl.int32) + zero, ksn.to(tl.int32) + zero, kleftn) + carried
-    NA: tl.constexpr = 2 * N_TILES
-    if N_TILES == 1:
-        r = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (a0, a1) + ins, dtype=(tl.float32,) * (NA + NC),
-                                      is_pure=True, pack=P)
-        a0 = r[0]
-        a1 = r[1]
-    else:
-        r = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (a0, a1, a2, a3) + ins, dtype=(tl.float32,) * (NA + NC),
-                                      is_pure=True, pack=P)
-        a0 = r[0]
-        a1 = r[1]
-        a2 = r[2]
-        a3 = r[3]
-    nxt = ()
-    for i in tl.static_range(NC):
-        nxt = nxt + (r[NA + i],)
-    return a0, a1, a2, a3, nxt
-
-
-@triton.jit
-def _step_ptx(a0, a1, a2, a3, pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft, ASM: tl.constexpr,
-              CONSTRAINTS: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, N_TILES: tl.constexpr,
-              TAIL: tl.constexpr, P: tl.constexpr):
-    """One step of ``_mma_step.step_asm``; the operands in the order of its ``input_names``."""
-    ins = _step_inputs(pa, ps, px, pxs, pxs0, pxs1, ka, ks, kx, kxs, xon, muls, kleft, MX, ACT, TAIL)
     if N_TILES == 1:
         a0, a1 = tl.inline_asm_elementwise(ASM, CONSTRAINTS, (a0, a1) + ins, dtype=(tl.float32, tl.float32),
                                            is_pure=True, pack=P)
@@ -607,12 +520,9 @@ def k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_f
            MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr,
            CHUNKS: tl.constexpr, N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr,
            USE_PTX: tl.constexpr, PDL: tl.constexpr, ASM_FULL: tl.constexpr, CONSTRAINTS_FULL: tl.constexpr,
-           ASM_TAIL: tl.constexpr, CONSTRAINTS_TAIL: tl.constexpr, NATIVE: tl.constexpr, AHEAD: tl.constexpr = False,
-           NC: tl.constexpr = 0, ASM_FIRST: tl.constexpr = "", CONSTRAINTS_FIRST: tl.constexpr = ""):
+           ASM_TAIL: tl.constexpr, CONSTRAINTS_TAIL: tl.constexpr, NATIVE: tl.constexpr):
     """Every step over K from zeroed accumulators: the four accumulators ``[P, T]`` (``_mma_step``'s layout);
-    ``NATIVE``: the weights' codes in the native order (the PTX's decode is the asm's; the twin's, this flag);
-    ``AHEAD`` (PTX only; ``ASM_*`` then the ``ahead`` steps, ``ASM_FIRST`` the first step's loads, ``NC`` the
-    registers carried): each step's weights and scales are loaded by the step before (``WeightOnlyConfig``)."""
+    ``NATIVE``: the weights' codes in the native order (the PTX's decode is the asm's; the twin's, this flag)."""
     P: tl.constexpr = 2 * TILES
     STEP: tl.constexpr = WARPS * 128 * CHUNKS
     a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
@@ -622,40 +532,18 @@ def k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_f
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if USE_PTX and AHEAD:
-        carried = _first_loads(pa, ps, 0, K, k_first, zero, MX, ACT, SFA_COL_TILE, SFB_COL_TILE, ASM_FIRST,
-                               CONSTRAINTS_FIRST, NC, P)
-        n_steps = K // STEP
-        # Two steps an iteration: the second loads into the registers the first has used, so that the carried
-        # registers need no copies at the back edge (one step an iteration copied them there, waiting on the loads).
-        for s in range(0, n_steps // 2):
-            a0, a1, a2, a3, carried = _step_ahead(a0, a1, a2, a3, carried, 2 * s * STEP, K, pa, ps, px, pxs, pxs0,
-                                                  pxs1, xon, muls, k_first, zero, MX, ACT, N_TILES, SFA_COL_TILE,
-                                                  SFB_COL_TILE, False, P, STEP, ASM_FULL, CONSTRAINTS_FULL, NC)
-            a0, a1, a2, a3, carried = _step_ahead(a0, a1, a2, a3, carried, (2 * s + 1) * STEP, K, pa, ps, px, pxs,
-                                                  pxs0, pxs1, xon, muls, k_first, zero, MX, ACT, N_TILES, SFA_COL_TILE,
-                                                  SFB_COL_TILE, False, P, STEP, ASM_FULL, CONSTRAINTS_FULL, NC)
-        if n_steps % 2:
-            a0, a1, a2, a3, carried = _step_ahead(a0, a1, a2, a3, carried, (n_steps - 1) * STEP, K, pa, ps, px, pxs,
-                                                  pxs0, pxs1, xon, muls, k_first, zero, MX, ACT, N_TILES, SFA_COL_TILE,
-                                                  SFB_COL_TILE, False, P, STEP, ASM_FULL, CONSTRAINTS_FULL, NC)
-        if n_steps * STEP < K:
-            a0, a1, a2, a3, carried = _step_ahead(a0, a1, a2, a3, carried, n_steps * STEP, K, pa, ps, px, pxs, pxs0,
-                                                  pxs1, xon, muls, k_first, zero, MX, ACT, N_TILES, SFA_COL_TILE,
-                                                  SFB_COL_TILE, True, P, STEP, ASM_TAIL, CONSTRAINTS_TAIL, NC)
-    else:
-        # The PTX masks only in the last, partial step (its own asm); the twin masks every step, so one loop.
-        n_full = K // STEP if USE_PTX else tl.cdiv(K, STEP)
-        for s in range(0, n_full):
-            a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
-                                   col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
-                                   SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL, NATIVE)
-        if USE_PTX:
-            if n_full * STEP < K:
-                a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
-                                       col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
-                                       SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL,
-                                       NATIVE)
+    # The PTX masks only in the last, partial step (its own asm); the twin masks every step, so one loop.
+    n_full = K // STEP if USE_PTX else tl.cdiv(K, STEP)
+    for s in range(0, n_full):
+        a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
+                               col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
+                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL, NATIVE)
+    if USE_PTX:
+        if n_full * STEP < K:
+            a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
+                                   col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
+                                   SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL,
+                                   NATIVE)
     return a0, a1, a2, a3
 
 
@@ -728,10 +616,6 @@ def weight_only_gemv_kernel(
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
     NATIVE: tl.constexpr,
-    AHEAD: tl.constexpr,
-    NC: tl.constexpr,
-    ASM_FIRST: tl.constexpr,
-    CONSTRAINTS_FIRST: tl.constexpr,
 ):
     # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  mp0 .. m29: _mma_step.multipliers.
     pid_m = tl.program_id(0)
@@ -774,8 +658,7 @@ def weight_only_gemv_kernel(
                        k_warp // BLOCK, SFB_COL_TILE),)
     a0, a1, a2, a3 = k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c, zero, K,
                             MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, USE_PTX, PDL,
-                            ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE, AHEAD, NC, ASM_FIRST,
-                            CONSTRAINTS_FIRST)
+                            ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE)
     accumulators = (a0, a1, a2, a3)
     for o in tl.static_range(2 * N_TILES):
         _store_column(accumulators[o], o, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,
