@@ -5,8 +5,9 @@
 # diagnosis, side by side.  Logs and times in OUT_DIR; the exit status is 1 when any of the three failed.
 #
 # The tests' time is Triton compiling kernel variants (ptxas and LLVM, one CPU core each; a profile on the H200
-# machine: 46 s of 77 s compiling, 4 s the oracle), so they run in GPU_TEST_WORKERS (default 8) pytest-xdist
-# processes on its 16 cores, sharing Triton's on-disk cache; without pytest-xdist they run in one process.
+# machine: 46 s of 77 s compiling, 4 s the oracle), so they run in GPU_TEST_WORKERS pytest-xdist
+# processes on its 16 cores (default: one per 16 GiB of GPU memory, at most 8), sharing Triton's on-disk cache;
+# without pytest-xdist they run in one process.
 set -uo pipefail
 out=${1:?usage: gpu_checks.sh OUT_DIR [-k expression]}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -30,8 +31,14 @@ task_pid=$!
 logged hmma_warps.log python benchmarks/hmma_warps_check.py &
 warps_pid=$!
 
+# Default workers: one per 16 GiB of GPU memory, at most 8 (the largest tests take up to 16.5 GiB each; 8 workers
+# ran out of memory on an H100's 79 GiB, docs/performance.md round 20).
+gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+default_workers=$(( ${gib:-131072} / 16384 ))
+(( default_workers > 8 )) && default_workers=8
+(( default_workers < 1 )) && default_workers=1
 if python -c "import xdist" 2>/dev/null; then
-    workers=(-n "${GPU_TEST_WORKERS:-8}")
+    workers=(-n "${GPU_TEST_WORKERS:-$default_workers}")
 else
     echo "pytest-xdist is not installed: the GPU tests run in one process (pip install pytest-xdist to spread them)"
     workers=()

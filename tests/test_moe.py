@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import fp4gemv
-from fp4gemv import FP4Tensor, moe
+from fp4gemv import FP4Tensor, moe, ops
+from fp4gemv.kernels import moe_weight_only
 from fp4gemv.kernels.weight_only import WeightOnlyConfig
 from fp4gemv.reference import routed_gemv_reference
 from fp4gemv.target import resolve_target
@@ -285,6 +286,27 @@ def test_bad_ids(backend):
         got = fp4gemv.moe_gemv(w, x, ids, backend=backend, check_ids=False)
         assert (got[0, 1] == 0).all()
         assert_routed_exact(got, w, x, ids, torch.bfloat16)
+
+
+@pytest.mark.parametrize("tokens, top_k, experts", [(1, 4, 32), (4, 8, 128), (16, 8, 6)])
+def test_pairwise_and_histogram_grouping_agree(monkeypatch, tokens, top_k, experts):
+    """moe_weight_only groups a call of up to ``PAIRWISE_PAIRS`` pairs pair against pair and a larger one by a
+    histogram over the experts: both give the same groups, so the same outputs bit for bit, with an expert named
+    twice by one token, ids out of range (zeros) and, at E = 6, most experts taking several tokens."""
+    w = random_fp4((experts, 48, 256), "nvfp4", "linear", seed=70 + experts)
+    x = random_activation((tokens, 256), torch.bfloat16, seed=71)
+    ids = random_ids(tokens, top_k, experts, seed=72)
+    ids[0, -1] = ids[0, 0]
+    ids[-1, 1] = experts + 3
+    ids[0, 1] = -1
+    outs = []
+    for pairwise in (0, 1024):  # no call, every call
+        monkeypatch.setattr(moe_weight_only, "PAIRWISE_PAIRS", pairwise)
+        ops.clear_cache()
+        outs.append(fp4gemv.moe_gemv(w, x, ids, backend="triton", kernel="moe_weight_only", check_ids=False))
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert (outs[1][-1, 1] == 0).all() and (outs[1][0, 1] == 0).all()
+    assert_routed_exact(outs[1], w, x, ids, torch.bfloat16, kernel="moe_weight_only")
 
 
 def test_validation_names_the_argument():

@@ -3,8 +3,10 @@ weights read once, every product through ``weight_only``'s step (its ``_mma_step
 
 Grouping.  Grid (row tiles, G) with G = min(T k, E + 1), static; program (r, g) takes the g-th distinct expert
 id of the call (ids outside [0, E) share one extra bin E).  Each program loads the T k ids (a few hundred bytes,
-from L2 after the first), histograms them over the E + 1 bins, and finds its id and its pairs by prefix sums;
-programs past the number of distinct ids exit.  Against a routing launch (counts, prefix sums, sorted pair
+from L2 after the first) and finds its id and its pairs by prefix sums, the distinct ids pair against pair up to
+``PAIRWISE_PAIRS`` pairs (no CTA barrier at T k <= 4 on 2-4 warps; 0.4-1.3 us a launch less than the histogram
+on an H100 at T = 1-2, the most at E = 128: docs/performance.md, round 20), else by a histogram over the E + 1
+bins; programs past the number of distinct ids exit.  Against a routing launch (counts, prefix sums, sorted pair
 list: ~3-5 us on Hopper before the first weight byte) this costs a few hundred instructions per program, hidden
 behind its weight loads; against a leader per pair (grid row tiles x T k, non-leaders exit) it launches fewer
 idle programs: gpt-oss-20b T = 16, top-4 of 32 gives 33 columns (~28 working) against 64; top-8 of 128 at
@@ -48,6 +50,9 @@ __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS"
 MAX_PAIRS = 256
 # Experts per call: the histogram has E + 1 bins (a power of two up to 1024).
 MAX_EXPERTS = 1023
+# Calls of at most this many pairs (padded to a power of two) group them pair against pair (``_my_group_pairwise``:
+# P^2 comparisons, whatever E) rather than by a histogram over the E + 1 experts (``_my_group``).
+PAIRWISE_PAIRS = 32
 # Programmatic dependent launch by default (the kernel waits for the previous launch before reading the ids).
 PDL_DEFAULT = True
 
@@ -133,6 +138,7 @@ class MoeWeightOnly(TritonKernelSpec):
             alpha=case.alpha, limit=case.limit, HALF=case.out_rows,
             **multipliers(spec.act, spec.order),
             P_PAD=triton.next_power_of_2(case.pairs), BINS=triton.next_power_of_2(case.experts + 1),
+            PAIRWISE=triton.next_power_of_2(case.pairs) <= PAIRWISE_PAIRS,
             COLS=columns(case, config), MODE=MODE_CODES[spec.mode], MX=dense.fmt.name == "mxfp4",
             ACT=ACT_CODES[spec.act], TILES=config.tiles, WARPS=config.warps, CHUNKS=config.chunks,
             N_TILES=spec.n_tiles, SFA_COL_TILE=spec.sfa_col_tile, HAS_GS=case.global_scales is not None,
@@ -176,6 +182,31 @@ def _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl
     my_key = tl.sum(tl.where(mine, tl.arange(0, BINS), 0), axis=0)
     count = tl.sum(tl.where(mine, counts, 0), axis=0)
     same = (key == my_key) & pair_ok
+    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
+    return found, my_key, count, same, rank, pairs
+
+
+@triton.jit
+def _my_group_pairwise(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl.constexpr):
+    """``_my_group`` from the pairs alone, without a histogram over the experts (``PAIRWISE_PAIRS``): a pair
+    starts a group when no earlier pair has its key, and a group's place is the number of groups with smaller
+    keys, so the groups come in the histogram's order (bad ids, key E, last)."""
+    pairs = tl.arange(0, P_PAD)
+    pair_ok = pairs < P
+    ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=pair_ok,
+                  other=0)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    key = tl.where(pair_ok, key, E + 1)  # padding: a key of its own, never a group
+    kp = key[:, None]
+    kq = key[None, :]
+    earlier_same = (kq == kp) & (pairs[None, :] < pairs[:, None])  # [p, q]: q before p, same key
+    first = pair_ok & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)
+    smaller = tl.sum(((kq < kp) & first[None, :]).to(tl.int32), axis=1)  # groups with a smaller key
+    mine = first & (smaller == group)
+    found = tl.sum(mine.to(tl.int32), axis=0) > 0
+    my_key = tl.sum(tl.where(mine, key, 0), axis=0)
+    same = (key == my_key) & pair_ok
+    count = tl.sum(same.to(tl.int32), axis=0)
     rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
     return found, my_key, count, same, rank, pairs
 
@@ -229,6 +260,7 @@ def moe_weight_only_kernel(
     mp0, mp1, m24, m29,
     P_PAD: tl.constexpr,
     BINS: tl.constexpr,
+    PAIRWISE: tl.constexpr,
     COLS: tl.constexpr,
     MODE: tl.constexpr,
     MX: tl.constexpr,
@@ -256,8 +288,12 @@ def moe_weight_only_kernel(
     if PDL:  # the ids may come from the previous launch (a router): wait before the first read, not in k_loop
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group,
-                                                        P_PAD, BINS)
+    if PAIRWISE:
+        found, my_key, count, same, rank, pairs = _my_group_pairwise(ids_ptr, ids_stride_t, ids_stride_j, E, P,
+                                                                     TOP_K, group, P_PAD)
+    else:
+        found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K,
+                                                            group, P_PAD, BINS)
     if found:
         valid = my_key < E
         expert = tl.where(valid, my_key, 0).to(tl.int64)
