@@ -114,6 +114,7 @@ class MoeRoute(TritonKernelSpec):
 
     def triton_launch(self, case: RouteCase, config: RouteConfig, target: Target) -> TritonLaunch:
         e_pad = triton.next_power_of_2(case.experts)
+        pdl = config.pdl and target.pdl
         args = dict(
             logits_ptr=Src("logits", case.logits_dtype), ids_ptr=Src("ids", case.ids_dtype),
             weights_ptr=Src("weights", case.out_dtype),
@@ -121,10 +122,10 @@ class MoeRoute(TritonKernelSpec):
             stride_t=case.logits_strides[0], stride_e=case.logits_strides[1],
             BLOCK_T=config.rows, E_PAD=e_pad, E_BITS=e_pad.bit_length() - 1,
             K_PAD=triton.next_power_of_2(case.top_k), SOFTMAX_ALL=case.weights == "softmax_all",
-            PDL=config.pdl and target.pdl,
+            PDL=pdl,
         )
         return TritonLaunch(moe_route_kernel, (triton.cdiv(case.tokens, config.rows),), args,
-                            dict(num_warps=config.num_warps, launch_pdl=config.pdl and target.pdl))
+                            dict(num_warps=config.num_warps, launch_pdl=pdl))
 
 
 @triton.jit

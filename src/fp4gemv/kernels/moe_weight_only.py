@@ -50,8 +50,8 @@ __all__ = ["MoeWeightOnly", "moe_weight_only_kernel", "MAX_PAIRS", "MAX_EXPERTS"
 MAX_PAIRS = 256
 # Experts per call: the histogram has E + 1 bins (a power of two up to 1024).
 MAX_EXPERTS = 1023
-# Calls of at most this many pairs (padded to a power of two) group them pair against pair (``_my_group_pairwise``:
-# P^2 comparisons, whatever E) rather than by a histogram over the E + 1 experts (``_my_group``).
+# Calls of at most this many pairs (padded to a power of two) group them pair against pair (``_my_group`` with
+# PAIRWISE: P^2 comparisons, whatever E) rather than by a histogram over the E + 1 experts.
 PAIRWISE_PAIRS = 32
 # Programmatic dependent launch by default (the kernel waits for the previous launch before reading the ids).
 PDL_DEFAULT = True
@@ -167,44 +167,32 @@ def _group_pair(same, rank, pairs, col, count, fallback):
 
 
 @triton.jit
-def _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl.constexpr, BINS: tl.constexpr):
+def _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl.constexpr, BINS: tl.constexpr,
+              PAIRWISE: tl.constexpr):
     """Program column ``group``'s bin among the distinct ids (bad ids share bin E): (found, its bin, its pair
-    count, the pairs in it, their ranks, the pair indices)."""
+    count, the pairs in it, their ranks, the pair indices).  ``PAIRWISE`` (``PAIRWISE_PAIRS``): the distinct ids
+    from the pairs alone -- a pair starts a group when no earlier pair has its key, and a group's place is the
+    number of groups with smaller keys, the histogram's order (bad ids, key E, last) -- else from a histogram over
+    the E + 1 bins."""
     pairs = tl.arange(0, P_PAD)
     pair_ok = pairs < P
     ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=pair_ok,
                   other=0)
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-    counts = tl.histogram(key, BINS, mask=pair_ok)
-    present = counts > 0
-    mine = present & (tl.cumsum(present.to(tl.int32), axis=0) - 1 == group)
+    if PAIRWISE:
+        key = tl.where(pair_ok, key, E + 1)  # padding: a key of its own, never a group
+        kp = key[:, None]
+        kq = key[None, :]
+        earlier_same = (kq == kp) & (pairs[None, :] < pairs[:, None])  # [p, q]: q before p, same key
+        first = pair_ok & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)
+        smaller = tl.sum(((kq < kp) & first[None, :]).to(tl.int32), axis=1)  # groups with a smaller key
+        mine = first & (smaller == group)
+        my_key = tl.sum(tl.where(mine, key, 0), axis=0)
+    else:
+        present = tl.histogram(key, BINS, mask=pair_ok) > 0
+        mine = present & (tl.cumsum(present.to(tl.int32), axis=0) - 1 == group)
+        my_key = tl.sum(tl.where(mine, tl.arange(0, BINS), 0), axis=0)
     found = tl.sum(mine.to(tl.int32), axis=0) > 0
-    my_key = tl.sum(tl.where(mine, tl.arange(0, BINS), 0), axis=0)
-    count = tl.sum(tl.where(mine, counts, 0), axis=0)
-    same = (key == my_key) & pair_ok
-    rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
-    return found, my_key, count, same, rank, pairs
-
-
-@triton.jit
-def _my_group_pairwise(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl.constexpr):
-    """``_my_group`` from the pairs alone, without a histogram over the experts (``PAIRWISE_PAIRS``): a pair
-    starts a group when no earlier pair has its key, and a group's place is the number of groups with smaller
-    keys, so the groups come in the histogram's order (bad ids, key E, last)."""
-    pairs = tl.arange(0, P_PAD)
-    pair_ok = pairs < P
-    ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=pair_ok,
-                  other=0)
-    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
-    key = tl.where(pair_ok, key, E + 1)  # padding: a key of its own, never a group
-    kp = key[:, None]
-    kq = key[None, :]
-    earlier_same = (kq == kp) & (pairs[None, :] < pairs[:, None])  # [p, q]: q before p, same key
-    first = pair_ok & (tl.sum(earlier_same.to(tl.int32), axis=1) == 0)
-    smaller = tl.sum(((kq < kp) & first[None, :]).to(tl.int32), axis=1)  # groups with a smaller key
-    mine = first & (smaller == group)
-    found = tl.sum(mine.to(tl.int32), axis=0) > 0
-    my_key = tl.sum(tl.where(mine, key, 0), axis=0)
     same = (key == my_key) & pair_ok
     count = tl.sum(same.to(tl.int32), axis=0)
     rank = tl.cumsum(same.to(tl.int32), axis=0) - 1
@@ -288,12 +276,8 @@ def moe_weight_only_kernel(
     if PDL:  # the ids may come from the previous launch (a router): wait before the first read, not in k_loop
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if PAIRWISE:
-        found, my_key, count, same, rank, pairs = _my_group_pairwise(ids_ptr, ids_stride_t, ids_stride_j, E, P,
-                                                                     TOP_K, group, P_PAD)
-    else:
-        found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K,
-                                                            group, P_PAD, BINS)
+    found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group,
+                                                        P_PAD, BINS, PAIRWISE)
     if found:
         valid = my_key < E
         expert = tl.where(valid, my_key, 0).to(tl.int64)
