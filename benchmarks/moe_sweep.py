@@ -1,13 +1,15 @@
-"""Device script: time ``moe_weight_only`` configurations on gpt-oss-20b's two routed products.
+"""Device script: time ``moe_weight_only`` configurations on a MoE model's two routed products.
 
-    PYTHONPATH=src python benchmarks/moe_sweep.py [--tokens 1,8,16] [--products gate_up,down] [--budget-s 150]
-        [--workers 12]                                  -> moe_sweep.json in $OUT (or the working directory)
+    PYTHONPATH=src python benchmarks/moe_sweep.py [--model gpt-oss-20b] [--tokens 1,8,16]
+        [--products gate_up,down] [--budget-s 150] [--workers 12]
+                                                        -> moe_sweep.json in $OUT (or the working directory)
 
-The products as ``nn.FP4Experts`` calls them in a gpt-oss-20b layer (32 experts, top-4, MXFP4 with linear scales as
-``fp4gemv bench --model gpt-oss-20b`` and the checkpoints have them, bf16 activations, bf16 bias, fp32 out):
-gate_up ``[E, 5760, 2880]`` on x ``[T, 2880]`` with ids ``[T, 4]``; down ``[E, 2880, 2880]`` on ``[4 T, 2880]``
-with ids ``[4 T, 1]``.  The routing is ``bench.moe``'s (seeded router logits, the same seeds), so the default row
-repeats that benchmark's figures.  Each configuration (``candidates``: the default first) runs through
+The products as ``nn.FP4Experts`` calls them in a layer of ``--model`` (a ``bench.moe.MOE_MODELS`` key, its
+experts' format with linear scales as ``fp4gemv bench --model`` and the checkpoints have them, NVFP4 with
+per-expert global scales, bf16 activations, bf16 bias where the model has one, fp32 out): gate_up
+``[E, 2I, H]`` on x ``[T, H]`` with ids ``[T, k]`` (gpt-oss-20b: ``[32, 5760, 2880]``, top-4); down ``[E, H, I]``
+on ``[k T, I]`` with ids ``[k T, 1]``.  The routing is ``bench.moe``'s (seeded router logits, the same seeds,
+the model's routing), so the default row repeats that benchmark's figures.  Each configuration (``candidates``: the default first) runs through
 ``fp4gemv.moe_gemv(..., kernel="moe_weight_only", config=...)``, timed as ``bench.moe`` times the routed GEMVs:
 one launch per distinct weight copy (8) in a CUDA graph, L2 flushed before each replay, median of 15 replays;
 reported against the best read (``bench.stream.best_read``) of the distinct experts' bytes.  At the end, the
@@ -33,14 +35,14 @@ import torch
 
 import fp4gemv
 from fp4gemv import moe
-from fp4gemv.bench.moe import MOE_MODELS, random_projection, route, router_logits
+from fp4gemv.bench.moe import MOE_MODELS, SCALE_BLOCK, model_route, random_projection, router_logits
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us
 from fp4gemv.kernels.moe_weight_only import moe_weight_only_kernel
 from fp4gemv.kernels.weight_only import WeightOnlyConfig as C
 from fp4gemv.target import resolve_target
 
-MODEL = MOE_MODELS["gpt-oss-20b"]
+MODEL = MOE_MODELS["gpt-oss-20b"]  # use_model sets it and PRODUCTS
 KERNEL = "moe_weight_only"
 COPIES = 8
 DEVICE = "cuda"
@@ -50,6 +52,14 @@ TOKENS = (1, 8, 16)
 # per (token, slot), as FP4Experts calls them.
 PRODUCTS = {"gate_up": (2 * MODEL.intermediate, MODEL.hidden, MODEL.top_k),
             "down": (MODEL.hidden, MODEL.intermediate, 1)}
+
+
+def use_model(name: str) -> None:
+    """Sweep ``name``'s products (``bench.moe.MOE_MODELS``): sets ``MODEL`` and ``PRODUCTS``."""
+    global MODEL, PRODUCTS
+    MODEL = MOE_MODELS[name]
+    PRODUCTS = {"gate_up": (2 * MODEL.intermediate, MODEL.hidden, MODEL.top_k),
+                "down": (MODEL.hidden, MODEL.intermediate, 1)}
 
 # T = 1, gate_up (1440 programs of 16 rows, one wave; split, 2 columns): 2 tiles or 2 chunks per warp, more warps.
 T1_GATE_UP = (C(1, 4, 1, True), C(2, 2, 1, True), C(2, 4, 1, True), C(4, 2, 1, True), C(4, 4, 1, True),
@@ -61,8 +71,10 @@ T1_DOWN = (C(1, 8, 1), C(2, 4, 1), C(2, 2, 2), C(2, 4, 2), C(4, 4, 1), C(1, 4, 1
            C(1, 4, 1, loads_first=False))
 # T = 8, 16 (default: 1-warp programs, 1 tile, k32 with 8 columns for groups of ~1.5-2.2 pairs): more warps,
 # 2 and 4 tiles, 2 chunks; split (4 columns: 16-byte weight loads; groups of 5+ pairs loop).
-ROUTED = (C(1, 2, 1), C(1, 4, 1), C(2, 1, 1), C(2, 2, 1), C(2, 4, 1), C(1, 2, 2), C(1, 4, 2), C(4, 2, 1),
-          C(4, 4, 1), C(2, 2, 2), C(1, 4, 1, True), C(2, 2, 1, True), C(2, 4, 1, True), C(1, 2, 2, True))
+# Short K (Qwen3's down, K = 768: one step or less per warp): 4 tiles on one warp, more rows per program's grouping.
+ROUTED = (C(1, 2, 1), C(1, 4, 1), C(2, 1, 1), C(2, 2, 1), C(2, 4, 1), C(1, 2, 2), C(1, 4, 2), C(4, 1, 1),
+          C(4, 2, 1), C(4, 4, 1), C(2, 2, 2), C(1, 4, 1, True), C(2, 2, 1, True), C(2, 4, 1, True),
+          C(1, 2, 2, True))
 
 
 def candidates(product: str, tokens: int, default: C) -> list[C]:
@@ -77,15 +89,15 @@ def weights(product: str, copies: int, layout: str = "linear") -> list:
     g = torch.Generator(device=DEVICE).manual_seed(0 if product == "gate_up" else 1)
     out = []
     for _ in range(copies):
-        p = random_projection(MODEL.experts, m, k, g)
-        out.append((p.weight if layout == "linear" else p.weight.with_scale_layout(layout), p.bias))
+        p = random_projection(MODEL.experts, m, k, g, MODEL.fmt, MODEL.bias)
+        out.append((p.weight if layout == "linear" else p.weight.with_scale_layout(layout), p.bias, p.global_scales))
     return out
 
 
 def inputs(product: str, tokens: int, copies: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """(activations, ids per copy, out) of ``product`` at ``tokens``: ``bench.moe``'s routing seeds."""
     m, k, per_row = PRODUCTS[product]
-    ids = [route(router_logits(MODEL, tokens, seed=1000 * tokens + c, device=DEVICE), MODEL.top_k)[0]
+    ids = [model_route(MODEL, router_logits(MODEL, tokens, seed=1000 * tokens + c, device=DEVICE))[0]
            for c in range(copies)]
     if per_row == 1:
         ids = [i.reshape(-1, 1) for i in ids]
@@ -96,14 +108,14 @@ def inputs(product: str, tokens: int, copies: int) -> tuple[torch.Tensor, list[t
     return x, ids, out
 
 
-def call(w, bias, x, ids, out, config) -> torch.Tensor:
-    return fp4gemv.moe_gemv(w, x, ids, bias=bias, out=out, out_dtype=torch.float32, backend=BACKEND,
-                            check_ids=False, kernel=KERNEL, config=config)
+def call(w, bias, gs, x, ids, out, config) -> torch.Tensor:
+    return fp4gemv.moe_gemv(w, x, ids, bias=bias, global_scales=gs, out=out, out_dtype=torch.float32,
+                            backend=BACKEND, check_ids=False, kernel=KERNEL, config=config)
 
 
-def default_config(w, bias, x, ids, out) -> C:
+def default_config(w, bias, gs, x, ids, out) -> C:
     target = resolve_target(BACKEND, w.device)
-    return moe.plan_moe(w, x, ids, bias, None, out, torch.float32, target, KERNEL).config
+    return moe.plan_moe(w, x, ids, bias, gs, out, torch.float32, target, KERNEL).config
 
 
 def _compile_jobs(jobs: list[tuple[str, int, str, tuple]]) -> list[str]:
@@ -113,9 +125,8 @@ def _compile_jobs(jobs: list[tuple[str, int, str, tuple]]) -> list[str]:
         try:
             if (product, layout) not in cached:
                 cached[(product, layout)] = weights(product, 1, layout)[0]
-            w, bias = cached[(product, layout)]
             x, ids, out = inputs(product, tokens, 1)
-            call(w, bias, x, ids[0], out, C(*config))
+            call(*cached[(product, layout)], x, ids[0], out, C(*config))
             torch.cuda.synchronize()
         except Exception as ex:  # reported again, with its row, when the timing process meets it
             errors.append(f"{product} T={tokens} {layout} {config}: {type(ex).__name__}: {str(ex)[:200]}")
@@ -156,8 +167,8 @@ def time_config(case: dict, config: C, layout: str) -> dict:
     x, ids, out = case["x"], case["ids"], case["out"]
     try:
         before = _kernels()
-        for c, (w, bias) in enumerate(copies):
-            call(w, bias, x, ids[c], out, config)
+        for c, weight in enumerate(copies):
+            call(*weight, x, ids[c], out, config)
         _sync()
         new = [k for key, k in _kernels().items() if key not in before]
         if len(new) == 1:
@@ -227,11 +238,14 @@ def _write(path: str, result: dict) -> None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, choices=sorted(MOE_MODELS), help="default: gpt-oss-20b")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     parser.add_argument("--products", default=",".join(PRODUCTS))
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--workers", type=int, default=min(12, max(0, (os.cpu_count() or 2) - 2)))
     args = parser.parse_args(argv)
+    if args.model is not None:
+        use_model(args.model)
     start = time.perf_counter()
     path = os.path.join(os.environ.get("OUT", "."), "moe_sweep.json")
     tokens_list = [int(t) for t in args.tokens.split(",")]
@@ -241,11 +255,10 @@ def main(argv=None) -> dict:
     cases = []
     for product in products:
         m, k, per_row = PRODUCTS[product]
-        expert_bytes = m * (k // 2 + k // 32)
+        expert_bytes = m * (k // 2 + k // SCALE_BLOCK[MODEL.fmt])
         for tokens in tokens_list:
             x, ids, out = inputs(product, tokens, COPIES)
-            w, bias = linear[product][0]
-            default = default_config(w, bias, x, ids[0], out)
+            default = default_config(*linear[product][0], x, ids[0], out)
             distinct = statistics.mean(int(torch.unique(i).numel()) for i in ids)
             nbytes = int(distinct * expert_bytes)
             cases.append(dict(product=product, tokens=tokens, distinct_experts=distinct, mbytes=nbytes / 1e6,
@@ -271,7 +284,7 @@ def main(argv=None) -> dict:
     while work:
         item = work.pop(0)
         if item is None:
-            swizzled = {p: [(w.with_scale_layout("swizzled"), b) for w, b in linear[p]] for p in products}
+            swizzled = {p: [(w.with_scale_layout("swizzled"), b, gs) for w, b, gs in linear[p]] for p in products}
             for case in cases:
                 case["weights"]["swizzled"] = swizzled[case["product"]]
                 timed = [r for r in case["rows"] if "us" in r]

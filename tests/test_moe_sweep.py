@@ -4,6 +4,7 @@ structure; the script runs end to end on the CPU (timing stubbed), so its one GP
 
 import json
 
+import pytest
 import torch
 
 import fp4gemv
@@ -63,14 +64,17 @@ def test_sweep_configs_are_accepted_and_exact():
             assert_routed_exact(got, w, x, ids, torch.float32, bias=bias, kernel=script.KERNEL, config=config)
 
 
-def test_sweep_script_runs(monkeypatch, tmp_path):
-    """main() on the CPU: tiny products, the interpreter, two candidates per case, timing and the read stubbed;
-    every row timed, the JSON as returned, the swizzled rows after the linear ones."""
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_sweep_script_runs(monkeypatch, tmp_path, fmt):
+    """main() on the CPU: tiny products (MXFP4 with biases as gpt-oss, NVFP4 with per-expert global scales and no
+    bias as Qwen3), the interpreter, two candidates per case, timing and the read stubbed; every row timed, the
+    JSON as returned, the swizzled rows after the linear ones."""
     script = load_script()
     monkeypatch.setattr(script, "DEVICE", "cpu")
     monkeypatch.setattr(script, "BACKEND", "triton")
     monkeypatch.setattr(script, "COPIES", 2)
-    monkeypatch.setattr(script, "MODEL", MoeModel("tiny", layers=1, experts=4, hidden=32, intermediate=16))
+    nvfp4 = dict(fmt="nvfp4", activation="silu", routing="softmax-topk-norm", bias=False) if fmt == "nvfp4" else {}
+    monkeypatch.setattr(script, "MODEL", MoeModel("tiny", layers=1, experts=4, hidden=32, intermediate=16, **nvfp4))
     monkeypatch.setattr(script, "PRODUCTS", {"gate_up": (16, 32, 4), "down": (16, 32, 1)})
     original = script.candidates
     monkeypatch.setattr(script, "candidates", lambda p, t, d: original(p, t, d)[:2])
@@ -95,3 +99,14 @@ def test_sweep_script_runs(monkeypatch, tmp_path):
         assert [r["layout"] for r in rows] == ["linear", "linear", "swizzled", "swizzled"], rows
         # the swizzled rows: the default, then the fastest linear configuration (the second)
         assert rows[0]["config"] == case["default"] == rows[2]["config"] and rows[1]["config"] == rows[3]["config"]
+
+
+def test_use_model_sets_the_products(monkeypatch):
+    """``--model`` picks the model's two products as FP4Experts calls them: Qwen3-30B-A3B's gate_up [2I, H] on
+    rows of x with k = 8 ids each, down [H, I] on one row per pair."""
+    script = load_script()
+    monkeypatch.setattr(script, "MODEL", script.MODEL)  # restored after the test
+    monkeypatch.setattr(script, "PRODUCTS", script.PRODUCTS)
+    script.use_model("qwen3-30b-a3b")
+    assert script.MODEL.fmt == "nvfp4" and script.MODEL.top_k == 8
+    assert script.PRODUCTS == {"gate_up": (1536, 2048, 8), "down": (2048, 768, 1)}
