@@ -239,7 +239,7 @@ _COMPILE = textwrap.dedent("""
                  (32, 5760, 2880, 8, 4, "gpt-oss", "linear", 8, "mxfp4", True, "native"),
                  (128, 1536, 2048, 8, 8, "silu", "linear", 8, "nvfp4", False, "native")):
         kernel, grid, args, options = build(*case)
-        kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg", "launch_pdl")}
+        kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
         c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                            options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
@@ -251,8 +251,7 @@ _COMPILE = textwrap.dedent("""
         stack = sum(int(s.split(":")[1]) for s in local_memory(c))
         print(options["ROWS"], int(options["SCALE_COPY"]), int(options["ONE_BOX"]), int(options["MX"]),
               options["maxnreg"], registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], ops_["LDG"],
-              listing[:mma[-1]].count("LDSM"), stack, step_local, step_stores, mma[-1] - mma[0],
-              c.asm["ptx"].count("griddepcontrol.wait"))
+              listing[:mma[-1]].count("LDSM"), stack, step_local, step_stores, mma[-1] - mma[0])
 """)
 
 
@@ -262,7 +261,7 @@ def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(comp
     copies, spans = [], []
     for line in lines:
         (rows, scale_copy, one_box, mx, maxnreg, regs, tma, mma, syncs, ldg, ldsm, stack, step_local,
-         step_stores, span, pdl_waits) = map(int, line.split())
+         step_stores, span) = map(int, line.split())
         copies.append((scale_copy, one_box, mx))
         spans.append(span)
         assert regs <= maxnreg, line
@@ -279,8 +278,6 @@ def test_compiles_for_sm90_with_bulk_copies_and_no_local_memory_in_the_step(comp
         # whose scale addresses are loaded per step), 3.6 none.  No shared-memory stores in the step: the operand
         # permutations (the activation's, the k32 words' split) are register renames.
         assert step_local == 0 and stack <= 16 and step_stores == 0, line
-        # Programmatic dependent launch (the default config on sm_90): one wait, before the warps specialize
-        assert pdl_waits == 1, line
     # K % 256, scale rows of 180 bytes, swizzled; MXFP4 scale rows padded to 96 bytes, K = 4096; the native order
     assert copies == [(0, 0, 0), (0, 0, 0), (0, 0, 0), (1, 1, 0), (1, 0, 0), (1, 0, 1), (1, 1, 1), (1, 0, 1),
                       (1, 0, 0)]

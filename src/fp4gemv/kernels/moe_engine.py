@@ -102,8 +102,7 @@ class MoeEngineConfig(NamedTuple):
     SM (0: one item per CTA, a grid of every possible item); ``maxnreg``: registers per thread; ``scale_copy``: the
     scale bytes through the ring by bulk copy where the scales allow it (``scale_copy_reason``), else loaded from
     global memory; ``one_box``: a step's weights as one bulk copy where the tile's rows are contiguous (no SiLU
-    halves), else eight; ``pdl``: both launches with programmatic dependent launch where the target has it (each
-    waits for the launch before it at its start, after its setup)."""
+    halves), else eight."""
 
     tiles: int = 2
     stages: int = 3
@@ -112,7 +111,6 @@ class MoeEngineConfig(NamedTuple):
     maxnreg: int = 128
     scale_copy: bool = True
     one_box: bool = True
-    pdl: bool = True
 
 
 def moe_engine_config(case: MoeCase, target: Target) -> MoeEngineConfig:
@@ -159,10 +157,7 @@ def _max_combine(a, b):
 def moe_chunks_kernel(ids_ptr, plan_ptr, P, TOP_K, E, ids_stride_t, ids_stride_j, ROWS: tl.constexpr,
                       P_PAD: tl.constexpr, BINS: tl.constexpr, EXPERT: tl.constexpr, START: tl.constexpr,
                       PAIRS_IN: tl.constexpr, SORTED: tl.constexpr, MARK: tl.constexpr, BIN_START: tl.constexpr,
-                      BIN_COUNT: tl.constexpr, BIN_FIRST: tl.constexpr, PDL: tl.constexpr = False):
-    if PDL:  # the ids may come from the launch before: wait for it before the first read
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                      BIN_COUNT: tl.constexpr, BIN_FIRST: tl.constexpr):
     pairs = tl.arange(0, P_PAD)
     ok = pairs < P
     ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=ok, other=0)
@@ -194,16 +189,15 @@ def moe_chunks_kernel(ids_ptr, plan_ptr, P, TOP_K, E, ids_stride_t, ids_stride_j
     tl.store(plan_ptr, n_chunks)
 
 
-def chunk_launch(case: MoeCase, rows: int, pdl: bool = False) -> TritonLaunch:
-    """The chunk launch of ``case`` (its plan's layout ``plan_layout``) for ``rows`` pairs per chunk, with
-    programmatic dependent launch if ``pdl``."""
+def chunk_launch(case: MoeCase, rows: int) -> TritonLaunch:
+    """The chunk launch of ``case`` (its plan's layout ``plan_layout``) for ``rows`` pairs per chunk."""
     lay = plan_layout(case.pairs, case.experts)
     args = dict(ids_ptr=Src("expert_ids", case.ids_dtype), plan_ptr=None, P=case.pairs, TOP_K=case.top_k,
                 E=case.experts, ids_stride_t=case.ids_strides[0], ids_stride_j=case.ids_strides[1], ROWS=rows,
                 P_PAD=lay["pad"], BINS=lay["bins"], EXPERT=lay["expert"], START=lay["start"],
                 PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"], MARK=lay["mark"], BIN_START=lay["bin_start"],
-                BIN_COUNT=lay["bin_count"], BIN_FIRST=lay["bin_first"], PDL=pdl)
-    return TritonLaunch(moe_chunks_kernel, (1,), args, dict(num_warps=4, launch_pdl=pdl))
+                BIN_COUNT=lay["bin_count"], BIN_FIRST=lay["bin_first"])
+    return TritonLaunch(moe_chunks_kernel, (1,), args, dict(num_warps=4))
 
 
 def chunk_plan(expert_ids: torch.Tensor, experts: int, rows: int) -> torch.Tensor:
@@ -493,8 +487,7 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
                       CONSTRAINTS: gl.constexpr, S3: gl.constexpr, LW: gl.constexpr, LXR: gl.constexpr,
                       W64: gl.constexpr, X64: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, LS: gl.constexpr,
                       LSUM: gl.constexpr, LO: gl.constexpr, EXPERT: gl.constexpr, START: gl.constexpr,
-                      PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-                      PDL: gl.constexpr = False):
+                      PAIRS_IN: gl.constexpr, SORTED: gl.constexpr, PRODUCER_REGS: gl.constexpr):
     n_steps = (K + 1023) // 1024
     SILU: gl.constexpr = ACTIVATION == 2
     SCALE_STEP: gl.constexpr = 32 if MX else 64  # scale bytes of a row per step
@@ -516,11 +509,6 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1 + ROWS)  # the weights' copies, one arrival per activation row
         mbarrier.init(empty.index(s), count=128)  # every consumer thread
-    if PDL:  # the plan comes from the chunk launch just before, x perhaps from the one before that: wait for it
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF,
                      E, K, n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h,
@@ -593,8 +581,8 @@ class MoeEngine(TritonKernelSpec):
             raise ValueError(f"config: expected rows 1, 2, 4, 8 or 16, got {config}")
         if not isinstance(config.ctas_per_sm, int) or not 0 <= config.ctas_per_sm <= 4:
             raise ValueError(f"config: expected ctas_per_sm from 0 to 4, got {config}")
-        if not all(isinstance(flag, bool) for flag in (config.scale_copy, config.one_box, config.pdl)):
-            raise ValueError(f"config: expected scale_copy, one_box and pdl True or False, got {config}")
+        if not isinstance(config.scale_copy, bool) or not isinstance(config.one_box, bool):
+            raise ValueError(f"config: expected scale_copy and one_box True or False, got {config}")
         if case is not None and case.dense.fmt.name == "mxfp4" and not config.scale_copy:
             raise ValueError(f"config: MXFP4 experts need scale_copy=True (their scale bytes come only by bulk "
                              f"copy), got {config}")
@@ -734,8 +722,7 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
     e, m, k = case.experts, d.m, d.k
     lay = plan_layout(case.pairs, e)
     plan = torch.empty(lay["size"], dtype=torch.int32, device=ops.w_data.device)
-    pdl = config.pdl and target.pdl
-    chunks = chunk_launch(case, config.rows, pdl)
+    chunks = chunk_launch(case, config.rows)
     chunk_args = fill_sources(chunks.args, ops)
     chunk_args["plan_ptr"] = plan
     first = (moe_chunks_kernel, chunks.grid, (), {**chunk_args, **chunks.options})
@@ -769,6 +756,6 @@ def moe_engine_launches(ops: MoeOperands, config: MoeEngineConfig, target: Targe
                    LO=gl.SliceLayout(0, _SUM_ROWS) if activation == 0 else _PAIR_OUT, LXR=lxr, W64=w64, X64=x64,
                    W32=w32, L32=l32, LS=_k32_scale_layout(tiles),
                    EXPERT=lay["expert"], START=lay["start"], PAIRS_IN=lay["pairs_in"], SORTED=lay["sorted"],
-                   PRODUCER_REGS=PRODUCER_REGS, PDL=pdl, num_warps=WARPS, maxnreg=config.maxnreg, launch_pdl=pdl)
+                   PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
     return [first, (moe_engine_kernel, grid, args, options)]
 

@@ -56,22 +56,6 @@ PAIRWISE_PAIRS = 32
 # Programmatic dependent launch by default (the kernel waits for the previous launch before reading the ids).
 PDL_DEFAULT = True
 
-# A program may ask L2 for weight rows: 0 none; before its PDL wait (``_prefetch``, the ids perhaps stale) 1 its own
-# rows of the expert its column takes, 2 a slice of every distinct expert's rows (the first ``PREFETCH_SLICES``
-# programs share them out); 3 its own rows after the wait.  Experimental: wants_prefetch picks it (off).
-PREFETCH_SLICES = 132
-
-
-def prefetch_aligned(k: int, align: int, row_stride: int) -> bool:
-    """Bulk prefetches take whole 16-byte units at 16-byte aligned addresses: rows of K/2 bytes a multiple of 16,
-    back to back, the data's address and strides 16-byte aligned (``FP4Meta.align``)."""
-    return (k // 2) % 16 == 0 and align == 16 and row_stride == k // 2
-
-
-def wants_prefetch(case: MoeCase) -> int:
-    return 0
-
-
 # The kernel's ACTIVATION constexpr: gate and up interleaved (gpt-oss) or in halves (silu), reference.MOE_ACTIVATIONS.
 ACTIVATION_CODES = {None: 0, "gpt-oss": 1, "silu": 2}
 
@@ -162,10 +146,6 @@ class MoeWeightOnly(TritonKernelSpec):
             ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
             ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
-            row_bytes=dense.k // 2, SLICES=PREFETCH_SLICES,
-            PREFETCH=wants_prefetch(case) if target.mode == "ptx" and (pdl or wants_prefetch(case) == 3)
-            and triton.next_power_of_2(case.pairs) <= PAIRWISE_PAIRS
-            and prefetch_aligned(dense.k, a.align, a.row_stride) else 0,
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
@@ -220,64 +200,6 @@ def _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group, P_PAD: tl
 
 
 @triton.jit
-def _bulk_prefetch(ptrs, size):
-    """One ``cp.async.bulk.prefetch.L2`` per element (``size`` bytes, a multiple of 16; none where size <= 0)."""
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                              "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_own(w_ptr, expert, found, pid_m, M, w_stride_e, row_bytes, TILES: tl.constexpr, WARPS: tl.constexpr):
-    """Ask L2 for the program's rows of ``expert`` (rows ``16 TILES pid_m`` on, clamped at M; back to back), split
-    over its threads in 16-byte multiples."""
-    threads = tl.arange(0, 32 * WARPS).to(tl.int64)
-    lo = pid_m * (16 * TILES)
-    total = (tl.minimum(lo + 16 * TILES, M) - lo).to(tl.int64) * row_bytes
-    piece = (total // (32 * WARPS) + 15) // 16 * 16
-    size = tl.where(found, tl.minimum(tl.maximum(total - threads * piece, 0), piece), 0)
-    _bulk_prefetch(w_ptr + expert * w_stride_e + lo.to(tl.int64) * row_bytes + threads * piece, size.to(tl.int32))
-
-
-@triton.jit
-def _prefetch(w_ptr, ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, M, w_stride_e, row_bytes, pid_m, group,
-              P_PAD: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr, SLICES: tl.constexpr,
-              PREFETCH: tl.constexpr):
-    """Ask L2 for weight rows before the PDL wait (the ids read now may be stale: only which rows are fetched
-    depends on them).  PREFETCH 1: this program's rows of its group's expert; 2: program ``pid_m + grid_m *
-    group`` < SLICES fetches its slice of all distinct experts' rows (each expert's M rows one block)."""
-    pairs = tl.arange(0, P_PAD)
-    pair_ok = pairs < P
-    ids = tl.load(ids_ptr + (pairs // TOP_K) * ids_stride_t + (pairs % TOP_K) * ids_stride_j, mask=pair_ok,
-                  other=0)
-    key = tl.where((ids >= 0) & (ids < E) & pair_ok, ids, E).to(tl.int32)
-    kp = key[:, None]
-    kq = key[None, :]
-    first = (key < E) & (tl.sum(((kq == kp) & (pairs[None, :] < pairs[:, None])).to(tl.int32), axis=1) == 0)
-    place = tl.sum(((kq < kp) & first[None, :]).to(tl.int32), axis=1)  # the group's place among the valid ones
-    groups = tl.sum(first.to(tl.int32), axis=0)
-    threads = tl.arange(0, 32 * WARPS).to(tl.int64)
-    block = M.to(tl.int64) * row_bytes
-    if PREFETCH == 1:
-        mine = first & (place == group)
-        expert = tl.sum(tl.where(mine, key, 0), axis=0).to(tl.int64)
-        _prefetch_own(w_ptr, expert, tl.sum(mine.to(tl.int32), axis=0) > 0, pid_m, M, w_stride_e, row_bytes, TILES,
-                      WARPS)
-    else:
-        slice_id = pid_m + tl.num_programs(0) * group
-        per_expert = (SLICES * 32 * WARPS + groups - 1) // tl.maximum(groups, 1)  # pieces per expert
-        piece = ((block + per_expert - 1) // per_expert + 15) // 16 * 16
-        i = slice_id * (32 * WARPS) + threads
-        q = (i // per_expert).to(tl.int32)
-        j = i % per_expert
-        expert = tl.sum(tl.where(first[None, :] & (place[None, :] == q[:, None]), key[None, :], 0),
-                        axis=1).to(tl.int64)
-        size = tl.minimum(tl.maximum(block - j * piece, 0), piece)
-        size = tl.where((q < groups) & (slice_id < SLICES), size, 0)
-        _bulk_prefetch(w_ptr + expert * w_stride_e + j * piece, size.to(tl.int32))
-
-
-@triton.jit
 def _gathered(n, offsets, COLS: tl.constexpr):
     """``offsets[n]`` for a tensor of column indices ``n`` (``offsets[0]`` for n >= COLS: padded columns of the
     step, computed and never stored)."""
@@ -323,7 +245,7 @@ def moe_weight_only_kernel(
     out_stride_t, out_stride_j, out_stride_m,
     pw_stride_t, pw_stride_j,
     alpha, limit, HALF,
-    mp0, mp1, m24, m29, row_bytes,
+    mp0, mp1, m24, m29,
     P_PAD: tl.constexpr,
     BINS: tl.constexpr,
     PAIRWISE: tl.constexpr,
@@ -348,24 +270,17 @@ def moe_weight_only_kernel(
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
     NATIVE: tl.constexpr,
-    SLICES: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
     if PDL:  # the ids may come from the previous launch (a router): wait before the first read, not in k_loop
         tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH == 1 or PREFETCH == 2:
-            _prefetch(w_ptr, ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, M, w_stride_e, row_bytes, pid_m,
-                      group, P_PAD, TILES, WARPS, SLICES, PREFETCH)
         tl.extra.cuda.gdc_wait()
     found, my_key, count, same, rank, pairs = _my_group(ids_ptr, ids_stride_t, ids_stride_j, E, P, TOP_K, group,
                                                         P_PAD, BINS, PAIRWISE)
     if found:
         valid = my_key < E
         expert = tl.where(valid, my_key, 0).to(tl.int64)
-        if PREFETCH == 3:  # the program's own rows, after the wait (the ids final)
-            _prefetch_own(w_ptr, expert, valid, pid_m, M, w_stride_e, row_bytes, TILES, WARPS)
         e, warp, g, c, zero = program_lanes(TILES, WARPS)
         # Tail rows re-read row M - 1 (a pair HALF - 1); only the store is masked.
         if ACTIVATION == 0:
