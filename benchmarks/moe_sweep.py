@@ -9,8 +9,9 @@ experts' format with linear scales as ``fp4gemv bench --model`` and the checkpoi
 per-expert global scales, bf16 activations, bf16 bias where the model has one, fp32 out): gate_up
 ``[E, 2I, H]`` on x ``[T, H]`` with ids ``[T, k]`` (gpt-oss-20b: ``[32, 5760, 2880]``, top-4); down ``[E, H, I]``
 on ``[k T, I]`` with ids ``[k T, 1]``.  The routing is ``bench.moe``'s (seeded router logits, the same seeds,
-the model's routing), so the default row repeats that benchmark's figures.  Each configuration (``candidates``: the default first) runs through
-``fp4gemv.moe_gemv(..., kernel="moe_weight_only", config=...)``, timed as ``bench.moe`` times the routed GEMVs:
+the model's routing), so the default row repeats that benchmark's figures.  Each configuration (``candidates``:
+the default first) runs through ``fp4gemv.moe_gemv(..., kernel="moe_weight_only", config=...)``, timed as
+``bench.moe`` times the routed GEMVs:
 one launch per distinct weight copy (8) in a CUDA graph, L2 flushed before each replay, median of 15 replays;
 reported against the best read (``bench.stream.best_read``) of the distinct experts' bytes.  At the end, the
 default and the fastest configuration of each case also run on swizzled scales.
