@@ -36,7 +36,7 @@ import torch
 
 import fp4gemv
 from fp4gemv import moe
-from fp4gemv.bench.moe import MOE_MODELS, SCALE_BLOCK, model_route, random_projection, router_logits
+from fp4gemv.bench.moe import MOE_MODELS, model_route, projection_bytes, random_projection, router_logits
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us
 from fp4gemv.kernels.moe_weight_only import moe_weight_only_kernel
@@ -49,18 +49,24 @@ COPIES = 8
 DEVICE = "cuda"
 BACKEND = "auto"
 TOKENS = (1, 8, 16)
-# (rows M, K, ids per activation row): gate_up reads x[t] for each of its k slots; down reads one activation row
-# per (token, slot), as FP4Experts calls them.
-PRODUCTS = {"gate_up": (2 * MODEL.intermediate, MODEL.hidden, MODEL.top_k),
-            "down": (MODEL.hidden, MODEL.intermediate, 1)}
+
+
+def products(model) -> dict[str, tuple[int, int, int]]:
+    """``model``'s two products, (rows M, K, ids per activation row): gate_up reads x[t] for each of its k slots;
+    down reads one activation row per (token, slot), as FP4Experts calls them."""
+    return {"gate_up": (2 * model.intermediate, model.hidden, model.top_k),
+            "down": (model.hidden, model.intermediate, 1)}
+
+
+PRODUCTS = products(MODEL)
 
 
 def use_model(name: str) -> None:
     """Sweep ``name``'s products (``bench.moe.MOE_MODELS``): sets ``MODEL`` and ``PRODUCTS``."""
     global MODEL, PRODUCTS
     MODEL = MOE_MODELS[name]
-    PRODUCTS = {"gate_up": (2 * MODEL.intermediate, MODEL.hidden, MODEL.top_k),
-                "down": (MODEL.hidden, MODEL.intermediate, 1)}
+    PRODUCTS = products(MODEL)
+
 
 # T = 1, gate_up (1440 programs of 16 rows, one wave; split, 2 columns): 2 tiles or 2 chunks per warp, more warps.
 T1_GATE_UP = (C(1, 4, 1, True), C(2, 2, 1, True), C(2, 4, 1, True), C(4, 2, 1, True), C(4, 4, 1, True),
@@ -256,7 +262,7 @@ def main(argv=None) -> dict:
     cases = []
     for product in products:
         m, k, per_row = PRODUCTS[product]
-        expert_bytes = m * (k // 2 + k // SCALE_BLOCK[MODEL.fmt])
+        expert_bytes = projection_bytes(m, k, MODEL.fmt)
         for tokens in tokens_list:
             x, ids, out = inputs(product, tokens, COPIES)
             default = default_config(*linear[product][0], x, ids[0], out)
