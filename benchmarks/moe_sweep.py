@@ -51,21 +51,21 @@ BACKEND = "auto"
 TOKENS = (1, 8, 16)
 
 
-def products(model) -> dict[str, tuple[int, int, int]]:
+def model_products(model) -> dict[str, tuple[int, int, int]]:
     """``model``'s two products, (rows M, K, ids per activation row): gate_up reads x[t] for each of its k slots;
     down reads one activation row per (token, slot), as FP4Experts calls them."""
     return {"gate_up": (2 * model.intermediate, model.hidden, model.top_k),
             "down": (model.hidden, model.intermediate, 1)}
 
 
-PRODUCTS = products(MODEL)
+PRODUCTS = model_products(MODEL)
 
 
 def use_model(name: str) -> None:
     """Sweep ``name``'s products (``bench.moe.MOE_MODELS``): sets ``MODEL`` and ``PRODUCTS``."""
     global MODEL, PRODUCTS
     MODEL = MOE_MODELS[name]
-    PRODUCTS = products(MODEL)
+    PRODUCTS = model_products(MODEL)
 
 
 # T = 1, gate_up (1440 programs of 16 rows, one wave; split, 2 columns): 2 tiles or 2 chunks per warp, more warps.
