@@ -12,7 +12,8 @@ import operands as O
 from fp4gemv import FP4Tensor, gemv, select_kernel
 from fp4gemv.formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from fp4gemv.kernels import _mma_step, choose_kernel, engine
-from fp4gemv.kernels.engine import STEP_K, Engine, EngineConfig, engine_config, engine_twin
+from fp4gemv.kernels.engine import (STEP_K, Engine, EngineConfig, engine_config, engine_twin, grid_size,
+                                    persistent_ranges, tile_contributors)
 from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import quantized_gemv_reference
 from fp4gemv.target import SM90, Target
@@ -106,9 +107,39 @@ def test_default_config_and_bad_configs():
     assert engine_config(_case(n=8)) == EngineConfig(2, 3, 128)
     spec = Engine()
     for bad, words in ((EngineConfig(3, 2, 128), "tiles"), (EngineConfig(2, 0, 128), "stages"),
-                       (EngineConfig(2, 2, 100), "maxnreg")):
+                       (EngineConfig(2, 2, 100), "maxnreg"), (EngineConfig(2, 2, 128, 5), "per_sm")):
         with pytest.raises(ValueError, match=words):
             spec.check_config(bad)
+
+
+@pytest.mark.parametrize("tiles, steps, programs", [(128, 4, 264), (224, 16, 264), (7, 3, 5), (5, 1, 5),
+                                                   (3, 8, 24), (896, 8, 396), (1, 16, 3)])
+def test_persistent_ranges_cover_every_unit_once_and_the_fixup_finds_each_tiles_contributors(tiles, steps, programs):
+    """The persistent grid's arithmetic (the kernel computes the same): the programs' ranges cover the (tile, step)
+    units once, in order; each tile's contributors are the programs whose ranges meet it, and the fix-up's slot
+    rule (0 where the program's range starts in the tile, else 1) never gives one program the same slot for two
+    tiles."""
+    units = tiles * steps
+    ranges = persistent_ranges(units, programs)
+    assert [v for start, end in ranges for v in range(start, end)] == list(range(units))
+    for tile in range(tiles):
+        first, last = tile_contributors(tile, steps, units, programs)
+        meets = [p for p, (start, end) in enumerate(ranges)
+                 if start < end and start < (tile + 1) * steps and end > tile * steps]
+        assert meets == list(range(first, last + 1)), tile
+    for p, (start, end) in enumerate(ranges):
+        if start < end:
+            tiles_met = range(start // steps, (end - 1) // steps + 1)
+            slots = [0 if t == start // steps else 1 for t in tiles_met
+                     if not (t * steps >= start and (t + 1) * steps <= end)]  # split tiles only
+            assert len(slots) == len(set(slots)) <= 2, (p, start, end)
+
+
+def test_grid_size_one_program_per_tile_or_per_sm_programs():
+    assert grid_size(128, 4, EngineConfig(2, 3, 128, 0), 132) == (128, False)
+    assert grid_size(128, 4, EngineConfig(2, 3, 128, 2), 132) == (264, True)
+    assert grid_size(264, 4, EngineConfig(2, 3, 128, 2), 132) == (264, False)  # one tile a program
+    assert grid_size(3, 2, EngineConfig(2, 3, 128, 2), 132) == (6, True)  # at most one program a unit
 
 
 _COMPILE = textwrap.dedent("""
@@ -157,10 +188,41 @@ def test_ptx_exact(out_dtype, m, k, n):
     a = O.random_fp4((m, k), "nvfp4", "linear", seed=m + n, global_scale=0.375 if n % 2 else None, device="cuda")
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
     default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
-    for config in (default, EngineConfig(1, 4, 128), EngineConfig(4, 2, 168)):
+    for config in (default, EngineConfig(1, 4, 128), EngineConfig(4, 2, 168), default._replace(per_sm=1),
+                   EngineConfig(1, 3, 128, 3), EngineConfig(4, 2, 168, 2)):
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.FOLD_EXPONENT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, k", [(4096, 4096), (200, 3072), (7168, 16384)])
+def test_persistent_grid_same_bits_every_launch_and_in_a_graph(m, k):
+    """The split-K fix-up is deterministic and leaves its counters zero: ten eager launches and two replays of a
+    CUDA graph of three launches give the first launch's bits (programs that split tiles at many places)."""
+    a = O.random_fp4((m, k), "nvfp4", "linear", seed=3, device="cuda")
+    b = O.random_activation((4, k), torch.bfloat16, seed=4, device="cuda")
+    config = EngineConfig(1, 3, 128, 3)
+    first = gemv(a, b, out_dtype=torch.float32, kernel="engine", config=config)
+    O.assert_matches_exact(first, a, b, torch.float32, tensor_cores=True, fold=engine.FOLD_EXPONENT)
+    for _ in range(10):
+        assert torch.equal(gemv(a, b, out_dtype=torch.float32, kernel="engine", config=config), first)
+    outs = [torch.full((m, 4), float("nan"), device="cuda") for _ in range(3)]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        gemv(a, b, out=outs[0], out_dtype=torch.float32, kernel="engine", config=config)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out in outs:
+            gemv(a, b, out=out, out_dtype=torch.float32, kernel="engine", config=config)
+    for _ in range(2):
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for out in outs:
+            assert torch.equal(out, first)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,8 @@ Gluon (``triton.experimental.gluon``) moves between releases.  What differs for 
   ``reinterpret(dtype, shape, layout)`` in 3.9 (:data:`PUBLIC_REINTERPRET` says which; :func:`shared_view`, the one
   view the kernels take, branches on it as a constexpr), and tensor descriptors take 8-, 16- and 32-bit elements
   only from 3.9 (the kernels copy bytes and view them as int64);
+* the CTA (or warp-specialize partition) barrier is ``gl.thread_barrier()`` in 3.6 and ``gl.barrier()`` in 3.9:
+  :data:`thread_barrier`;
 * ``gl.warp_specialize`` takes ``([(default, args), (worker, args), ...], worker_warps, worker_registers)`` in 3.6
   and 3.9 alike; its register list became optional in 3.9, which these kernels always pass.
 
@@ -24,11 +26,13 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["gluon", "gl", "tma", "mbarrier", "async_copy", "tma_load", "TensorDescriptor", "PUBLIC_REINTERPRET",
-           "shared_view"]
+__all__ = ["gluon", "gl", "tma", "mbarrier", "async_copy", "tma_load", "thread_barrier", "TensorDescriptor",
+           "PUBLIC_REINTERPRET", "shared_view"]
 
 # The bulk copy global -> shared, completing on an mbarrier: (descriptor, coordinates, barrier, destination).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+# A barrier of the calling partition's threads (the whole CTA outside warp_specialize).
+thread_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 # Whether shared-memory descriptors have the public ``reinterpret`` (3.9) rather than ``_reinterpret`` (3.6).
 PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 

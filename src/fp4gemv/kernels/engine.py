@@ -27,8 +27,17 @@ each block's two mma go into a zeroed fp32 partial that the block's e8m0 scale m
 the activation biased by 2^64 (``_mma_step.BF16_ACTIVATION_BIAS``; its window 2^-70 <= |x| < 2^64); its maps are
 ``W_SPLIT_K32`` / ``W_ORDER_K32`` and ``X_SPLIT_K32`` / ``X_ORDER_K32``, which ``engine_twin(fmt="mxfp4")`` replays.
 
+The grid.  One program per row tile by default.  ``EngineConfig.per_sm`` > 0 makes it persistent: ``per_sm``
+programs per multiprocessor share the (row tile, step) units evenly, tile-major (``persistent_ranges``), the ring
+never drained between a program's tiles; a tile split over programs gets each contributor's fp32 partial (two
+slots a program) and, once a program's range is done, one arrival on the tile's counter; the last contributor to
+arrive sums the partials in program order (``tile_contributors``: the same bits whichever arrives last), rounds
+once and resets the counter (``fixup_counters``: kept zero per device and stream).  Measured slower than one
+program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23): an option, not the default.
+
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
-fp32 accumulation per warp over its K, the warps' sums added in fp32, one rounding to the output dtype.
+fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
+program order), one rounding to the output dtype.
 
 What it does not run (``why_not``): MXFP4, fp16 or FP4 activations, a batch (L > 1), swizzled scales, K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
@@ -44,7 +53,7 @@ import torch
 
 from ..formats import CODE_ORDERS, decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from ..target import Target
-from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
+from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent, multipliers
 from ._ptx import AsmOperands, PtxBlock
 from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
@@ -60,11 +69,14 @@ MAX_N = 16
 class EngineConfig(NamedTuple):
     """``tiles``: m16 tiles per program (16 * tiles rows); ``stages``: ring slots of one step each; ``maxnreg``:
     the registers per thread the launch allows (the producer warp's group keeps ``PRODUCER_REGS`` and leaves the
-    rest to the consumer warps)."""
+    rest to the consumer warps); ``per_sm``: 0 for one program per row tile, else a persistent grid of ``per_sm``
+    programs per multiprocessor sharing the (row tile, step) units evenly (``persistent_ranges``), tiles split
+    over programs summed by the split-K fix-up."""
 
     tiles: int = 2
     stages: int = 2
     maxnreg: int = 128
+    per_sm: int = 0
 
 
 TILES = (1, 2, 4)
@@ -73,7 +85,8 @@ PRODUCER_REGS = 40
 
 def engine_config(case: GemvCase) -> EngineConfig:
     """2 tiles; 2 ring slots where N > 8 (the 16-row activation slice makes a slot 50 KB), else 3 (H200, round 14
-    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16)."""
+    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16); one
+    program per row tile (round 23: the persistent grid, 1 or 2 programs per SM, was slower on 4 of 5 shapes)."""
     return EngineConfig(2, 2 if case.n > 8 else 3, 128)
 
 
@@ -310,15 +323,20 @@ def _x_swizzle(rows: int) -> int:
 
 
 @gluon.jit
-def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_steps, STAGES: gl.constexpr):
-    for i in range(n_steps):
+def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
+              TILE_ROWS: gl.constexpr):
+    # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).
+    for v in range(start, end):
+        i = v - start
         slot = i % STAGES
+        tile = v // n_steps
+        step = v - tile * n_steps
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
                         + x_desc.block_type.nbytes)
-        tma_load(w_desc, [i * 4, row0, 0], ready.index(slot), wbuf.index(slot))
-        tma_load(s_desc, [i * 4, row0, 0], ready.index(slot), sbuf.index(slot))
-        tma_load(x_desc, [16 * i, 0, 0], ready.index(slot), xbuf.index(slot))
+        tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
+        tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
+        tma_load(x_desc, [16 * step, 0, 0], ready.index(slot), xbuf.index(slot))
 
 
 @gluon.jit
@@ -366,44 +384,103 @@ def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m, out_stride_n,
-              mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
-              HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
-              LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr):
-    acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
-    zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
-    for i in range(n_steps):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
-        s = sbuf.index(slot).load(LW)
-        x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
-        acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
-                                                           zero + m24, zero + m29],
-                                        dtype=gl.float32, is_pure=True, pack=8 * TILES)
-        # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
-        async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
-    out = gl.sum(acc, axis=0) * FOLD
+def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES: gl.constexpr,
+                HAS_GSA: gl.constexpr, LO: gl.constexpr):
+    """``total`` ([16 TILES, 16] fp32 in ``LO``, the tile's result before global scales) times the global scale,
+    rounded once into ``out``'s rows of row tile ``tile``."""
     if HAS_GSA:
-        out = out * gl.load(gsa_ptr)
-    LO: gl.constexpr = gl.SliceLayout(0, LW)
+        total = total * gl.load(gsa_ptr)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]  # 16 t + 8 h + g
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]  # 8 u + 2 c + b
     # Element (t, h, u, b) of lane (g, c) is C[row 8 u + g of tile t][column 8 h + 2 c + b] (_RegisterFold).
-    rows = row0 + 16 * (r // 16) + 8 * (j // 8) + r % 8
+    rows = tile * (16 * TILES) + 16 * (r // 16) + 8 * (j // 8) + r % 8
     n = 8 * ((r // 8) % 2) + 2 * ((j // 2) % 4) + j % 2
-    gl.store(out_ptr + rows.to(gl.int64) * out_stride_m + n * out_stride_n, out.to(out_ptr.dtype.element_ty),
+    gl.store(out_ptr + rows.to(gl.int64) * out_stride_m + n * out_stride_n, total.to(out_ptr.dtype.element_ty),
              mask=(rows < M) & (n < N))
 
 
 @gluon.jit
-def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_stride_m, out_stride_n,
-                       mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr, ROWS: gl.constexpr,
-                       HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr,
-                       LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr, X64: gl.constexpr,
-                       PRODUCER_REGS: gl.constexpr):
-    row0 = gl.program_id(0) * (16 * TILES)
+def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units, programs,
+              M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
+              STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
+              ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
+              X64: gl.constexpr, SPLIT: gl.constexpr):
+    zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
+    LO: gl.constexpr = gl.SliceLayout(0, LW)
+    r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
+    j = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]
+    part = r * 16 + j  # a partial's elements, [16 TILES, 16] fp32 in LO's order
+    first_tile = start // n_steps
+    for tile in range(first_tile, (end - 1) // n_steps + 1):
+        seg0 = gl.maximum(start, tile * n_steps)
+        seg1 = gl.minimum(end, tile * n_steps + n_steps)
+        acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
+        for v in range(seg0, seg1):
+            i = v - start
+            slot = i % STAGES
+            mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+            w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
+            s = sbuf.index(slot).load(LW)
+            x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
+            acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
+                                                               zero + m24, zero + m29],
+                                            dtype=gl.float32, is_pure=True, pack=8 * TILES)
+            # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
+            async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
+        total = gl.sum(acc, axis=0) * FOLD
+        if SPLIT and (seg1 - seg0) != n_steps:
+            # A tile other programs add to: its partial goes to this program's slot of the fix-up's partials (0:
+            # the range's first tile, 1: its last); the arrivals wait until the range is done (below).
+            mine = (tile != first_tile).to(gl.int32)
+            gl.store(ws_ptr + (2 * gl.program_id(0) + mine) * (256 * TILES) + part, total)
+        else:
+            _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
+    if SPLIT:
+        # The split-K fix-up (``tile_contributors``), once the range is done so that its latency is paid once: one
+        # arrival on the counter of each split tile; the last of a tile's contributors to arrive sums every
+        # contributor's partial in program order (the same bits whichever arrives last), writes the rows and
+        # resets the counter for the next launch.
+        thread_barrier()
+        last_tile = (end - 1) // n_steps
+        if start > first_tile * n_steps or end < first_tile * n_steps + n_steps:
+            _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, first_tile, units, programs, M, N, n_steps, out_stride_m,
+                   out_stride_n, part, TILES, HAS_GSA, LO)
+        if last_tile != first_tile and end < last_tile * n_steps + n_steps:
+            _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, last_tile, units, programs, M, N, n_steps, out_stride_m,
+                   out_stride_n, part, TILES, HAS_GSA, LO)
+
+
+@gluon.jit
+def _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, tile, units, programs, M, N, n_steps, out_stride_m, out_stride_n,
+           part, TILES: gl.constexpr, HAS_GSA: gl.constexpr, LO: gl.constexpr):
+    """This program's arrival on split tile ``tile`` (its partial already stored, a barrier since); the last
+    contributor sums the partials of programs ``tile_contributors`` in order, stores the rows, resets the
+    counter."""
+    arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    p_first = ((tile * n_steps + 1) * programs + units - 1) // units - 1
+    p_last = ((tile * n_steps + n_steps) * programs + units - 1) // units - 1
+    if arrived == p_last - p_first:
+        total = gl.zeros([16 * TILES, 16], gl.float32, LO)
+        for q in range(p_first, p_last + 1):
+            theirs = ((q * units // programs) // n_steps != tile).to(gl.int32)
+            total += gl.load(ws_ptr + (2 * q + theirs) * (256 * TILES) + part, cache_modifier=".cg")
+        _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
+        gl.store(count_ptr + tile, 0)
+
+
+@gluon.jit
+def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_ptr, M, N, K, units, out_stride_m,
+                       out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
+                       ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
+                       CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
+                       X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
+    # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
+    # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
+    pid = gl.program_id(0)
+    programs = gl.num_programs(0)
     n_steps = K // 1024
+    start = pid * units // programs
+    end = (pid + 1) * units // programs
     wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
@@ -413,10 +490,11 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, M, N, K, out_st
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=128)  # every consumer thread
     gl.warp_specialize([
-        (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, row0, M, N, n_steps, out_stride_m,
-                     out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS,
-                     LW, LX, W64, X64)),
-        (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, row0, n_steps, STAGES)),
+        (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units,
+                     programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
+                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT)),
+        (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
+                     16 * TILES)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -480,18 +558,61 @@ class Engine(TritonKernelSpec):
 
     def check_config(self, config: EngineConfig, case: GemvCase | None = None) -> None:
         check_ring_config(config)
+        if not isinstance(config.per_sm, int) or not 0 <= config.per_sm <= 4:
+            raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
 
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
         return None  # the tensor descriptors are built from each call's tensors: launch() runs every call
 
     def launch(self, ops: GemvOperands, config: EngineConfig, target: Target) -> None:
-        kernel, grid, args, options = engine_launch(ops, config)
+        kernel, grid, args, options = engine_launch(ops, config, target.sm_count or 132)
         kernel[grid](*args, **options)
 
 
-def engine_launch(ops: GemvOperands, config: EngineConfig):
+def persistent_ranges(units: int, programs: int) -> list[tuple[int, int]]:
+    """The work units ``[start, end)`` of each program of a grid of ``programs`` over ``units`` (row tile, step)
+    units, tile-major (unit v: step v % steps of tile v // steps): the kernel's own arithmetic."""
+    return [(p * units // programs, (p + 1) * units // programs) for p in range(programs)]
+
+
+def tile_contributors(tile: int, steps: int, units: int, programs: int) -> tuple[int, int]:
+    """(first, last) program whose range holds units of row tile ``tile``: the kernel's fix-up sums their partials
+    in this order (program p holds unit v when p units // P <= v < (p + 1) units // P)."""
+    first = ((tile * steps + 1) * programs + units - 1) // units - 1
+    last = ((tile * steps + steps) * programs + units - 1) // units - 1
+    return first, last
+
+
+def grid_size(tiles: int, steps: int, config: EngineConfig, sm_count: int) -> tuple[int, bool]:
+    """(programs, split): one program per row tile where ``config.per_sm`` is 0, else ``per_sm`` per multiprocessor
+    (at most one per unit); ``split`` where a program's range can end inside a tile (the fix-up compiled in)."""
+    if config.per_sm == 0:
+        return tiles, False
+    programs = max(1, min(tiles * steps, config.per_sm * sm_count))
+    return programs, tiles % programs != 0
+
+
+_COUNTERS: dict = {}
+
+
+def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters (one per row tile) for the split-K fix-up, kept per device and stream: each
+    launch leaves them zero (the last contributor to a tile resets its counter), so launches ordered on a stream
+    share them.  Launches of one device running at the same time on different streams take separate buffers
+    (keyed by the stream current at launch, or at capture for a CUDA graph).  A buffer too small for ``tiles`` is
+    replaced by a larger one; the old one stays allocated for graphs that captured it."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    kept = _COUNTERS.setdefault(key, [])
+    if not kept or kept[-1].numel() < tiles:
+        kept.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return kept[-1]
+
+
+def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     """(kernel, grid, positional arguments, keyword arguments) of one call: the descriptors of this call's tensors
-    (weights int64 [K/1024, M, 16], scales [K/1024, M, 16] bytes, activation int64 [K/64, N, 16])."""
+    (weights int64 [K/1024, M, 16], scales [K/1024, M, 16] bytes, activation int64 [K/64, N, 16]) and, on a
+    persistent grid that splits tiles, the fix-up's partials (fp32, two slots a program) and counters."""
     case = ops.case
     m, k, n = case.m, case.k, case.n
     rows = activation_rows(n)
@@ -509,14 +630,20 @@ def engine_launch(ops: GemvOperands, config: EngineConfig):
     asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, "nvfp4", order)
     lw, lx, w64, x64 = _layouts(config.tiles, rows)
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
-    args = (w_desc, s_desc, x_desc, ops.out, gsa, m, n, k, ops.out.stride(1), ops.out.stride(2),
-            *multipliers("bf16", order).values())
+    tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
+    programs, split = grid_size(tiles, steps, config, sm_count)
+    if split:
+        ws = torch.empty(programs * 2 * 256 * config.tiles, dtype=torch.float32, device=ops.out.device)
+        counters = fixup_counters(ops.out.device, tiles)
+    else:
+        ws = counters = ops.out  # not read
+    args = (w_desc, s_desc, x_desc, ops.out, gsa, ws, counters, m, n, k, tiles * steps, ops.out.stride(1),
+            ops.out.stride(2), *multipliers("bf16", order).values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64,
-                   PRODUCER_REGS=PRODUCER_REGS, num_warps=WARPS, maxnreg=config.maxnreg)
-    grid = (-(-m // (16 * config.tiles)),)
-    return engine_gemv_kernel, grid, args, options
+                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=WARPS,
+                   maxnreg=config.maxnreg)
+    return engine_gemv_kernel, (programs,), args, options
 
 
 # --- the twin: the kernel's index maps replayed in torch -----------------------------------------------------------

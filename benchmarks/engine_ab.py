@@ -1,0 +1,94 @@
+"""Device script (issue 27, round 23 of docs/performance.md): the dense decode kernels on the issue's six shapes at
+N = 1, 8, 16, each variant against FP8 ``torch._scaled_mm`` (per-tensor), bf16 ``torch.matmul`` and the best read
+of the same bytes, in one process.
+
+    PYTHONPATH=src python benchmarks/engine_ab.py [VARIANT ...]   -> engine_ab.json in $OUT (or .)
+
+A variant is ``FMT:LAYOUT:ORDER:KERNEL[:CONFIG]`` (KERNEL ``auto`` = the library's choice; CONFIG the engine's
+``tiles,stages,maxnreg,per_sm``, stages 0 for the default ring at N), e.g. ``nvfp4:swizzled:checkpoint:auto`` (what ``FP4Linear`` runs today) or
+``nvfp4:linear:native:engine:2,3,128,2``.  Timing: ``bench.timing.device_time_us`` (one CUDA
+graph over >= 20 distinct weight copies and 300 MB, L2 flushed before each replay, median of 15); bf16
+activations; fp16 output.  Every variant's output on the first copy is compared with the first variant's of the
+same format (bit for bit where both kernels fold the same way; the largest difference is printed otherwise).
+"""
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+from fp4gemv import ops
+from fp4gemv.bench.cases import Shape, _bf16_matmul_us, _fp8_scaled_mm_us, case_bytes, random_gemv_operands
+from fp4gemv.bench.stream import best_read
+from fp4gemv.bench.timing import device_time_us, input_count
+from fp4gemv.library import gemv
+
+OUT = os.environ.get("OUT", ".")
+SHAPES = ((7168, 16384), (28672, 8192), (14336, 4096), (4096, 14336), (4096, 4096), (5760, 2880))
+NS = tuple(int(v) for v in os.environ.get("NS", "1,8,16").split(","))
+DEFAULT_VARIANTS = ("nvfp4:swizzled:checkpoint:auto", "nvfp4:swizzled:native:auto", "nvfp4:linear:native:auto",
+                    "nvfp4:linear:native:engine", "mxfp4:swizzled:checkpoint:auto", "mxfp4:swizzled:native:auto")
+
+
+def variant_time(shape, fmt, layout, order, kernel, config=None):
+    nbytes = case_bytes(shape, fmt, "bf16")
+    inputs = []
+    for i in range(input_count(nbytes)):
+        a, b, out = random_gemv_operands(shape, fmt, "bf16", seed=i, scale_layout=layout)
+        inputs.append((a.with_code_order(order), b, out))
+    kern = None if kernel == "auto" else kernel
+    a, b, out = inputs[0]
+    plan = ops.plan_for(a, b, out=out, kernel=kern, config=config)
+    times = device_time_us(lambda t: gemv(t[0], t[1], out=t[2], kernel=kern, config=config), inputs)
+    out.fill_(float("nan"))
+    gemv(a, b, out=out, kernel=kern, config=config)
+    first = out.float().cpu()
+    inputs.clear()
+    torch.cuda.empty_cache()
+    cfg = "" if plan.config is None else str(tuple(plan.config))
+    return statistics.median(times), plan.spec.name + cfg, first
+
+
+def main(variants):
+    rows = []
+    for m, k in SHAPES:
+        for n in NS:
+            shape = Shape(m, k, 1, n)
+            row = {"m": m, "k": k, "n": n}
+            row["read_us"] = best_read(case_bytes(shape, "nvfp4", "bf16"))[1]
+            row["read_mx_us"] = best_read(case_bytes(shape, "mxfp4", "bf16"))[1]
+            row["fp8_us"], row["fp8_rows"] = _fp8_scaled_mm_us(shape)
+            row["bf16_us"] = _bf16_matmul_us(shape)
+            refs = {}
+            for v in variants:
+                fmt, layout, order, kernel, *config = v.split(":")
+                if config:  # the engine's configuration: tiles, stages, maxnreg, per_sm
+                    from fp4gemv.kernels.engine import EngineConfig
+                    config = EngineConfig(*(int(c) for c in config[0].split(",")))
+                    if config.stages == 0:  # the default ring for N
+                        config = config._replace(stages=2 if n > 8 else 3)
+                try:
+                    us, chosen, result = variant_time(shape, fmt, layout, order, kernel, config or None)
+                except Exception as e:  # a kernel that refuses the case: recorded, not fatal
+                    row[v] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                    print(f"{m}x{k} N={n} {v}: {row[v]['error']}", flush=True)
+                    continue
+                ref = refs.setdefault(fmt, result)
+                diff = (result - ref).abs()
+                same = bool(torch.equal(result, ref))
+                row[v] = {"us": us, "kernel": chosen, "same_bits": same, "max_abs_diff": float(diff.max()),
+                          "x_read": row["read_us" if fmt == "nvfp4" else "read_mx_us"] / us,
+                          "x_fp8": row["fp8_us"] / us}
+                print(f"{m}x{k} N={n} {v:<34} {us:8.2f} us  x read {row[v]['x_read']:.2f}  x fp8 "
+                      f"{row[v]['x_fp8']:.2f}  {chosen}  same={same} maxdiff={row[v]['max_abs_diff']:.3g}", flush=True)
+            print(f"{m}x{k} N={n} read {row['read_us']:.2f} / {row['read_mx_us']:.2f} fp8 {row['fp8_us']:.2f} "
+                  f"bf16 {row['bf16_us']:.2f}", flush=True)
+            rows.append(row)
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(variants)}
+            with open(os.path.join(OUT, "engine_ab.json"), "w") as f:  # after every row: a cut-off run keeps its rows
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(tuple(sys.argv[1:]) or DEFAULT_VARIANTS)
