@@ -22,6 +22,7 @@ from fp4gemv import ops
 from fp4gemv.bench.cases import Shape, _bf16_matmul_us, _fp8_scaled_mm_us, case_bytes, random_gemv_operands
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us, input_count
+from fp4gemv.kernels.engine import EngineConfig
 from fp4gemv.library import gemv
 
 OUT = os.environ.get("OUT", ".")
@@ -64,7 +65,6 @@ def main(variants):
             for v in variants:
                 fmt, layout, order, kernel, *config = v.split(":")
                 if config:  # the engine's configuration: tiles, stages, maxnreg, per_sm
-                    from fp4gemv.kernels.engine import EngineConfig
                     config = EngineConfig(*(int(c) for c in config[0].split(",")))
                     if config.stages == 0:  # the default ring for N
                         config = config._replace(stages=2 if n > 8 else 3)

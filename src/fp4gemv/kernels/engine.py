@@ -411,7 +411,8 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
     j = gl.arange(0, 16, layout=gl.SliceLayout(0, LO))[None, :]
     part = r * 16 + j  # a partial's elements, [16 TILES, 16] fp32 in LO's order
     first_tile = start // n_steps
-    for tile in range(first_tile, (end - 1) // n_steps + 1):
+    last_tile = (end - 1) // n_steps
+    for tile in range(first_tile, last_tile + 1):
         seg0 = gl.maximum(start, tile * n_steps)
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
@@ -441,7 +442,6 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
         # contributor's partial in program order (the same bits whichever arrives last), writes the rows and
         # resets the counter for the next launch.
         thread_barrier()
-        last_tile = (end - 1) // n_steps
         if start > first_tile * n_steps or end < first_tile * n_steps + n_steps:
             _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, first_tile, units, programs, M, N, n_steps, out_stride_m,
                    out_stride_n, part, TILES, HAS_GSA, LO)
