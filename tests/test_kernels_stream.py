@@ -82,10 +82,10 @@ def test_decode_ptx_gives_every_bytes_two_values(dtype):
             assert regs[f"${j}"] == int(bits[byte & 15]) | int(bits[byte >> 4]) << 16, (b0, j)
 
 
-def test_dispatch_from_nine_rows_on_sm90():
-    a = O.random_fp4((256, 1024), "nvfp4", "swizzled", seed=9, device="cpu")
+def test_dispatch_from_nine_rows_on_sm90_where_the_engine_does_not_run():
+    a = O.random_fp4((256, 1280), "nvfp4", "swizzled", seed=9, device="cpu")  # K % 1024 != 0: not the engine's
     for n, expected in ((8, "weight_only"), (9, "stream"), (16, "stream")):
-        case = gemv_operands(a, torch.empty(n, 1024, dtype=torch.bfloat16), torch.empty(256, n)).case
+        case = gemv_operands(a, torch.empty(n, 1280, dtype=torch.bfloat16), torch.empty(256, n)).case
         assert choose_kernel(case, SM90).name == expected, n
 
 
@@ -182,10 +182,10 @@ def test_ptx_path_exact_and_equal_to_its_twin(layout, dtype, m, k, n, batch):
 
 
 @pytest.mark.gpu
-def test_chosen_on_the_gpu_from_nine_rows():
-    a = O.random_fp4((4096, 4096), "nvfp4", "swizzled", seed=1, device="cuda")
-    assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "stream"
-    assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
+def test_chosen_on_the_gpu_from_nine_rows_where_the_engine_does_not_run():
+    a = O.random_fp4((4096, 4352), "nvfp4", "swizzled", seed=1, device="cuda")  # K % 1024 != 0
+    assert select_kernel(a, torch.empty(9, 4352, dtype=torch.bfloat16, device="cuda")).name == "stream"
+    assert select_kernel(a, torch.empty(8, 4352, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
 
 
 def test_an_unsplit_k_is_one_launch_the_op_layer_keeps():
@@ -202,7 +202,7 @@ _UNSPLIT_COMPILE = textwrap.dedent("""
     from fp4gemv import FP4Tensor
     a = FP4Tensor(torch.zeros(28672, 4096, dtype=torch.uint8), torch.full((28672, 512), 0x38, dtype=torch.uint8),
                   "nvfp4", "linear").with_scale_layout("swizzled")
-    launch = Sm90Launch(a, torch.zeros(16, 8192, dtype=torch.bfloat16), out_dtype=torch.bfloat16)
+    launch = Sm90Launch(a, torch.zeros(16, 8192, dtype=torch.bfloat16), out_dtype=torch.bfloat16, kernel="stream")
     print(launch.spec.name, launch.config.ksplit, local_memory(launch.compile()))
 """)
 

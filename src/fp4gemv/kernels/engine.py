@@ -35,11 +35,16 @@ arrive sums the partials in program order (``tile_contributors``: the same bits 
 once and resets the counter (``fixup_counters``: kept zero per device and stream).  Measured slower than one
 program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23): an option, not the default.
 
+Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms: the copy
+brings the step's 16 atoms of the rows' 128-row group, 16 bytes a row r % 32 -- four 32-row groups -- and the
+consumer keeps its group's 4 bytes of each, ``_swizzled_scales``: 4x the scale bytes through the ring, tiles 1
+or 2 only).
+
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
 
-What it does not run (``why_not``): MXFP4, fp16 or FP4 activations, a batch (L > 1), swizzled scales, K not a
+What it does not run (``why_not``): MXFP4, fp16 or FP4 activations, a batch (L > 1), K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
 round 14): N >= 9, where it is 1.1-1.4x the streaming kernel.
 """
@@ -324,7 +329,7 @@ def _x_swizzle(rows: int) -> int:
 
 @gluon.jit
 def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
-              TILE_ROWS: gl.constexpr):
+              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr):
     # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).
     for v in range(start, end):
         i = v - start
@@ -335,7 +340,12 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
                         + x_desc.block_type.nbytes)
         tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
-        tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
+        if SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
+            row0 = tile * TILE_ROWS
+            tma_load(s_desc, [row0 // 128, step * 16, row0 % 32 if TILE_ROWS == 16 else 0, 0], ready.index(slot),
+                     sbuf.index(slot))
+        else:
+            tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
         tma_load(x_desc, [16 * step, 0, 0], ready.index(slot), xbuf.index(slot))
 
 
@@ -384,6 +394,25 @@ def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
+def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
+    """The step's scale bytes ``[WARPS, 16 TILES, 16]`` in ``LW`` (as the linear slot gives them) from a slot of
+    swizzled atoms: the copy brought, for each of the step's 16 atoms (4 columns each), the 16 bytes of each row
+    r % 32 -- four 32-row groups q = (r % 128) // 32 of 4 columns; the program's rows are group q of those."""
+    R: gl.constexpr = 16 * TILES
+    q = (tile * R // 32) % 4
+    words = shared_view(slot, gl.int32, [16, R, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])
+    w = words.load(L3)  # [16 atoms, R rows, 4 groups]: one 16-byte load per atom and row
+    group = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    w = gl.sum(gl.where(group == q, w, 0), axis=2)  # [16 atoms, R]: the program's 4 columns of each atom
+    b = gl.join(gl.join((w & 255).to(gl.int8), ((w >> 16) & 255).to(gl.int8)),
+                gl.join(((w >> 8) & 255).to(gl.int8), ((w >> 24) & 255).to(gl.int8)))
+    b = gl.reshape(b, [16, R, 4])  # [.., i, o] -> column 2 i + o: bytes (0, 2) and (1, 3) joined
+    b = gl.permute(gl.reshape(b, [4, 4, R, 4]), [0, 2, 1, 3])
+    return gl.convert_layout(gl.reshape(b, [4, R, 16]), LW)
+
+
+@gluon.jit
 def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES: gl.constexpr,
                 HAS_GSA: gl.constexpr, LO: gl.constexpr):
     """``total`` ([16 TILES, 16] fp32 in ``LO``, the tile's result before global scales) times the global scale,
@@ -404,7 +433,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
               M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
-              X64: gl.constexpr, SPLIT: gl.constexpr):
+              X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -421,7 +450,10 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
-            s = sbuf.index(slot).load(LW)
+            if SWIZZLED:
+                s = _swizzled_scales(sbuf.index(slot), tile, TILES, LW)
+            else:
+                s = sbuf.index(slot).load(LW)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
             acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
                                                                zero + m24, zero + m29],
@@ -473,7 +505,8 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
                        ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
-                       X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr):
+                       X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
+                       SWIZZLED: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -492,9 +525,9 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units,
                      programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
-                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT)),
+                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
-                     16 * TILES)),
+                     16 * TILES, SWIZZLED)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -542,9 +575,8 @@ class Engine(TritonKernelSpec):
             return f"needs N <= {MAX_N}, got N = {case.n}"
         if case.k % STEP_K:
             return f"needs K a multiple of {STEP_K}, got K = {case.k}"
-        if case.a.scale_layout != "linear":
-            return "needs linear scales"
-        if case.a.align < 16 or case.a.scale_align < 16 or case.a.scale_tile_align < 16:
+        scale_align = case.a.scale_tile_align if case.a.scale_layout == "swizzled" else case.a.scale_align
+        if case.a.align < 16 or scale_align < 16 or case.a.scale_tile_align < 16:
             return "needs the weights' and scales' rows at 16-byte aligned addresses (bulk copies)"
         if case.b.align < 16:
             return "b: needs rows contiguous along K at 16-byte aligned addresses (bulk copies)"
@@ -558,6 +590,9 @@ class Engine(TritonKernelSpec):
 
     def check_config(self, config: EngineConfig, case: GemvCase | None = None) -> None:
         check_ring_config(config)
+        if case is not None and case.a.scale_layout == "swizzled" and config.tiles > 2:
+            raise ValueError(f"config: swizzled scales take tiles 1 or 2 (a program's rows in one 32-row group of "
+                             f"the 128-row atoms), got {config}")
         if not isinstance(config.per_sm, int) or not 0 <= config.per_sm <= 4:
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
 
@@ -622,8 +657,15 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
     w_desc = TensorDescriptor(weights, [k // 256, m, 128], [128, weights.stride(0), 1],
                               [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
-    s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1], [WARPS, 16 * config.tiles, 16],
-                              gl.NVMMASharedLayout(0, 8, rank=3))
+    swizzled = case.a.scale_layout == "swizzled"
+    if swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
+        groups, atoms = -(-m // 128), k // 64
+        rows_in_box = 16 if config.tiles == 1 else 32
+        s_desc = TensorDescriptor(scales.reshape(-1), [groups, atoms, 32, 16], [atoms * 512, 512, 16, 1],
+                                  [1, 16, rows_in_box, 16], gl.NVMMASharedLayout(0, 8, rank=4))
+    else:
+        s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1],
+                                  [WARPS, 16 * config.tiles, 16], gl.NVMMASharedLayout(0, 8, rank=3))
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
                               gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
     order = case.a.code_order
@@ -641,7 +683,7 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
             ops.out.stride(2), *multipliers("bf16", order).values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
                    FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, num_warps=WARPS,
+                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, SWIZZLED=swizzled, num_warps=WARPS,
                    maxnreg=config.maxnreg)
     return engine_gemv_kernel, (programs,), args, options
 
