@@ -61,7 +61,8 @@ from ..target import Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent, multipliers
 from ._ptx import AsmOperands, PtxBlock
-from .spec import ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch
+from .spec import (DIRECT_LAUNCH, ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch, bound_arguments,
+                   run_compiled)
 
 __all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "WARPS", "STEP_K", "register",
            "activation_rows"]
@@ -599,9 +600,33 @@ class Engine(TritonKernelSpec):
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
         return None  # the tensor descriptors are built from each call's tensors: launch() runs every call
 
+    def __init__(self):
+        # (case, config, target, device, which of the call's tensor arguments are 16-byte aligned) -> the compiled
+        # kernel, its grid and its argument list less the call's arguments: the JIT specializes on those
+        # alignments, on everything else through the case and the configuration.
+        self._kept: dict[tuple, tuple] = {}
+
     def launch(self, ops: GemvOperands, config: EngineConfig, target: Target) -> None:
+        """Through Triton's JIT the first time for this key, then (CUDA, Triton 3.6) the kept compiled kernel called
+        directly (``spec.run_compiled``: no JIT dispatch, whose specialization key hashes the step's asm text every
+        call) with this call's ``CALL_ARGUMENTS`` put in."""
         kernel, grid, args, options = engine_launch(ops, config, target.sm_count or 132)
-        kernel[grid](*args, **options)
+        device = ops.out.device
+        call = args[:CALL_ARGUMENTS]
+        key = (ops.case, config, target, device,
+               tuple(t.data_ptr() % 16 == 0 for t in call if isinstance(t, torch.Tensor)))
+        kept = self._kept.get(key)
+        if kept is None:
+            compiled = kernel[grid](*args, **options)
+            if DIRECT_LAUNCH and device.type == "cuda" and hasattr(compiled, "packed_metadata"):
+                argv = bound_arguments(kernel, args, options)
+                argv[:CALL_ARGUMENTS] = [None] * CALL_ARGUMENTS  # the kept list holds no tensor of this call
+                self._kept[key] = (compiled, grid, argv)
+            return
+        compiled, grid, argv = kept
+        argv = argv.copy()
+        argv[:CALL_ARGUMENTS] = call
+        run_compiled(compiled, grid, argv, device.index)
 
 
 def persistent_ranges(units: int, programs: int) -> list[tuple[int, int]]:
@@ -642,6 +667,11 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     if not kept or kept[-1].numel() < tiles:
         kept.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
     return kept[-1]
+
+
+# The engine launch's leading arguments made from each call's tensors: the weights', scales' and activation's
+# bulk-copy descriptors, out, the global scale, the fix-up's partials and counters (``engine_launch``).
+CALL_ARGUMENTS = 7
 
 
 def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
