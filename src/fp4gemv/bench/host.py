@@ -36,7 +36,8 @@ def host_costs() -> list[tuple[str, float]]:
     x = torch.zeros(16, device="cuda")
     rows.append(("x.add_(1)", host_time_us(lambda: x.add_(1))))
     rows.append(("bare Triton JIT launch", host_time_us(lambda: _one_store_kernel[(1,)](x))))
-    for fmt, act, n in (("nvfp4", "bf16", 1), ("nvfp4", "fp4", 1), ("mxfp4", "bf16", 1), ("nvfp4", "fp16", 8)):
+    for fmt, act, n in (("nvfp4", "bf16", 1), ("nvfp4", "fp4", 1), ("mxfp4", "bf16", 1), ("nvfp4", "fp16", 8),
+                        ("nvfp4", "bf16", 16)):
         a, b, out = random_gemv_operands(Shape(shape.m, shape.k, 1, n), fmt, act, seed=0)
         a, b, out = _unbatched(a), _unbatched(b), out[0]
         name = ops.select_kernel(a, b, out=out).name
