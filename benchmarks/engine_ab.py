@@ -38,6 +38,8 @@ def variant_time(shape, fmt, layout, order, kernel, config=None):
     for i in range(input_count(nbytes)):
         a, b, out = random_gemv_operands(shape, fmt, "bf16", seed=i, scale_layout=layout)
         inputs.append((a.with_code_order(order), b, out))
+    if kernel.startswith("moe_"):  # the routed kernels on one expert: every row of x through expert 0
+        return _moe_time(inputs, kernel)
     kern = None if kernel == "auto" else kernel
     a, b, out = inputs[0]
     plan = ops.plan_for(a, b, out=out, kernel=kern, config=config)
@@ -49,6 +51,26 @@ def variant_time(shape, fmt, layout, order, kernel, config=None):
     torch.cuda.empty_cache()
     cfg = "" if plan.config is None else str(tuple(plan.config))
     return statistics.median(times), plan.spec.name + cfg, first
+
+
+def _moe_time(inputs, kernel):
+    """``moe_gemv(w, x, ids, kernel=...)`` with w the weights as one expert ``[1, M, K]``, x the activation
+    ``[N, K]`` and every id 0: the dense product through the routed kernel (its routing launch included);
+    the result ``[M, N]`` as the dense variants give it."""
+    from fp4gemv.moe import moe_gemv
+    n = inputs[0][1].shape[-2]
+    ids = torch.zeros((n, 1), dtype=torch.int32, device="cuda")
+    calls = [(a, b[0], torch.empty((n, 1, a.shape[-2]), dtype=torch.float16, device="cuda")) for a, b, _ in inputs]
+    times = device_time_us(lambda t: moe_gemv(t[0], t[1], ids, out=t[2], out_dtype=torch.float16, kernel=kernel,
+                                              check_ids=False), calls)
+    a, x, out = calls[0]
+    out.fill_(float("nan"))
+    moe_gemv(a, x, ids, out=out, out_dtype=torch.float16, kernel=kernel, check_ids=False)
+    first = out[:, 0, :].T.reshape(1, -1, n).float().cpu()
+    calls.clear()
+    inputs.clear()
+    torch.cuda.empty_cache()
+    return statistics.median(times), kernel, first
 
 
 def main(variants):
