@@ -82,7 +82,7 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
 
 
 @pytest.mark.parametrize("case, target, words", [
-    (_case(fmt="mxfp4"), SM90, "NVFP4"),
+    (_case(fmt="mxfp4", layout="swizzled"), SM90, "linear scales for MXFP4"),
     (_case(dtype=torch.float16), SM90, "bf16 activations"),
     (_case(batch=2), SM90, "L = 2"),
     (_case(k=3072 + 512), SM90, "K a multiple of 1024"),
@@ -99,6 +99,7 @@ def test_dispatch_on_sm90_from_nine_rows_with_linear_scales():
     for n, expected in ((1, "weight_only"), (8, "weight_only"), (9, "engine"), (16, "engine")):
         assert choose_kernel(_case(n=n), SM90).name == expected, n
     assert choose_kernel(_case(layout="swizzled"), SM90).name == "engine"
+    assert choose_kernel(_case(fmt="mxfp4"), SM90).name == "engine"  # MXFP4, linear scales
 
 
 def test_default_config_and_bad_configs():
@@ -149,8 +150,8 @@ _COMPILE = textwrap.dedent("""
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import engine_launch, engine_config
-    for n in (1, 3, 8, 16):
-        a = O.random_fp4((4096, 4096), "nvfp4", "linear", seed=1, device="cpu")
+    for fmt, n in (("nvfp4", 1), ("nvfp4", 3), ("nvfp4", 8), ("nvfp4", 16), ("mxfp4", 1), ("mxfp4", 16)):
+        a = O.random_fp4((4096, 4096), fmt, "linear", seed=1, device="cpu")
         b = O.random_activation((n, 4096), torch.bfloat16, seed=2, device="cpu")
         ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
         config = engine_config(ops.case)
@@ -166,7 +167,7 @@ _COMPILE = textwrap.dedent("""
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 4
+    assert len(lines) == 6
     for line in lines:
         n, maxnreg, regs, tma, mma, syncs, local = line.split(" ", 6)
         assert int(regs) <= int(maxnreg), line
@@ -225,6 +226,20 @@ def test_persistent_grid_same_bits_every_launch_and_in_a_graph(m, k):
         torch.cuda.synchronize()
         for out in outs:
             assert torch.equal(out, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", O.OUT_DTYPES)
+@pytest.mark.parametrize("m, k, n", [(4096, 4096, 16), (1000, 2048, 9), (96, 1024, 1), (520, 1024, 3)])
+def test_ptx_exact_mxfp4(out_dtype, m, k, n):
+    """MXFP4 weights (linear e8m0 scales) on the engine's k32 step."""
+    a = O.random_fp4((m, k), "mxfp4", "linear", seed=m + n, device="cuda")
+    b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
+    default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
+    for config in (default, EngineConfig(1, 4, 128), EngineConfig(4, 2, 168), default._replace(per_sm=2)):
+        out = O.poisoned((m, n), out_dtype, device="cuda")
+        gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
+        O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.step_fold_exponent("mxfp4"))
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""The decode engine, first version (issue 27): NVFP4 weights times bf16 activations, N = 1..16, on Hopper.
+"""The decode engine (issue 27): NVFP4 or MXFP4 weights times bf16 activations, N = 1..16, on Hopper.
 
 The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon, ``_gluon``):
 
@@ -20,7 +20,8 @@ the mma's B fragments of n-tile h come from (N <= 8: h = 0 only).  ``_x_operands
 activation slice by reshapes and permutations (register renames, no data movement); ``engine_twin`` replays the
 same index maps in torch (CPU), and ``tests/test_kernels_engine.py`` checks it against the exact oracle.
 
-MXFP4 (``_RegisterK32``, the routed engine's; the dense engine does not run it yet): the weight-only kernel's k32
+MXFP4 (``_RegisterK32``, shared with the routed engine; linear scales only, a row tile's 32 e8m0 bytes of a step
+copied as one box and read as ``SCALE_ROWS`` / ``k32_scale_layout``): the weight-only kernel's k32
 ownership on registers -- thread c owns word c of each 32-element block of its rows (the slot viewed as int32 words
 and split into two operands by register renames, ``k32_weight_layouts``: Triton loads them with ``ldmatrix``),
 each block's two mma go into a zeroed fp32 partial that the block's e8m0 scale multiplies into the accumulators,
@@ -44,7 +45,7 @@ Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): e
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
 
-What it does not run (``why_not``): MXFP4, fp16 or FP4 activations, a batch (L > 1), K not a
+What it does not run (``why_not``): MXFP4 with swizzled scales, fp16 or FP4 activations, a batch (L > 1), K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
 round 14): N >= 9, where it is 1.1-1.4x the streaming kernel.
 """
@@ -319,6 +320,22 @@ def k32_weight_layouts(tiles: int):
     return gl.NVMMASharedLayout(128, 32, rank=3), layout
 
 
+# The MXFP4 scale slot (a row tile's 32 e8m0 bytes of a step, rows 32 bytes apart) viewed as int64 ``[16 tiles, 2,
+# 2]``: warp w's 8 bytes at ``[row, w // 2, w % 2]``.
+SCALE_ROWS = gl.constexpr(gl.NVMMASharedLayout(0, 64, rank=3))
+
+
+@functools.lru_cache(maxsize=None)
+def k32_scale_layout(tiles: int):
+    """The MXFP4 scale slot's int64 ``[2, 2, 16 tiles]`` (warp w's at ``[w // 2, w % 2]``) in registers as the k32
+    step reads them, so that its reshape to ``[4, 16 tiles]`` is the weights' layout without the block dimension:
+    warps on the first two, lanes g and the registers h, t on the rows, lanes c replicated."""
+    rows = [[0, 0, 8]] + [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
+    return gl.DistributedLinearLayout(reg_bases=rows, lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
+                                                                  [0, 0, 4]],
+                                      warp_bases=[[0, 1, 0], [1, 0, 0]], block_bases=[], shape=[2, 2, 16 * tiles])
+
+
 def _x_swizzle(rows: int) -> int:
     """The activation slot's swizzle: 128 bytes where the slice has 8 or more 128-byte lines (it spreads the 8 row
     groups' 16-byte loads over the banks); N = 1 reads one line, which every lane shares."""
@@ -330,7 +347,7 @@ def _x_swizzle(rows: int) -> int:
 
 @gluon.jit
 def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
-              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr):
+              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr):
     # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).
     for v in range(start, end):
         i = v - start
@@ -341,7 +358,9 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
                         + x_desc.block_type.nbytes)
         tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
-        if SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
+        if MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
+            tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
+        elif SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
             row0 = tile * TILE_ROWS
             tma_load(s_desc, [row0 // 128, step * 16, row0 % 32 if TILE_ROWS == 16 else 0, 0], ready.index(slot),
                      sbuf.index(slot))
@@ -434,7 +453,8 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
               M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
-              X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr):
+              X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
+              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -450,15 +470,25 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             i = v - start
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
-            if SWIZZLED:
-                s = _swizzled_scales(sbuf.index(slot), tile, TILES, LW)
+            x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
+            if MX:  # the k32 step: each row's 8 scale bytes of the warp's blocks (one int64), its words split
+                s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
+                s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
+                s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
+                wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
+                                    TILES, LW)
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0,
+                                                                   zero + mp1, zero + m24, zero + m29],
+                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
             else:
-                s = sbuf.index(slot).load(LW)
-            x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW)
-            acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0, zero + mp1,
-                                                               zero + m24, zero + m29],
-                                            dtype=gl.float32, is_pure=True, pack=8 * TILES)
+                w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
+                if SWIZZLED:
+                    s = _swizzled_scales(sbuf.index(slot), tile, TILES, LW)
+                else:
+                    s = sbuf.index(slot).load(LW)
+                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0,
+                                                                   zero + mp1, zero + m24, zero + m29],
+                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
             # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
         total = gl.sum(acc, axis=0) * FOLD
@@ -507,7 +537,8 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
-                       SWIZZLED: gl.constexpr):
+                       SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
+                       W32: gl.constexpr, L32: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -526,9 +557,9 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units,
                      programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
-                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED)),
+                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
-                     16 * TILES, SWIZZLED)),
+                     16 * TILES, SWIZZLED, MX)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -556,8 +587,8 @@ def check_ring_config(config) -> None:
 
 
 class Engine(TritonKernelSpec):
-    """NVFP4 weights (linear scales, one matrix) times bf16 activations, N = 1..16, K a multiple of 1024, on sm_90
-    and newer: the warp-specialized TMA engine (module docstring)."""
+    """NVFP4 weights (either scale layout) or MXFP4 weights (linear scales), one matrix, times bf16 activations,
+    N = 1..16, K a multiple of 1024, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
 
     name = "engine"
     config_type = EngineConfig
@@ -566,8 +597,8 @@ class Engine(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if target_reason(target) is not None:
             return target_reason(target)
-        if case.fmt.name != "nvfp4":
-            return f"needs NVFP4 weights, got {case.fmt.name}"
+        if case.fmt.name == "mxfp4" and case.a.scale_layout != "linear":
+            return "needs linear scales for MXFP4 weights"
         if case.fp4_activation or case.b.dtype != torch.bfloat16:
             return "needs bf16 activations"
         if case.batch != 1:
@@ -584,7 +615,7 @@ class Engine(TritonKernelSpec):
         return None
 
     def error_model(self, case: GemvCase, config: EngineConfig) -> ErrorModel:
-        return ErrorModel(tensor_cores=True, fold=FOLD_EXPONENT)
+        return ErrorModel(tensor_cores=True, fold=step_fold_exponent(case.fmt.name))
 
     def default_config(self, case: GemvCase, target: Target) -> EngineConfig:
         return engine_config(case)
@@ -687,8 +718,12 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
     w_desc = TensorDescriptor(weights, [k // 256, m, 128], [128, weights.stride(0), 1],
                               [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
+    mx = case.fmt.name == "mxfp4"
     swizzled = case.a.scale_layout == "swizzled"
-    if swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
+    if mx:  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
+        s_desc = TensorDescriptor(scales, [m, k // 32], [scales.stride(0), 1], [16 * config.tiles, 32],
+                                  gl.NVMMASharedLayout(0, 8, rank=2))
+    elif swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
         groups, atoms = -(-m // 128), k // 64
         rows_in_box = 16 if config.tiles == 1 else 32
         s_desc = TensorDescriptor(scales.reshape(-1), [groups, atoms, 32, 16], [atoms * 512, 512, 16, 1],
@@ -699,8 +734,9 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
                               gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
     order = case.a.code_order
-    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, "nvfp4", order)
-    lw, lx, w64, x64 = _layouts(config.tiles, rows)
+    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order)
+    lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
+    w32, l32 = k32_weight_layouts(config.tiles)
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
     tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
     programs, split = grid_size(tiles, steps, config, sm_count)
@@ -712,8 +748,9 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     args = (w_desc, s_desc, x_desc, ops.out, gsa, ws, counters, m, n, k, tiles * steps, ops.out.stride(1),
             ops.out.stride(2), *multipliers("bf16", order).values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
-                   FOLD=2.0 ** FOLD_EXPONENT, ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, SWIZZLED=swizzled, num_warps=WARPS,
+                   FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
+                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, SWIZZLED=swizzled, MX=mx,
+                   S3=SCALE_ROWS, LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, num_warps=WARPS,
                    maxnreg=config.maxnreg)
     return engine_gemv_kernel, (programs,), args, options
 

@@ -59,7 +59,8 @@ from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import multipliers
-from .engine import (STEP_K, STEPS, WARPS, _as_int64, _k32_words, _layouts, _x_operands, check_ring_config,
+from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64, _k32_words, _layouts, _x_operands,
+                     check_ring_config, k32_scale_layout as _k32_scale_layout,
                      k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
@@ -88,7 +89,6 @@ PRODUCER_REGS = 64
 # keep 16-byte last dimensions: an unswizzled NVMMA layout with wider rows is not row-major (it tiles 16-byte
 # columns), while the bulk copy writes the box row-major.
 _SCALE_VIEW = gl.constexpr(gl.NVMMASharedLayout(0, 8, rank=3))
-_SCALE_ROWS = gl.constexpr(gl.NVMMASharedLayout(0, 64, rank=3))
 # The epilogue's loads of the four warps' accumulators (each thread holds all four of its outputs): [warp, row,
 # column] for plain products, [warp, pair row, column, gate or up] with an activation; and the outputs' layouts.
 _SUM_ROWS = gl.BlockedLayout([4, 1, 1], [1, 8, 4], [1, 4, 1], [0, 2, 1])
@@ -663,16 +663,6 @@ def _copy_paths(case: MoeCase, config: MoeEngineConfig) -> tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=None)
-def _k32_scale_layout(tiles: int):
-    """The MXFP4 scale slot's int64 ``[2, 2, 16 tiles]`` (warp w's at ``[w // 2, w % 2]``) in registers as the k32
-    step reads them, so that its reshape to ``[4, 16 tiles]`` is the weights' layout without the block dimension:
-    warps on the first two, lanes g and the registers h, t on the rows, lanes c replicated."""
-    rows = [[0, 0, 8]] + [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
-    return gl.DistributedLinearLayout(reg_bases=rows, lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
-                                                                  [0, 0, 4]],
-                                      warp_bases=[[0, 1, 0], [1, 0, 0]], block_bases=[], shape=[2, 2, 16 * tiles])
-
-
 @functools.lru_cache(maxsize=None)
 def _copy_layouts():
     """The shared-memory layouts of the copies (made once: each construction validates itself)."""
