@@ -82,7 +82,6 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
 
 
 @pytest.mark.parametrize("case, target, words", [
-    (_case(fmt="mxfp4", layout="swizzled"), SM90, "linear scales for MXFP4"),
     (_case(dtype=torch.float16), SM90, "bf16 activations"),
     (_case(batch=2), SM90, "L = 2"),
     (_case(k=3072 + 512), SM90, "K a multiple of 1024"),
@@ -90,7 +89,7 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
     (_case(), Target("cpu", None, 0, "triton"), "sm_90 or newer"),
     (_case(), Target("cuda", (8, 9), 84, "ptx"), "sm_90 or newer"),
     (_case(), Target("cuda", (9, 0), 132, "triton"), "PTX mode"),
-], ids=["mxfp4", "fp16", "batch", "k", "n", "cpu", "sm89", "triton-mode"])
+], ids=["fp16", "batch", "k", "n", "cpu", "sm89", "triton-mode"])
 def test_refusals_name_the_reason(case, target, words):
     assert words in Engine().why_not(case, target)
 
@@ -99,7 +98,9 @@ def test_dispatch_on_sm90_from_nine_rows_with_linear_scales():
     for n, expected in ((1, "weight_only"), (8, "weight_only"), (9, "engine"), (16, "engine")):
         assert choose_kernel(_case(n=n), SM90).name == expected, n
     assert choose_kernel(_case(layout="swizzled"), SM90).name == "engine"
-    assert choose_kernel(_case(fmt="mxfp4"), SM90).name == "engine"  # MXFP4, linear scales
+    for layout in ("linear", "swizzled"):
+        assert choose_kernel(_case(fmt="mxfp4", layout=layout), SM90).name == "engine", layout
+        assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=8), SM90).name == "weight_only", layout
 
 
 def test_default_config_and_bad_configs():
@@ -231,12 +232,16 @@ def test_persistent_grid_same_bits_every_launch_and_in_a_graph(m, k):
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_dtype", O.OUT_DTYPES)
 @pytest.mark.parametrize("m, k, n", [(4096, 4096, 16), (1000, 2048, 9), (96, 1024, 1), (520, 1024, 3)])
-def test_ptx_exact_mxfp4(out_dtype, m, k, n):
-    """MXFP4 weights (linear e8m0 scales) on the engine's k32 step."""
-    a = O.random_fp4((m, k), "mxfp4", "linear", seed=m + n, device="cuda")
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
+    """MXFP4 weights (e8m0 scales in either layout) on the engine's k32 step."""
+    a = O.random_fp4((m, k), "mxfp4", layout, seed=m + n, device="cuda")
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
     default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
-    for config in (default, EngineConfig(1, 4, 128), EngineConfig(4, 2, 168), default._replace(per_sm=2)):
+    configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=2)]
+    if layout == "linear":  # 64-row programs: linear scales only
+        configs.append(EngineConfig(4, 2, 168))
+    for config in configs:
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.step_fold_exponent("mxfp4"))

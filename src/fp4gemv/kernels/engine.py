@@ -20,8 +20,9 @@ the mma's B fragments of n-tile h come from (N <= 8: h = 0 only).  ``_x_operands
 activation slice by reshapes and permutations (register renames, no data movement); ``engine_twin`` replays the
 same index maps in torch (CPU), and ``tests/test_kernels_engine.py`` checks it against the exact oracle.
 
-MXFP4 (``_RegisterK32``, shared with the routed engine; linear scales only, a row tile's 32 e8m0 bytes of a step
-copied as one box and read as ``SCALE_ROWS`` / ``k32_scale_layout``): the weight-only kernel's k32
+MXFP4 (``_RegisterK32``, shared with the routed engine; linear scales: a row tile's 32 e8m0 bytes of a step
+copied as one box and read as ``SCALE_ROWS`` / ``k32_scale_layout``; swizzled: ``_swizzled_scales_k32``): the
+weight-only kernel's k32
 ownership on registers -- thread c owns word c of each 32-element block of its rows (the slot viewed as int32 words
 and split into two operands by register renames, ``k32_weight_layouts``: Triton loads them with ``ldmatrix``),
 each block's two mma go into a zeroed fp32 partial that the block's e8m0 scale multiplies into the accumulators,
@@ -45,7 +46,7 @@ Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): e
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
 
-What it does not run (``why_not``): MXFP4 with swizzled scales, fp16 or FP4 activations, a batch (L > 1), K not a
+What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
 round 14): N >= 9, where it is 1.1-1.4x the streaming kernel.
 """
@@ -358,7 +359,11 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
                         + x_desc.block_type.nbytes)
         tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
-        if MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
+        if MX and SWIZZLED:  # the step's 8 atoms (32 blocks) of the rows' 128-row group, as NVFP4's 16 below
+            row0 = tile * TILE_ROWS
+            tma_load(s_desc, [row0 // 128, step * 8, row0 % 32 if TILE_ROWS == 16 else 0, 0], ready.index(slot),
+                     sbuf.index(slot))
+        elif MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
             tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
         elif SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
             row0 = tile * TILE_ROWS
@@ -433,6 +438,26 @@ def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
+def _swizzled_scales_k32(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
+    """The k32 step's scales ``[WARPS, 16 TILES]`` int64 (warp w's 8 e8m0 bytes of each row, block J in byte J) in
+    ``SliceLayout(2, LW)`` from a slot of swizzled atoms: the copy brought the step's 8 atoms (4 blocks each), 16
+    bytes a row r % 32 (four 32-row groups); warp w's blocks are atoms 2 w (bytes 0-3) and 2 w + 1 (bytes 4-7) of
+    the program's group."""
+    R: gl.constexpr = 16 * TILES
+    q = (tile * R // 32) % 4
+    words = shared_view(slot, gl.int32, [8, R, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])
+    w = words.load(L3)  # [8 atoms, R rows, 4 groups]
+    group = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+    w = gl.sum(gl.where(group == q, w, 0), axis=2)  # [8 atoms, R]: the group's 4 blocks of each atom
+    L3W: gl.constexpr = gl.BlockedLayout([1, 2, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])
+    w = gl.convert_layout(gl.reshape(w, [4, 2, R]), L3W)  # atoms 2 w + a: both of a thread's row in registers
+    lo, hi = gl.split(gl.permute(w, [0, 2, 1]))  # atoms 2 w, 2 w + 1
+    s8 = (lo.to(gl.int64) & 0xFFFFFFFF) | (hi.to(gl.int64) << 32)
+    return gl.convert_layout(s8, gl.SliceLayout(2, LW))
+
+
+@gluon.jit
 def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES: gl.constexpr,
                 HAS_GSA: gl.constexpr, LO: gl.constexpr):
     """``total`` ([16 TILES, 16] fp32 in ``LO``, the tile's result before global scales) times the global scale,
@@ -472,8 +497,11 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
             if MX:  # the k32 step: each row's 8 scale bytes of the warp's blocks (one int64), its words split
-                s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
-                s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
+                if SWIZZLED:
+                    s8 = _swizzled_scales_k32(sbuf.index(slot), tile, TILES, LW)
+                else:
+                    s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
+                    s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
                 s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
                 wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
                                     TILES, LW)
@@ -587,7 +615,7 @@ def check_ring_config(config) -> None:
 
 
 class Engine(TritonKernelSpec):
-    """NVFP4 weights (either scale layout) or MXFP4 weights (linear scales), one matrix, times bf16 activations,
+    """NVFP4 or MXFP4 weights (either scale layout), one matrix, times bf16 activations,
     N = 1..16, K a multiple of 1024, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
 
     name = "engine"
@@ -597,8 +625,6 @@ class Engine(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if target_reason(target) is not None:
             return target_reason(target)
-        if case.fmt.name == "mxfp4" and case.a.scale_layout != "linear":
-            return "needs linear scales for MXFP4 weights"
         if case.fp4_activation or case.b.dtype != torch.bfloat16:
             return "needs bf16 activations"
         if case.batch != 1:
@@ -720,7 +746,12 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
                               [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
     mx = case.fmt.name == "mxfp4"
     swizzled = case.a.scale_layout == "swizzled"
-    if mx:  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
+    if mx and swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, block % 4)]
+        groups, atoms = -(-m // 128), k // 128
+        rows_in_box = 16 if config.tiles == 1 else 32
+        s_desc = TensorDescriptor(scales.reshape(-1), [groups, atoms, 32, 16], [atoms * 512, 512, 16, 1],
+                                  [1, 8, rows_in_box, 16], gl.NVMMASharedLayout(0, 8, rank=4))
+    elif mx:  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
         s_desc = TensorDescriptor(scales, [m, k // 32], [scales.stride(0), 1], [16 * config.tiles, 32],
                                   gl.NVMMASharedLayout(0, 8, rank=2))
     elif swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
