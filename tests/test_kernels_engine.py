@@ -13,7 +13,8 @@ from fp4gemv import FP4Tensor, gemv, select_kernel
 from fp4gemv.formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from fp4gemv.kernels import _mma_step, choose_kernel, engine
 from fp4gemv.kernels.engine import (STEP_K, Engine, EngineConfig, engine_config, engine_twin, grid_size,
-                                    persistent_ranges, tile_contributors)
+                                    persistent_ranges, swizzled_scales_twin, tile_contributors)
+from fp4gemv.layouts import swizzle_scales
 from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import quantized_gemv_reference
 from fp4gemv.target import SM90, Target
@@ -44,6 +45,31 @@ def test_twin_matches_exact_result(fmt, tiles, m, k, n):
     each block's scale byte) replayed in torch give the exact result."""
     a, s, b = _raw(m, k, n, seed=m + n, fmt=fmt)
     torch.testing.assert_close(engine_twin(a, s, b, tiles, fmt), _exact(a, s, b, fmt), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("m", [256, 200])
+def test_swizzled_scale_slots_hold_the_linear_slots_bytes(fmt, tiles, m):
+    """The swizzled scales' path (the copy's box, the 32-row group kept, the bytes' join order; MXFP4: warp w's
+    atoms as one int64) gives every row tile and step the bytes the linear scales' copy gives."""
+    k = 2048
+    block = 16 if fmt == "nvfp4" else 32
+    g = torch.Generator().manual_seed(m + tiles)
+    linear = torch.randint(0, 256, (m, k // block), dtype=torch.uint8, generator=g)
+    swizzled = swizzle_scales(linear)
+    rows = 16 * tiles
+    padded = torch.nn.functional.pad(linear, (0, 0, 0, -(-m // rows) * rows - m))
+    for tile in range(-(-m // rows)):
+        for step in range(k // STEP_K):
+            got = swizzled_scales_twin(swizzled, m, k, tile, step, tiles, fmt)
+            rows_ = padded[tile * rows:(tile + 1) * rows, step * (STEP_K // block):(step + 1) * (STEP_K // block)]
+            if fmt == "nvfp4":  # [WARPS, R, 16]: warp w's 16 columns of each row
+                want = rows_.reshape(rows, 4, 16).permute(1, 0, 2)
+            else:  # [WARPS, R] int64: warp w's 8 bytes of each row, block J in byte J
+                b = rows_.reshape(rows, 4, 8).permute(1, 0, 2).to(torch.int64)
+                want = (b << (8 * torch.arange(8))).sum(-1)
+            assert torch.equal(got, want), (tile, step)
 
 
 @pytest.mark.parametrize("fmt,name,key,wrong", [

@@ -66,7 +66,8 @@ from ._ptx import AsmOperands, PtxBlock
 from .spec import (DIRECT_LAUNCH, ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch, bound_arguments,
                    run_compiled)
 
-__all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "WARPS", "STEP_K", "register",
+__all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
+           "STEP_K", "register",
            "activation_rows"]
 
 WARPS = 4  # consumer warps; each takes 256 elements of a step
@@ -787,6 +788,33 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
 
 
 # --- the twin: the kernel's index maps replayed in torch -----------------------------------------------------------
+
+
+def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step: int, tiles: int,
+                         fmt: str = "nvfp4") -> torch.Tensor:
+    """What ``_swizzled_scales`` (NVFP4: uint8 ``[WARPS, 16 tiles, 16]``) or ``_swizzled_scales_k32`` (MXFP4: int64
+    ``[WARPS, 16 tiles]``) hold for row tile ``tile`` and step ``step``, from the swizzled scale bytes ``[R_p *
+    C_p]``: the producer's box (``engine_launch``'s descriptor and coordinates), then the consumer's group selection
+    and rearrangement, replayed in torch (the join order and the int64 assembly included).  Equal to the linear
+    slot's bytes when the maps are right (``tests/test_kernels_engine.py``)."""
+    rows, mx = 16 * tiles, fmt == "mxfp4"
+    atoms_per_step, atoms = (8, k // 128) if mx else (16, k // 64)
+    groups = -(-m // 128)
+    view = swizzled.view(torch.uint8).reshape(groups, atoms, 32, 16)
+    row0 = tile * rows
+    r32 = row0 % 32 if rows == 16 else 0
+    box = view[row0 // 128, step * atoms_per_step:(step + 1) * atoms_per_step, r32:r32 + rows]  # [atoms, R, 16]
+    q = (row0 // 32) % 4
+    words = box.reshape(atoms_per_step, rows, 4, 4).to(torch.int64)  # [atom, R, group, byte]
+    word = (words[:, :, q] << (8 * torch.arange(4))).sum(-1)  # the group's int32 (little-endian) as int64
+    if mx:
+        w = word.reshape(4, 2, rows)  # atoms 2 w + a
+        return (w[:, 0] & 0xFFFFFFFF) | (w[:, 1] << 32)
+    b = [(word >> (8 * c)) & 255 for c in range(4)]
+    joined = torch.stack([torch.stack([b[0], b[2]], -1), torch.stack([b[1], b[3]], -1)], -1)
+    b = joined.reshape(atoms_per_step, rows, 4)  # gl.join(gl.join(b0, b2), gl.join(b1, b3)): column 2 i + o
+    return b.reshape(4, 4, rows, 4).permute(0, 2, 1, 3).reshape(4, rows, 16).to(torch.uint8)
+
 
 
 def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2,
