@@ -100,6 +100,25 @@ def test_k32_step_emits_one_scale_fma_per_fragment_and_block():
     assert kinds.count("l") == 16 * 5 and kinds.count("r") == 16 * (2 + len(_mma_step.MULTIPLIERS))
 
 
+def test_fold_step_takes_16_bit_scale_pairs_from_a_register_each():
+    """The NVFP4 step with 16-bit scale operands (the linear slot's block pairs, one load each) reads each element
+    (u, h, t)'s pair from a register of its own, the low half (one cvt, no shift); with bytes, two pairs share a
+    register (a shift picks the half)."""
+    import re
+    for bits, registers in ((8, 4), (16, 8)):
+        asm, constraints = engine.step_asm(2, 1, "nvfp4", "native", bits)
+        sources = re.findall(r"cvt\.u16\.u32 \w+, (\$?\w+);", asm)
+        assert len(sources) == len(set(sources)) == 8, (bits, sources)  # 2 tiles x 2 chunks x 2 row halves
+        shifted = re.findall(r"shr\.u32 \w+, (\$\d+), (\d+);", asm)
+        if bits == 16:
+            assert all(r.startswith("$") for r in sources) and not shifted
+        else:  # each register twice: halves 0 and 16
+            assert sorted(sh for _, sh in shifted) == ["0"] * 4 + ["16"] * 4
+            assert len({r for r, _ in shifted}) == registers
+        kinds = constraints.split(",")
+        assert kinds.count("r") - 16 * len(_mma_step.MULTIPLIERS) == registers, (bits, kinds.count("r"))
+
+
 def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat16, batch=None):
     shape = (m, k) if batch is None else (batch, m, k)
     a = O.random_fp4(shape, fmt, layout, seed=1, device="cpu")

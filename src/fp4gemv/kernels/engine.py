@@ -121,12 +121,14 @@ class _RegisterFold(_Step):
 
     FMT, MODE = "nvfp4", "fold"
 
-    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint"):
+    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint", scale_bits: int = 8):
         PtxBlock.__init__(self)
         self.mma_type = "bf16"
         self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
         pack = 8 * tiles
-        names = [("w", "l"), ("s", "r", pack // 4)] + [(f"x{z}", "l") for z in range(4)]
+        # The scales: bytes packed four a register (scale_bits 8), or 16-bit elements two a register, blocks b = 0,
+        # 1 of an element (u, h, t) in each half (scale_bits 16: the pair is one 16-bit load, none repacked).
+        names = [("w", "l"), ("s", "r", pack * scale_bits // 32)] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, pack, names + [(m, "r") for m in MULTIPLIERS])
         self.constraints = op.constraint_string()
         self.mul = {m: op(m) for m in MULTIPLIERS}
@@ -151,7 +153,11 @@ class _RegisterFold(_Step):
                         words[h] += [lo, hi]
                     e = register(0, u, h, t)  # bytes e, e + 1: blocks b = 0, 1
                     wide, raw = self.reg("b32", f"st{t}_{u}_{h}"), self.reg("b16", f"sr{t}_{u}_{h}")
-                    self.emit(f"shr.u32 {wide}, {op('s', e // 4)}, {8 * (e % 4)};", f"cvt.u16.u32 {raw}, {wide};")
+                    if scale_bits == 16:  # element e's 16 bits, the register's low half
+                        self.emit(f"cvt.u16.u32 {raw}, {op('s', e // 2)};")
+                    else:
+                        self.emit(f"shr.u32 {wide}, {op('s', e // 4)}, {8 * (e % 4)};",
+                                  f"cvt.u16.u32 {raw}, {wide};")
                     scales.append(self.scale_pairs_e4m3(raw, f"sc{t}_{u}_{h}", bias=True))
                 for q in range(4):  # word q: half q % 2 of block q // 2
                     a = [self.decode(words[h][q], f"a{t}_{u}_{h}_{q}") for h in range(2)]
@@ -257,9 +263,11 @@ FOLD_EXPONENT = step_fold_exponent("nvfp4")
 
 
 @functools.lru_cache(maxsize=None)
-def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4", order: str = "checkpoint") -> tuple[str, str]:
-    """(asm, constraints) of one consumer step of ``fmt`` weights in code order ``order`` (``STEPS``)."""
-    step = STEPS[fmt](tiles, n_tiles, order)
+def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4", order: str = "checkpoint",
+             scale_bits: int = 8) -> tuple[str, str]:
+    """(asm, constraints) of one consumer step of ``fmt`` weights in code order ``order`` (``STEPS``); NVFP4's
+    scale operand as bytes (``scale_bits`` 8) or 16-bit pairs (16, ``_RegisterFold``)."""
+    step = STEPS[fmt](tiles, n_tiles, order, scale_bits) if scale_bits != 8 else STEPS[fmt](tiles, n_tiles, order)
     return step.text(), step.constraints
 
 
@@ -513,8 +521,11 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
                 if SWIZZLED:
                     s = _swizzled_scales(sbuf.index(slot), tile, TILES, LW)
-                else:
-                    s = sbuf.index(slot).load(LW)
+                else:  # each block pair (b = 0, 1) as one 16-bit load, given to both of its elements
+                    L16: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0])
+                    s16 = shared_view(sbuf.index(slot), gl.int16, [4, 16 * TILES, 8],
+                                      gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).load(L16)
+                    s = gl.convert_layout(gl.reshape(gl.join(s16, s16), [4, 16 * TILES, 16]), LW)
                 acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0,
                                                                    zero + mp1, zero + m24, zero + m29],
                                                 dtype=gl.float32, is_pure=True, pack=8 * TILES)
@@ -766,7 +777,8 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
                               gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
     order = case.a.code_order
-    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order)
+    scale_bits = 16 if not mx and not swizzled else 8  # the linear NVFP4 slot's block pairs load as 16 bits
+    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
     w32, l32 = k32_weight_layouts(config.tiles)
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
