@@ -51,8 +51,8 @@ def test_twin_matches_exact_result(fmt, tiles, m, k, n):
 @pytest.mark.parametrize("tiles", [1, 2])
 @pytest.mark.parametrize("m", [256, 200])
 def test_swizzled_scale_slots_hold_the_linear_slots_bytes(fmt, tiles, m):
-    """The swizzled scales' path (the copy's box, the 32-row group kept, the bytes' join order; MXFP4: warp w's
-    atoms as one int64) gives every row tile and step the bytes the linear scales' copy gives."""
+    """The swizzled scales' path (the copy's box, the 32-row group kept, the 16-bit pairs' joins; MXFP4: warp w's
+    atoms as one int64) gives every row tile and step what the linear scales' copy gives."""
     k = 2048
     block = 16 if fmt == "nvfp4" else 32
     g = torch.Generator().manual_seed(m + tiles)
@@ -64,8 +64,9 @@ def test_swizzled_scale_slots_hold_the_linear_slots_bytes(fmt, tiles, m):
         for step in range(k // STEP_K):
             got = swizzled_scales_twin(swizzled, m, k, tile, step, tiles, fmt)
             rows_ = padded[tile * rows:(tile + 1) * rows, step * (STEP_K // block):(step + 1) * (STEP_K // block)]
-            if fmt == "nvfp4":  # [WARPS, R, 16]: warp w's 16 columns of each row
-                want = rows_.reshape(rows, 4, 16).permute(1, 0, 2)
+            if fmt == "nvfp4":  # [WARPS, R, 16]: warp w's 16 columns of each row, element j the pair j // 2
+                b = rows_.reshape(rows, 4, 8, 2).permute(1, 0, 2, 3).to(torch.int64)
+                want = (b[..., 0] | b[..., 1] << 8).repeat_interleave(2, dim=-1)
             else:  # [WARPS, R] int64: warp w's 8 bytes of each row, block J in byte J
                 b = rows_.reshape(rows, 4, 8).permute(1, 0, 2).to(torch.int64)
                 want = (b << (8 * torch.arange(8))).sum(-1)

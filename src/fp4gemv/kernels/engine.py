@@ -429,9 +429,10 @@ def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
 
 @gluon.jit
 def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
-    """The step's scale bytes ``[WARPS, 16 TILES, 16]`` in ``LW`` (as the linear slot gives them) from a slot of
-    swizzled atoms: the copy brought, for each of the step's 16 atoms (4 columns each), the 16 bytes of each row
-    r % 32 -- four 32-row groups q = (r % 128) // 32 of 4 columns; the program's rows are group q of those."""
+    """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
+    2 (j // 2), 2 (j // 2) + 1, what the linear slot's 16-bit loads give) from a slot of swizzled atoms: the copy
+    brought, for each of the step's 16 atoms (4 columns each), the 16 bytes of each row r % 32 -- four 32-row
+    groups q = (r % 128) // 32 of 4 columns; the program's rows are group q of those."""
     R: gl.constexpr = 16 * TILES
     q = (tile * R // 32) % 4
     words = shared_view(slot, gl.int32, [16, R, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
@@ -439,11 +440,9 @@ def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
     w = words.load(L3)  # [16 atoms, R rows, 4 groups]: one 16-byte load per atom and row
     group = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
     w = gl.sum(gl.where(group == q, w, 0), axis=2)  # [16 atoms, R]: the program's 4 columns of each atom
-    b = gl.join(gl.join((w & 255).to(gl.int8), ((w >> 16) & 255).to(gl.int8)),
-                gl.join(((w >> 8) & 255).to(gl.int8), ((w >> 24) & 255).to(gl.int8)))
-    b = gl.reshape(b, [16, R, 4])  # [.., i, o] -> column 2 i + o: bytes (0, 2) and (1, 3) joined
-    b = gl.permute(gl.reshape(b, [4, 4, R, 4]), [0, 2, 1, 3])
-    return gl.convert_layout(gl.reshape(b, [4, R, 16]), LW)
+    pairs = gl.join((w & 0xFFFF).to(gl.int16), ((w >> 16) & 0xFFFF).to(gl.int16))  # [16, R, 2]: columns (0, 1), (2, 3)
+    pairs = gl.reshape(gl.permute(gl.reshape(pairs, [4, 4, R, 2]), [0, 2, 1, 3]), [4, R, 8])
+    return gl.convert_layout(gl.reshape(gl.join(pairs, pairs), [4, R, 16]), LW)
 
 
 @gluon.jit
@@ -777,7 +776,7 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
                               gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
     order = case.a.code_order
-    scale_bits = 16 if not mx and not swizzled else 8  # the linear NVFP4 slot's block pairs load as 16 bits
+    scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
     asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
     w32, l32 = k32_weight_layouts(config.tiles)
@@ -804,11 +803,12 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
 
 def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step: int, tiles: int,
                          fmt: str = "nvfp4") -> torch.Tensor:
-    """What ``_swizzled_scales`` (NVFP4: uint8 ``[WARPS, 16 tiles, 16]``) or ``_swizzled_scales_k32`` (MXFP4: int64
-    ``[WARPS, 16 tiles]``) hold for row tile ``tile`` and step ``step``, from the swizzled scale bytes ``[R_p *
-    C_p]``: the producer's box (``engine_launch``'s descriptor and coordinates), then the consumer's group selection
-    and rearrangement, replayed in torch (the join order and the int64 assembly included).  Equal to the linear
-    slot's bytes when the maps are right (``tests/test_kernels_engine.py``)."""
+    """What ``_swizzled_scales`` (NVFP4: the 16-bit block pairs ``[WARPS, 16 tiles, 16]``, element j holding blocks
+    2 (j // 2) and 2 (j // 2) + 1 of warp w's 16, as int64) or ``_swizzled_scales_k32`` (MXFP4: int64 ``[WARPS, 16
+    tiles]``) hold for row tile ``tile`` and step ``step``, from the swizzled scale bytes ``[R_p * C_p]``: the
+    producer's box (``engine_launch``'s descriptor and coordinates), then the consumer's group selection and
+    rearrangement, replayed in torch (the joins and the int64 assembly included).  Equal to what the linear slot
+    gives when the maps are right (``tests/test_kernels_engine.py``)."""
     rows, mx = 16 * tiles, fmt == "mxfp4"
     atoms_per_step, atoms = (8, k // 128) if mx else (16, k // 64)
     groups = -(-m // 128)
@@ -822,10 +822,10 @@ def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step
     if mx:
         w = word.reshape(4, 2, rows)  # atoms 2 w + a
         return (w[:, 0] & 0xFFFFFFFF) | (w[:, 1] << 32)
-    b = [(word >> (8 * c)) & 255 for c in range(4)]
-    joined = torch.stack([torch.stack([b[0], b[2]], -1), torch.stack([b[1], b[3]], -1)], -1)
-    b = joined.reshape(atoms_per_step, rows, 4)  # gl.join(gl.join(b0, b2), gl.join(b1, b3)): column 2 i + o
-    return b.reshape(4, 4, rows, 4).permute(0, 2, 1, 3).reshape(4, rows, 16).to(torch.uint8)
+    pairs = torch.stack([word & 0xFFFF, (word >> 16) & 0xFFFF], -1)  # gl.join: [atom, R, 2], columns (0, 1), (2, 3)
+    pairs = pairs.reshape(4, 4, rows, 2).permute(0, 2, 1, 3).reshape(4, rows, 8)
+    return torch.stack([pairs, pairs], -1).reshape(4, rows, 16)  # each pair given to both of its elements
+
 
 
 
