@@ -428,6 +428,26 @@ def _k32_words(w32, TILES: gl.constexpr, LW: gl.constexpr):
 
 
 @gluon.jit
+def k32_scales(slot, TILES: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr, LW: gl.constexpr):
+    """The k32 step's scales ``[WARPS, 16 TILES]`` int64 in ``SliceLayout(2, LW)`` (warp w's 8 e8m0 bytes of each
+    row, block J in byte J) from a slot of linear scale rows (``SCALE_ROWS``, ``k32_scale_layout``)."""
+    s8 = shared_view(slot, gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
+    return gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
+
+
+@gluon.jit
+def k32_step(acc, wslot, s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES: gl.constexpr, ASM: gl.constexpr,
+             CONSTRAINTS: gl.constexpr, LW: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr):
+    """One k32 step (MXFP4) on ``acc``: the weight slot's words split (``_k32_words``), the scales ``s8``
+    (``k32_scales``) given to every element of their row, the activation operands ``x0 .. x3``."""
+    s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
+    wl, wh = _k32_words(shared_view(wslot, gl.int32, [4, 16 * TILES, 32], W32).load(L32), TILES, LW)
+    return gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0, zero + mp1,
+                                                        zero + m24, zero + m29],
+                                     dtype=gl.float32, is_pure=True, pack=8 * TILES)
+
+
+@gluon.jit
 def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
     """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
     2 (j // 2), 2 (j // 2) + 1, what the linear slot's 16-bit loads give) from a slot of swizzled atoms: the copy
@@ -504,18 +524,13 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             slot = i % STAGES
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
-            if MX:  # the k32 step: each row's 8 scale bytes of the warp's blocks (one int64), its words split
+            if MX:
                 if SWIZZLED:
                     s8 = _swizzled_scales_k32(sbuf.index(slot), tile, TILES, LW)
                 else:
-                    s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
-                    s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
-                s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
-                wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
-                                    TILES, LW)
-                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0,
-                                                                   zero + mp1, zero + m24, zero + m29],
-                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
+                    s8 = k32_scales(sbuf.index(slot), TILES, S3, LS, LW)
+                acc = k32_step(acc, wbuf.index(slot), s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES, ASM,
+                               CONSTRAINTS, LW, W32, L32)
             else:
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
                 if SWIZZLED:

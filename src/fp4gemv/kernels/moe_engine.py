@@ -59,8 +59,8 @@ from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import multipliers
-from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64, _k32_words, _layouts, _x_operands,
-                     check_ring_config, k32_scale_layout as _k32_scale_layout,
+from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64, _layouts, _x_operands,
+                     check_ring_config, k32_scale_layout as _k32_scale_layout, k32_scales, k32_step,
                      k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
@@ -456,14 +456,8 @@ def _consumer(wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bi
             xt = _as_int64(xbuf.index(slot), ROWS, 16, X64).load(LXR)
             x0, x1, x2, x3 = _x_operands(gl.permute(xt, [1, 0, 2]), TILES, ROWS, LW, MX)
             if MX:  # the k32 step: each row's 8 scale bytes of the warp's blocks (one int64), its words split
-                s8 = shared_view(sbuf.index(slot), gl.int64, [16 * TILES, 2, 2], S3).permute([1, 2, 0]).load(LS)
-                s8 = gl.convert_layout(gl.reshape(s8, [4, 16 * TILES]), gl.SliceLayout(2, LW))
-                s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
-                wl, wh = _k32_words(shared_view(wbuf.index(slot), gl.int32, [4, 16 * TILES, 32], W32).load(L32),
-                                    TILES, LW)
-                acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0,
-                                                                   zero + mp1, zero + m24, zero + m29],
-                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
+                acc = k32_step(acc, wbuf.index(slot), k32_scales(sbuf.index(slot), TILES, S3, LS, LW), x0, x1, x2,
+                               x3, zero, mp0, mp1, m24, m29, TILES, ASM, CONSTRAINTS, LW, W32, L32)
             else:
                 if SCALE_COPY:
                     s = shared_view(sbuf.index(slot), gl.uint8, [16 * TILES, 4, 16], S3).permute([1, 0, 2]).load(LW)
