@@ -38,9 +38,9 @@ once and resets the counter (``fixup_counters``: kept zero per device and stream
 program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23): an option, not the default.
 
 Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms: the copy
-brings the step's 16 atoms of the rows' 128-row group, 16 bytes a row r % 32 -- four 32-row groups -- and the
-consumer keeps its group's 4 bytes of each, ``_swizzled_scales``: 4x the scale bytes through the ring, tiles 1
-or 2 only).
+brings the step's 16 atoms of the rows' 128-row group, 16 bytes a row r % 32 -- four 32-row groups -- as
+256-byte copy rows (``_swizzled_descriptor``), and the consumer keeps its group's 4 bytes of each,
+``_swizzled_scales``: 4x the scale bytes through the ring, tiles 1 or 2 only).
 
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
@@ -370,14 +370,14 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
         if MX and SWIZZLED:  # the step's 8 atoms (32 blocks) of the rows' 128-row group, as NVFP4's 16 below
             row0 = tile * TILE_ROWS
-            tma_load(s_desc, [row0 // 128, step * 8, row0 % 32 if TILE_ROWS == 16 else 0, 0], ready.index(slot),
-                     sbuf.index(slot))
+            half = (row0 % 32) // 16 if TILE_ROWS == 16 else 0
+            tma_load(s_desc, [row0 // 128, step * 8, half, 0], ready.index(slot), sbuf.index(slot))
         elif MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
             tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
         elif SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
             row0 = tile * TILE_ROWS
-            tma_load(s_desc, [row0 // 128, step * 16, row0 % 32 if TILE_ROWS == 16 else 0, 0], ready.index(slot),
-                     sbuf.index(slot))
+            half = (row0 % 32) // 16 if TILE_ROWS == 16 else 0
+            tma_load(s_desc, [row0 // 128, step * 16, half, 0], ready.index(slot), sbuf.index(slot))
         else:
             tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
         tma_load(x_desc, [16 * step, 0, 0], ready.index(slot), xbuf.index(slot))
@@ -757,6 +757,17 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
 CALL_ARGUMENTS = 7
 
 
+def _swizzled_descriptor(scales: torch.Tensor, m: int, atoms: int, per_step: int, tiles: int) -> TensorDescriptor:
+    """The swizzled scales' copy: ``per_step`` atoms of the rows' 128-row group, each atom's rows r % 32 of the
+    program (all 32 for tiles 2, the half holding them for tiles 1) as 256-byte rows of 16-bit elements
+    ``[R_p / 128 groups, C_p / 4 atoms, 2 halves, 128]``: the bytes land as the 16-byte rows ``[atom, r, 16]`` that
+    ``_swizzled_scales`` reads, in 16x fewer copy rows than a box of 16-byte rows."""
+    groups = -(-m // 128)
+    return TensorDescriptor(scales.reshape(-1).view(torch.int16), [groups, atoms, 2, 128],
+                            [atoms * 256, 256, 128, 1], [1, per_step, 2 if tiles == 2 else 1, 128],
+                            gl.NVMMASharedLayout(0, 16, rank=4))
+
+
 def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     """(kernel, grid, positional arguments, keyword arguments) of one call: the descriptors of this call's tensors
     (weights int64 [K/1024, M, 16], scales [K/1024, M, 16] bytes, activation int64 [K/64, N, 16]) and, on a
@@ -773,18 +784,12 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     mx = case.fmt.name == "mxfp4"
     swizzled = case.a.scale_layout == "swizzled"
     if mx and swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, block % 4)]
-        groups, atoms = -(-m // 128), k // 128
-        rows_in_box = 16 if config.tiles == 1 else 32
-        s_desc = TensorDescriptor(scales.reshape(-1), [groups, atoms, 32, 16], [atoms * 512, 512, 16, 1],
-                                  [1, 8, rows_in_box, 16], gl.NVMMASharedLayout(0, 8, rank=4))
+        s_desc = _swizzled_descriptor(scales, m, k // 128, 8, config.tiles)
     elif mx:  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
         s_desc = TensorDescriptor(scales, [m, k // 32], [scales.stride(0), 1], [16 * config.tiles, 32],
                                   gl.NVMMASharedLayout(0, 8, rank=2))
     elif swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
-        groups, atoms = -(-m // 128), k // 64
-        rows_in_box = 16 if config.tiles == 1 else 32
-        s_desc = TensorDescriptor(scales.reshape(-1), [groups, atoms, 32, 16], [atoms * 512, 512, 16, 1],
-                                  [1, 16, rows_in_box, 16], gl.NVMMASharedLayout(0, 8, rank=4))
+        s_desc = _swizzled_descriptor(scales, m, k // 64, 16, config.tiles)
     else:
         s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1],
                                   [WARPS, 16 * config.tiles, 16], gl.NVMMASharedLayout(0, 8, rank=3))
@@ -827,10 +832,11 @@ def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step
     rows, mx = 16 * tiles, fmt == "mxfp4"
     atoms_per_step, atoms = (8, k // 128) if mx else (16, k // 64)
     groups = -(-m // 128)
-    view = swizzled.view(torch.uint8).reshape(groups, atoms, 32, 16)
+    view = swizzled.view(torch.uint8).reshape(groups, atoms, 2, 256)  # the descriptor's 256-byte halves
     row0 = tile * rows
-    r32 = row0 % 32 if rows == 16 else 0
-    box = view[row0 // 128, step * atoms_per_step:(step + 1) * atoms_per_step, r32:r32 + rows]  # [atoms, R, 16]
+    half = (row0 % 32) // 16 if rows == 16 else 0
+    box = view[row0 // 128, step * atoms_per_step:(step + 1) * atoms_per_step, half:half + rows // 16]
+    box = box.reshape(atoms_per_step, rows, 16)  # [atoms, R, 16]: rows r % 32 of the program
     q = (row0 // 32) % 4
     words = box.reshape(atoms_per_step, rows, 4, 4).to(torch.int64)  # [atom, R, group, byte]
     word = (words[:, :, q] << (8 * torch.arange(4))).sum(-1)  # the group's int32 (little-endian) as int64
