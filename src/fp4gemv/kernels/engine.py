@@ -37,10 +37,11 @@ arrive sums the partials in program order (``tile_contributors``: the same bits 
 once and resets the counter (``fixup_counters``: kept zero per device and stream).  Measured slower than one
 program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23): an option, not the default.
 
-Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms: the copy
-brings the step's 16 atoms of the rows' 128-row group, 16 bytes a row r % 32 -- four 32-row groups -- as
-256-byte copy rows (``_swizzled_descriptor``), and the consumer keeps its group's 4 bytes of each,
-``_swizzled_scales``: 4x the scale bytes through the ring, tiles 1 or 2 only).
+Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms, 16 bytes
+a row r % 32 -- four 32-row groups of 4 bytes: the consumer loads its group's 4-byte words of the step's atoms
+itself, one step ahead of their use, ``_swizzled_words``; tiles 1 or 2 only).  Copying the atoms' 16-byte lines
+through the ring instead moved 4x the scale bytes and, at N = 16, grew the ring past two programs an SM
+(docs/performance.md, round 24).
 
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
@@ -365,21 +366,17 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         tile = v // n_steps
         step = v - tile * n_steps
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                        + x_desc.block_type.nbytes)
-        tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
-        if MX and SWIZZLED:  # the step's 8 atoms (32 blocks) of the rows' 128-row group, as NVFP4's 16 below
-            row0 = tile * TILE_ROWS
-            half = (row0 % 32) // 16 if TILE_ROWS == 16 else 0
-            tma_load(s_desc, [row0 // 128, step * 8, half, 0], ready.index(slot), sbuf.index(slot))
-        elif MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
-            tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
-        elif SWIZZLED:  # the step's 16 atoms of the rows' 128-row group, rows r % 32 of the program's (``_swizzled_scales``)
-            row0 = tile * TILE_ROWS
-            half = (row0 % 32) // 16 if TILE_ROWS == 16 else 0
-            tma_load(s_desc, [row0 // 128, step * 16, half, 0], ready.index(slot), sbuf.index(slot))
+        if SWIZZLED:  # the consumer loads its scale words itself (``_swizzled_words``)
+            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
         else:
-            tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
+            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
+                            + x_desc.block_type.nbytes)
+        tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
+        if not SWIZZLED:
+            if MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
+                tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
+            else:
+                tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
         tma_load(x_desc, [16 * step, 0, 0], ready.index(slot), xbuf.index(slot))
 
 
@@ -447,37 +444,42 @@ def k32_step(acc, wslot, s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES: gl
                                      dtype=gl.float32, is_pure=True, pack=8 * TILES)
 
 
+# Registers of the consumer's swizzled scale words ``[atoms, 16 TILES]`` int32: warps on the atoms, lanes on rows.
+SWIZZLED_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0]))
+
+
 @gluon.jit
-def _swizzled_scales(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
-    """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
-    2 (j // 2), 2 (j // 2) + 1, what the linear slot's 16-bit loads give) from a slot of swizzled atoms: the copy
-    brought, for each of the step's 16 atoms (4 columns each), the 16 bytes of each row r % 32 -- four 32-row
-    groups q = (r % 128) // 32 of 4 columns; the program's rows are group q of those."""
+def _swizzled_words(sp_ptr, tile, step, n_steps, ATOMS: gl.constexpr, TILES: gl.constexpr):
+    """The program's scale words of step ``step`` from the swizzled scale bytes (128 x 4 atoms of 512 bytes, 16
+    bytes a row r % 32, four 32-row groups q of 4 bytes): ``[ATOMS, 16 TILES]`` int32, word (a, r) the 4 bytes of
+    group q = (row % 128) // 32 of atom ``step ATOMS + a`` for the tile's row r -- loaded by the consumer (one
+    4-byte load per atom and row), not copied through the ring, so that only the group's bytes move."""
     R: gl.constexpr = 16 * TILES
-    q = (tile * R // 32) % 4
-    words = shared_view(slot, gl.int32, [16, R, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])
-    w = words.load(L3)  # [16 atoms, R rows, 4 groups]: one 16-byte load per atom and row
-    group = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    w = gl.sum(gl.where(group == q, w, 0), axis=2)  # [16 atoms, R]: the program's 4 columns of each atom
+    row0 = tile * R
+    # int32 words: an atom is 128, a row r % 32 four, a group one
+    base = (row0 // 128) * (n_steps * ATOMS * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
+    a = gl.arange(0, ATOMS, layout=gl.SliceLayout(1, SWIZZLED_WORDS))[:, None]
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, SWIZZLED_WORDS))[None, :]
+    return gl.load(sp_ptr + base + a * 128 + r * 4)
+
+
+@gluon.jit
+def _swizzled_scales(w, TILES: gl.constexpr, LW: gl.constexpr):
+    """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
+    2 (j // 2), 2 (j // 2) + 1, what the linear slot's 16-bit loads give) from the program's words of the step's
+    16 atoms (``_swizzled_words``: 4 columns each)."""
+    R: gl.constexpr = 16 * TILES
     pairs = gl.join((w & 0xFFFF).to(gl.int16), ((w >> 16) & 0xFFFF).to(gl.int16))  # [16, R, 2]: columns (0, 1), (2, 3)
     pairs = gl.reshape(gl.permute(gl.reshape(pairs, [4, 4, R, 2]), [0, 2, 1, 3]), [4, R, 8])
     return gl.convert_layout(gl.reshape(gl.join(pairs, pairs), [4, R, 16]), LW)
 
 
 @gluon.jit
-def _swizzled_scales_k32(slot, tile, TILES: gl.constexpr, LW: gl.constexpr):
+def _swizzled_scales_k32(w, TILES: gl.constexpr, LW: gl.constexpr):
     """The k32 step's scales ``[WARPS, 16 TILES]`` int64 (warp w's 8 e8m0 bytes of each row, block J in byte J) in
-    ``SliceLayout(2, LW)`` from a slot of swizzled atoms: the copy brought the step's 8 atoms (4 blocks each), 16
-    bytes a row r % 32 (four 32-row groups); warp w's blocks are atoms 2 w (bytes 0-3) and 2 w + 1 (bytes 4-7) of
-    the program's group."""
+    ``SliceLayout(2, LW)`` from the program's words of the step's 8 atoms (``_swizzled_words``: 4 blocks each);
+    warp w's blocks are atoms 2 w (bytes 0-3) and 2 w + 1 (bytes 4-7)."""
     R: gl.constexpr = 16 * TILES
-    q = (tile * R // 32) % 4
-    words = shared_view(slot, gl.int32, [8, R, 4], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [2, 16, 1], [4, 1, 1], [2, 1, 0])
-    w = words.load(L3)  # [8 atoms, R rows, 4 groups]
-    group = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-    w = gl.sum(gl.where(group == q, w, 0), axis=2)  # [8 atoms, R]: the group's 4 blocks of each atom
     L3W: gl.constexpr = gl.BlockedLayout([1, 2, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])
     w = gl.convert_layout(gl.reshape(w, [4, 2, R]), L3W)  # atoms 2 w + a: both of a thread's row in registers
     lo, hi = gl.split(gl.permute(w, [0, 2, 1]))  # atoms 2 w, 2 w + 1
@@ -502,7 +504,8 @@ def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n,
 
 
 @gluon.jit
-def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units, programs,
+def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
+              programs,
               M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
@@ -519,14 +522,20 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
         seg0 = gl.maximum(start, tile * n_steps)
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
+        if SWIZZLED:  # the scale words one step ahead of their use: their load's latency under a step
+            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, n_steps, 8 if MX else 16, TILES)
         for v in range(seg0, seg1):
             i = v - start
             slot = i % STAGES
+            if SWIZZLED:
+                words = words_next
+                ahead = gl.minimum(v + 1, seg1 - 1) - tile * n_steps  # the last step loads its own again
+                words_next = _swizzled_words(sp_ptr, tile, ahead, n_steps, 8 if MX else 16, TILES)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
             if MX:
                 if SWIZZLED:
-                    s8 = _swizzled_scales_k32(sbuf.index(slot), tile, TILES, LW)
+                    s8 = _swizzled_scales_k32(words, TILES, LW)
                 else:
                     s8 = k32_scales(sbuf.index(slot), TILES, S3, LS, LW)
                 acc = k32_step(acc, wbuf.index(slot), s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES, ASM,
@@ -534,7 +543,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             else:
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
                 if SWIZZLED:
-                    s = _swizzled_scales(sbuf.index(slot), tile, TILES, LW)
+                    s = _swizzled_scales(words, TILES, LW)
                 else:  # each block pair (b = 0, 1) as one 16-bit load, given to both of its elements
                     L16: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0])
                     s16 = shared_view(sbuf.index(slot), gl.int16, [4, 16 * TILES, 8],
@@ -586,7 +595,8 @@ def _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, tile, units, programs, M, N, n_s
 
 
 @gluon.jit
-def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_ptr, M, N, K, units, out_stride_m,
+def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, M, N, K, units,
+                       out_stride_m,
                        out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
                        ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
@@ -601,7 +611,10 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     start = pid * units // programs
     end = (pid + 1) * units // programs
     wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
+    if SWIZZLED:  # no scale slots: the consumer loads its group's words (``_swizzled_words``)
+        sbuf = wbuf
+    else:
+        sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -609,7 +622,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=128)  # every consumer thread
     gl.warp_specialize([
-        (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, start, end, units,
+        (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
                      programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
                      HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
@@ -693,13 +706,14 @@ class Engine(TritonKernelSpec):
         """Through Triton's JIT the first time for this key, then (CUDA, Triton 3.6) the kept compiled kernel called
         directly (``spec.run_compiled``: no JIT dispatch, whose specialization key hashes the step's asm text every
         call) with this call's ``CALL_ARGUMENTS`` put in."""
-        kernel, grid, args, options = engine_launch(ops, config, target.sm_count or 132)
+        sm_count = target.sm_count or 132
         device = ops.out.device
-        call = args[:CALL_ARGUMENTS]
+        call = _call_arguments(ops, config, sm_count)
         key = (ops.case, config, target, device,
                tuple(t.data_ptr() % 16 == 0 for t in call if isinstance(t, torch.Tensor)))
         kept = self._kept.get(key)
         if kept is None:
+            kernel, grid, args, options = engine_launch(ops, config, sm_count)
             compiled = kernel[grid](*args, **options)
             if DIRECT_LAUNCH and device.type == "cuda" and hasattr(compiled, "packed_metadata"):
                 argv = bound_arguments(kernel, args, options)
@@ -752,54 +766,40 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return kept[-1]
 
 
-# The engine launch's leading arguments made from each call's tensors: the weights', scales' and activation's
-# bulk-copy descriptors, out, the global scale, the fix-up's partials and counters (``engine_launch``).
-CALL_ARGUMENTS = 7
+# The engine launch's leading arguments made from each call's tensors (``_call_arguments``).
+CALL_ARGUMENTS = 8
 
 
-def _swizzled_descriptor(scales: torch.Tensor, m: int, atoms: int, per_step: int, tiles: int) -> TensorDescriptor:
-    """The swizzled scales' copy: ``per_step`` atoms of the rows' 128-row group, each atom's rows r % 32 of the
-    program (all 32 for tiles 2, the half holding them for tiles 1) as 256-byte rows of 16-bit elements
-    ``[R_p / 128 groups, C_p / 4 atoms, 2 halves, 128]``: the bytes land as the 16-byte rows ``[atom, r, 16]`` that
-    ``_swizzled_scales`` reads, in 16x fewer copy rows than a box of 16-byte rows."""
-    groups = -(-m // 128)
-    return TensorDescriptor(scales.reshape(-1).view(torch.int16), [groups, atoms, 2, 128],
-                            [atoms * 256, 256, 128, 1], [1, per_step, 2 if tiles == 2 else 1, 128],
-                            gl.NVMMASharedLayout(0, 16, rank=4))
+@functools.lru_cache(maxsize=None)
+def _copy_layout(swizzle: int, bits: int, rank: int):
+    """A copy's shared-memory layout, made once (each construction validates itself: host time every call)."""
+    return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
 
 
-def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
-    """(kernel, grid, positional arguments, keyword arguments) of one call: the descriptors of this call's tensors
-    (weights int64 [K/1024, M, 16], scales [K/1024, M, 16] bytes, activation int64 [K/64, N, 16]) and, on a
-    persistent grid that splits tiles, the fix-up's partials (fp32, two slots a program) and counters."""
+def _call_arguments(ops: GemvOperands, config: EngineConfig, sm_count: int) -> tuple:
+    """The launch's first ``CALL_ARGUMENTS`` arguments, made from this call's tensors: the weights', scales' and
+    activation's bulk-copy descriptors (weights int64 [K/1024, M, 16], linear scales [K/1024, M, 16] bytes or
+    MXFP4's [M, K/32]; swizzled scales are loaded by the consumer, their descriptor the weights'), out, the global
+    scale, the fix-up's partials and counters (on a persistent grid that splits tiles) and the scale bytes."""
     case = ops.case
     m, k, n = case.m, case.k, case.n
-    rows = activation_rows(n)
     weights = ops.a_data[0].view(torch.uint8)  # [M, K/2]
-    scales = ops.a_scales[0].view(torch.uint8)  # [M, K/16]
+    scales = ops.a_scales[0].view(torch.uint8)  # [M, K/16] or [M, K/32]; swizzled: [R_p, C_p] in 512-byte atoms
     activation = ops.b_data[0]  # [N, K] bf16
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
     w_desc = TensorDescriptor(weights, [k // 256, m, 128], [128, weights.stride(0), 1],
-                              [WARPS, 16 * config.tiles, 128], gl.NVMMASharedLayout(128, 8, rank=3))
-    mx = case.fmt.name == "mxfp4"
-    swizzled = case.a.scale_layout == "swizzled"
-    if mx and swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, block % 4)]
-        s_desc = _swizzled_descriptor(scales, m, k // 128, 8, config.tiles)
-    elif mx:  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
+                              [WARPS, 16 * config.tiles, 128], _copy_layout(128, 8, 3))
+    if case.a.scale_layout == "swizzled":
+        s_desc = w_desc  # not copied
+    elif case.fmt.name == "mxfp4":  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
         s_desc = TensorDescriptor(scales, [m, k // 32], [scales.stride(0), 1], [16 * config.tiles, 32],
-                                  gl.NVMMASharedLayout(0, 8, rank=2))
-    elif swizzled:  # [R_p / 128 row groups, C_p / 4 atoms, 32 rows r % 32, 16 bytes (q, column % 4)]
-        s_desc = _swizzled_descriptor(scales, m, k // 64, 16, config.tiles)
+                                  _copy_layout(0, 8, 2))
     else:
         s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1],
-                                  [WARPS, 16 * config.tiles, 16], gl.NVMMASharedLayout(0, 8, rank=3))
+                                  [WARPS, 16 * config.tiles, 16], _copy_layout(0, 8, 3))
+    rows = activation_rows(n)
     x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
-                              gl.NVMMASharedLayout(_x_swizzle(rows), 16, rank=3))
-    order = case.a.code_order
-    scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
-    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
-    lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
-    w32, l32 = k32_weight_layouts(config.tiles)
+                              _copy_layout(_x_swizzle(rows), 16, 3))
     gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
     tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
     programs, split = grid_size(tiles, steps, config, sm_count)
@@ -808,13 +808,30 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
         counters = fixup_counters(ops.out.device, tiles)
     else:
         ws = counters = ops.out  # not read
-    args = (w_desc, s_desc, x_desc, ops.out, gsa, ws, counters, m, n, k, tiles * steps, ops.out.stride(1),
-            ops.out.stride(2), *multipliers("bf16", order).values())
+    words = scales.reshape(-1).view(torch.int32) if case.a.scale_layout == "swizzled" else scales
+    return w_desc, s_desc, x_desc, ops.out, gsa, ws, counters, words
+
+
+def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
+    """(kernel, grid, positional arguments, keyword arguments) of one call (``_call_arguments`` first)."""
+    case = ops.case
+    m, k, n = case.m, case.k, case.n
+    rows = activation_rows(n)
+    mx = case.fmt.name == "mxfp4"
+    order = case.a.code_order
+    scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
+    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
+    lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
+    w32, l32 = k32_weight_layouts(config.tiles)
+    tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
+    programs, split = grid_size(tiles, steps, config, sm_count)
+    args = (*_call_arguments(ops, config, sm_count), m, n, k, tiles * steps, ops.out.stride(1), ops.out.stride(2),
+            *multipliers("bf16", order).values())
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split, SWIZZLED=swizzled, MX=mx,
-                   S3=SCALE_ROWS, LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, num_warps=WARPS,
-                   maxnreg=config.maxnreg)
+                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
+                   SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
+                   LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, num_warps=WARPS, maxnreg=config.maxnreg)
     return engine_gemv_kernel, (programs,), args, options
 
 
@@ -826,28 +843,25 @@ def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step
     """What ``_swizzled_scales`` (NVFP4: the 16-bit block pairs ``[WARPS, 16 tiles, 16]``, element j holding blocks
     2 (j // 2) and 2 (j // 2) + 1 of warp w's 16, as int64) or ``_swizzled_scales_k32`` (MXFP4: int64 ``[WARPS, 16
     tiles]``) hold for row tile ``tile`` and step ``step``, from the swizzled scale bytes ``[R_p * C_p]``: the
-    producer's box (``engine_launch``'s descriptor and coordinates), then the consumer's group selection and
-    rearrangement, replayed in torch (the joins and the int64 assembly included).  Equal to what the linear slot
-    gives when the maps are right (``tests/test_kernels_engine.py``)."""
+    consumer's word addresses (``_swizzled_words``' arithmetic on the bytes as int32), then its rearrangement,
+    replayed in torch (the joins and the int64 assembly included).  Equal to what the linear slot gives when the
+    maps are right (``tests/test_kernels_engine.py``)."""
     rows, mx = 16 * tiles, fmt == "mxfp4"
-    atoms_per_step, atoms = (8, k // 128) if mx else (16, k // 64)
-    groups = -(-m // 128)
-    view = swizzled.view(torch.uint8).reshape(groups, atoms, 2, 256)  # the descriptor's 256-byte halves
+    per_step = 8 if mx else 16
+    n_steps = k // STEP_K
+    flat = swizzled.contiguous().view(torch.uint8).reshape(-1, 4).to(torch.int64)
+    words32 = (flat << (8 * torch.arange(4))).sum(-1)  # the bytes as little-endian int32 words (unsigned, in int64)
     row0 = tile * rows
-    half = (row0 % 32) // 16 if rows == 16 else 0
-    box = view[row0 // 128, step * atoms_per_step:(step + 1) * atoms_per_step, half:half + rows // 16]
-    box = box.reshape(atoms_per_step, rows, 16)  # [atoms, R, 16]: rows r % 32 of the program
-    q = (row0 // 32) % 4
-    words = box.reshape(atoms_per_step, rows, 4, 4).to(torch.int64)  # [atom, R, group, byte]
-    word = (words[:, :, q] << (8 * torch.arange(4))).sum(-1)  # the group's int32 (little-endian) as int64
+    base = (row0 // 128) * (n_steps * per_step * 128) + step * (per_step * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
+    a = torch.arange(per_step)[:, None]
+    r = torch.arange(rows)[None, :]
+    word = words32[base + a * 128 + r * 4]  # [atom, R]
     if mx:
         w = word.reshape(4, 2, rows)  # atoms 2 w + a
         return (w[:, 0] & 0xFFFFFFFF) | (w[:, 1] << 32)
     pairs = torch.stack([word & 0xFFFF, (word >> 16) & 0xFFFF], -1)  # gl.join: [atom, R, 2], columns (0, 1), (2, 3)
     pairs = pairs.reshape(4, 4, rows, 2).permute(0, 2, 1, 3).reshape(4, rows, 8)
     return torch.stack([pairs, pairs], -1).reshape(4, rows, 16)  # each pair given to both of its elements
-
-
 
 
 def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2,
