@@ -321,3 +321,33 @@ def test_chosen_on_the_gpu_from_nine_rows_with_linear_scales():
     assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "engine"
     assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
     assert STEP_K == 1024
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, layout, global_scale", [("nvfp4", "linear", 0.375), ("nvfp4", "swizzled", None),
+                                                       ("mxfp4", "linear", None), ("mxfp4", "swizzled", None)])
+def test_kept_launch_on_new_operands_each_call(fmt, layout, global_scale):
+    """After the first call the engine launches by address (``ops.KeptLaunch``: descriptors re-encoded at each
+    call's addresses): three operand sets of one metadata, each called after the others, eagerly and in a CUDA
+    graph, every result exact for its own operands."""
+    m, k, n = 520, 2048, 12
+    sets = [(O.random_fp4((m, k), fmt, layout, seed=s, global_scale=global_scale, device="cuda"),
+             O.random_activation((n, k), torch.bfloat16, seed=10 + s, device="cuda")) for s in range(3)]
+    assert select_kernel(*sets[0], out=torch.empty((m, n), dtype=torch.float16, device="cuda")).name == "engine"
+    fold = engine.step_fold_exponent(fmt)
+    for _ in range(2):
+        for a, b in sets:
+            out = O.poisoned((m, n), torch.float32, device="cuda")
+            gemv(a, b, out=out, out_dtype=torch.float32)
+            O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=fold)
+    outs = [O.poisoned((m, n), torch.float32, device="cuda") for _ in sets]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for (a, b), out in zip(sets, outs):
+            gemv(a, b, out=out, out_dtype=torch.float32)
+    for out in outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for (a, b), out in zip(sets, outs):
+        O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=fold)

@@ -29,8 +29,8 @@ from triton.runtime.driver import driver
 
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
-from .kernels.spec import (DIRECT_LAUNCH, FloatMeta, FP4Meta, GemvCase, GemvOperands, KernelSpec, Src,
-                           TritonKernelSpec, alignment, bound_arguments, direct_launch_supported, fill_sources,
+from .kernels.spec import (DIRECT_LAUNCH, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase, GemvOperands,
+                           KernelSpec, Src, TritonKernelSpec, alignment, bound_arguments, direct_launch_supported, fill_sources,
                            linear_scale_addressing, swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
@@ -420,8 +420,8 @@ class KeptLaunch:
     compiled kernel's launcher directly, on the current stream of the device the JIT launched on (so a launch inside
     ``torch.cuda.graph`` is captured like the JIT's)."""
 
-    __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_grid", "_launcher",
-                 "_direct_launch", "_current_stream", "_runtime_knobs")
+    __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_descriptors", "_grid",
+                 "_launcher", "_direct_launch", "_current_stream", "_runtime_knobs")
 
     def __init__(self, plan, fields: dict[str, int], device: torch.device, direct_launch: bool):
         template = None
@@ -446,6 +446,7 @@ class KeptLaunch:
         argv = bound_arguments(t.kernel, (), {**t.args, **t.options})  # as the JIT call of _launch_jit binds them
         self._argv = argv
         self._slots = tuple((i, self._fields[v.name]) for i, v in enumerate(argv) if isinstance(v, Src))
+        self._descriptors = tuple((i, self._fields[v.name], v) for i, v in enumerate(argv) if isinstance(v, DescSrc))
         grid = self._template.grid
         self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         launcher = compiled.run  # loads the module now, not on the first timed call
@@ -464,6 +465,8 @@ class KeptLaunch:
         argv = self._argv.copy()
         for i, j in self._slots:
             argv[i] = addresses[j]
+        for i, j, src in self._descriptors:
+            argv[i] = AddressDescriptor(addresses[j], src)
         k = self._compiled
         stream = self._current_stream(self._device_index)
         runtime = self._runtime_knobs

@@ -61,11 +61,11 @@ import torch
 
 from ..formats import CODE_ORDERS, decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from ..target import Target
-from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
+from ._gluon import async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent, multipliers
 from ._ptx import AsmOperands, PtxBlock
-from .spec import (DIRECT_LAUNCH, ErrorModel, GemvCase, GemvOperands, TritonKernelSpec, TritonLaunch, bound_arguments,
-                   run_compiled)
+from .spec import (DescSrc, ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources,
+                   global_scale_sources)
 
 __all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
            "STEP_K", "register",
@@ -694,36 +694,16 @@ class Engine(TritonKernelSpec):
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
 
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
-        return None  # the tensor descriptors are built from each call's tensors: launch() runs every call
-
-    def __init__(self):
-        # (case, config, target, device, which of the call's tensor arguments are 16-byte aligned) -> the compiled
-        # kernel, its grid and its argument list less the call's arguments: the JIT specializes on those
-        # alignments, on everything else through the case and the configuration.
-        self._kept: dict[tuple, tuple] = {}
+        """The launch with operand placeholders (descriptors too: ``spec.DescSrc``), kept and launched on addresses
+        by ``ops.KeptLaunch``; None on a persistent grid that splits tiles (the fix-up's partials are allocated
+        each call: :meth:`launch`)."""
+        grid, args, options, split = engine_arguments(case, config, target.sm_count or 132)
+        return None if split else TritonLaunch(engine_gemv_kernel, grid, args, options)
 
     def launch(self, ops: GemvOperands, config: EngineConfig, target: Target) -> None:
-        """Through Triton's JIT the first time for this key, then (CUDA, Triton 3.6) the kept compiled kernel called
-        directly (``spec.run_compiled``: no JIT dispatch, whose specialization key hashes the step's asm text every
-        call) with this call's ``CALL_ARGUMENTS`` put in."""
-        sm_count = target.sm_count or 132
-        device = ops.out.device
-        call = _call_arguments(ops, config, sm_count)
-        key = (ops.case, config, target, device,
-               tuple(t.data_ptr() % 16 == 0 for t in call if isinstance(t, torch.Tensor)))
-        kept = self._kept.get(key)
-        if kept is None:
-            kernel, grid, args, options = engine_launch(ops, config, sm_count)
-            compiled = kernel[grid](*args, **options)
-            if DIRECT_LAUNCH and device.type == "cuda" and hasattr(compiled, "packed_metadata"):
-                argv = bound_arguments(kernel, args, options)
-                argv[:CALL_ARGUMENTS] = [None] * CALL_ARGUMENTS  # the kept list holds no tensor of this call
-                self._kept[key] = (compiled, grid, argv)
-            return
-        compiled, grid, argv = kept
-        argv = argv.copy()
-        argv[:CALL_ARGUMENTS] = call
-        run_compiled(compiled, grid, argv, device.index)
+        """A persistent grid that splits tiles, through Triton's JIT every call (an option, not the default)."""
+        kernel, grid, args, options = engine_launch(ops, config, target.sm_count or 132)
+        kernel[grid](*args, **options)
 
 
 def persistent_ranges(units: int, programs: int) -> list[tuple[int, int]]:
@@ -766,8 +746,6 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return kept[-1]
 
 
-# The engine launch's leading arguments made from each call's tensors (``_call_arguments``).
-CALL_ARGUMENTS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -776,45 +754,45 @@ def _copy_layout(swizzle: int, bits: int, rank: int):
     return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
 
 
-def _call_arguments(ops: GemvOperands, config: EngineConfig, sm_count: int) -> tuple:
-    """The launch's first ``CALL_ARGUMENTS`` arguments, made from this call's tensors: the weights', scales' and
-    activation's bulk-copy descriptors (weights int64 [K/1024, M, 16], linear scales [K/1024, M, 16] bytes or
+def _sources(case: GemvCase, config: EngineConfig, sm_count: int) -> dict:
+    """The launch's tensor arguments as operand placeholders (``spec.Src`` / ``spec.DescSrc``): the weights', scales'
+    and activation's bulk-copy descriptors (weights int64 [K/1024, M, 16], linear scales [K/1024, M, 16] bytes or
     MXFP4's [M, K/32]; swizzled scales are loaded by the consumer, their descriptor the weights'), out, the global
-    scale, the fix-up's partials and counters (on a persistent grid that splits tiles) and the scale bytes."""
-    case = ops.case
+    scale (a's scales where none: not read), the fix-up's partials and counters (out where no tile is split: not
+    read) and the scale bytes (int32 words where swizzled)."""
     m, k, n = case.m, case.k, case.n
-    weights = ops.a_data[0].view(torch.uint8)  # [M, K/2]
-    scales = ops.a_scales[0].view(torch.uint8)  # [M, K/16] or [M, K/32]; swizzled: [R_p, C_p] in 512-byte atoms
-    activation = ops.b_data[0]  # [N, K] bf16
+    tiles = config.tiles
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
-    w_desc = TensorDescriptor(weights, [k // 256, m, 128], [128, weights.stride(0), 1],
-                              [WARPS, 16 * config.tiles, 128], _copy_layout(128, 8, 3))
-    if case.a.scale_layout == "swizzled":
-        s_desc = w_desc  # not copied
+    w = DescSrc("a_data", torch.uint8, (k // 256, m, 128), (128, case.a.row_stride, 1), (WARPS, 16 * tiles, 128),
+                _copy_layout(128, 8, 3))
+    swizzled = case.a.scale_layout == "swizzled"
+    if swizzled:
+        s = w  # not copied
     elif case.fmt.name == "mxfp4":  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
-        s_desc = TensorDescriptor(scales, [m, k // 32], [scales.stride(0), 1], [16 * config.tiles, 32],
-                                  _copy_layout(0, 8, 2))
+        s = DescSrc("a_scales", torch.uint8, (m, k // 32), (case.a.scales.r32, 1), (16 * tiles, 32),
+                    _copy_layout(0, 8, 2))
     else:
-        s_desc = TensorDescriptor(scales, [k // 256, m, 16], [16, scales.stride(0), 1],
-                                  [WARPS, 16 * config.tiles, 16], _copy_layout(0, 8, 3))
+        s = DescSrc("a_scales", torch.uint8, (k // 256, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
+                    _copy_layout(0, 8, 3))
     rows = activation_rows(n)
-    x_desc = TensorDescriptor(activation, [k // 64, n, 64], [64, activation.stride(0), 1], [4 * WARPS, rows, 64],
-                              _copy_layout(_x_swizzle(rows), 16, 3))
-    gsa = ops.a_global_scale if ops.a_global_scale is not None else ops.a_scales
-    tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
-    programs, split = grid_size(tiles, steps, config, sm_count)
-    if split:
-        ws = torch.empty(programs * 2 * 256 * config.tiles, dtype=torch.float32, device=ops.out.device)
-        counters = fixup_counters(ops.out.device, tiles)
-    else:
-        ws = counters = ops.out  # not read
-    words = scales.reshape(-1).view(torch.int32) if case.a.scale_layout == "swizzled" else scales
-    return w_desc, s_desc, x_desc, ops.out, gsa, ws, counters, words
+    x = DescSrc("b_data", torch.bfloat16, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
+                _copy_layout(_x_swizzle(rows), 16, 3))
+    out = Src("out", case.out_dtype)
+    gsa, _ = global_scale_sources(case)
+    return dict(w_desc=w, s_desc=s, x_desc=x, out_ptr=out, gsa_ptr=gsa, ws_ptr=out, count_ptr=out,
+                sp_ptr=Src("a_scales", torch.int32 if swizzled else torch.uint8))
 
 
-def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
-    """(kernel, grid, positional arguments, keyword arguments) of one call (``_call_arguments`` first)."""
-    case = ops.case
+@functools.lru_cache(maxsize=None)
+def _copy_layout(swizzle: int, bits: int, rank: int):
+    """A copy's shared-memory layout, made once (each construction validates itself)."""
+    return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
+
+
+def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) -> tuple[tuple, dict, dict, bool]:
+    """(grid, arguments by name with operand placeholders, options, split) of the engine's launch for ``case``:
+    ``split`` where a persistent grid splits tiles (then the call's fix-up partials and counters replace the
+    placeholders, ``engine_launch``)."""
     m, k, n = case.m, case.k, case.n
     rows = activation_rows(n)
     mx = case.fmt.name == "mxfp4"
@@ -825,14 +803,27 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     w32, l32 = k32_weight_layouts(config.tiles)
     tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
     programs, split = grid_size(tiles, steps, config, sm_count)
-    args = (*_call_arguments(ops, config, sm_count), m, n, k, tiles * steps, ops.out.stride(1), ops.out.stride(2),
-            *multipliers("bf16", order).values())
-    options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=ops.a_global_scale is not None,
+    args = dict(_sources(case, config, sm_count), M=m, N=n, K=k, units=tiles * steps,
+                out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers("bf16", order))
+    options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, num_warps=WARPS, maxnreg=config.maxnreg)
-    return engine_gemv_kernel, (programs,), args, options
+    return (programs,), args, options, split
+
+
+def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
+    """(kernel, grid, positional arguments, keyword arguments) of one call on ``ops``: the placeholders filled from
+    its tensors, and on a persistent grid that splits tiles the fix-up's partials (fp32, two slots a program) and
+    counters."""
+    grid, args, options, split = engine_arguments(ops.case, config, sm_count)
+    args = fill_sources(args, ops)
+    if split:
+        tiles = -(-ops.case.m // (16 * config.tiles))
+        args["ws_ptr"] = torch.empty(grid[0] * 2 * 256 * config.tiles, dtype=torch.float32, device=ops.out.device)
+        args["count_ptr"] = fixup_counters(ops.out.device, tiles)
+    return engine_gemv_kernel, grid, tuple(args.values()), options
 
 
 # --- the twin: the kernel's index maps replayed in torch -----------------------------------------------------------

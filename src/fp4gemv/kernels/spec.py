@@ -30,7 +30,7 @@ from ..formats import FP4Format, dtype_name
 from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
-           "Src", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
+           "Src", "DescSrc", "AddressDescriptor", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
            "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources", "GEMV_MAX_N",
            "too_many_rows", "MoeCase", "MoeOperands"]
 
@@ -239,6 +239,44 @@ class Src(NamedTuple):
     dtype: torch.dtype
 
 
+class DescSrc(NamedTuple):
+    """A bulk-copy (TMA) descriptor argument of a launch over operand ``name``'s memory read as ``dtype``: the
+    viewed tensor's ``shape`` and ``strides`` (elements), the copy's ``block`` and its shared-memory ``layout``
+    (Gluon's ``TensorDescriptor`` fields; the operand gives only the address)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    block: tuple[int, ...]
+    layout: Any
+
+
+class _Address:
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class AddressDescriptor:
+    """A :class:`DescSrc` at an operand's address for a kept launch (``ops.KeptLaunch``): what Triton 3.6's launcher
+    reads of a host tensor descriptor to encode it (``base.data_ptr()``, ``shape``, ``strides``, ``padding``; its
+    block and layout are the compiled kernel's), without the construction's validation each call -- the first
+    launch built and checked the real descriptor from the same metadata."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, ptr: int, src: DescSrc):
+        self.base = _Address(ptr)
+        self.shape = src.shape
+        self.strides = src.strides
+        self.padding = "zero"
+
+
 @dataclass
 class TritonLaunch:
     """One Triton kernel launch: ``kernel[grid](**args, **options)`` with :class:`Src` placeholders filled."""
@@ -370,8 +408,18 @@ class TritonKernelSpec(KernelSpec):
 
 
 def fill_sources(args: dict[str, Any], ops: GemvOperands | MoeOperands) -> dict[str, Any]:
-    """``args`` with every :class:`Src` replaced by the operand tensor it names, viewed as its dtype."""
-    return {name: getattr(ops, v.name).view(v.dtype) if isinstance(v, Src) else v for name, v in args.items()}
+    """``args`` with every :class:`Src` replaced by the operand tensor it names, viewed as its dtype, and every
+    :class:`DescSrc` by a Gluon tensor descriptor over that tensor's memory."""
+    filled = {}
+    for name, v in args.items():
+        if isinstance(v, Src):
+            v = getattr(ops, v.name).view(v.dtype)
+        elif isinstance(v, DescSrc):
+            from ._gluon import TensorDescriptor  # Gluon only for the kernels that copy by descriptor
+            v = TensorDescriptor(getattr(ops, v.name).view(v.dtype), list(v.shape), list(v.strides), list(v.block),
+                                 v.layout)
+        filled[name] = v
+    return filled
 
 
 # --- compiled kernels launched again without the JIT ----------------------------------------------------------------
