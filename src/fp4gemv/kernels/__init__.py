@@ -48,7 +48,8 @@ class Deferral(NamedTuple):
 
 
 DEFERRALS: tuple[Deferral, ...] = (
-    # docs/performance.md, round 14 (the decode engine): at N <= 8 it was slower than weight_only on 14336 x 4096.
+    # docs/performance.md, rounds 14 and 24 (the decode engine): at N <= 8 it was slower than weight_only on 14336 x
+    # 4096 and 28672 x 8192 (both formats; MXFP4 faster on the other three shapes, NVFP4 level or slower).
     Deferral("engine", "weight_only", lambda case: case.n <= MAX_FLOAT_N_OVER_HMMA,
              f"N <= {MAX_FLOAT_N_OVER_HMMA} runs on weight_only (measured as fast or faster on some shapes)"),
     # docs/performance.md, the streaming skeleton: at N <= 8 the register-fed weight_only kernel is faster.

@@ -49,7 +49,8 @@ program order), one rounding to the output dtype.
 
 What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
-round 14): N >= 9, where it is 1.1-1.4x the streaming kernel.
+rounds 14 and 24): N >= 9, both formats and scale layouts (at N = 16 swizzled scales take 1.1-1.4x the linear ones'
+time; swizzled NVFP4 is level with the streaming kernel overall, MXFP4 1.24-1.8x faster than weight_only).
 """
 
 from __future__ import annotations
