@@ -182,6 +182,37 @@ def test_persistent_ranges_cover_every_unit_once_and_the_fixup_finds_each_tiles_
             assert len(slots) == len(set(slots)) <= 2, (p, start, end)
 
 
+@pytest.mark.parametrize("fmt, layout", [("nvfp4", "linear"), ("nvfp4", "swizzled"), ("mxfp4", "linear")])
+def test_kept_launch_descriptors_encode_as_the_jit_calls(monkeypatch, fmt, layout):
+    """What Triton 3.6's launcher encodes for each bulk-copy argument of a kept launch (``spec.AddressDescriptor``
+    at the operand's address) is what it encodes for the JIT call's Gluon descriptor: the same address, shape and
+    strides reach the tensor-map encoder (recorded here in place of the driver's)."""
+    import triton
+    from fp4gemv.kernels.spec import DIRECT_LAUNCH, AddressDescriptor, DescSrc, fill_sources
+    if not DIRECT_LAUNCH:
+        pytest.skip("kept launches call the compiled kernel directly only under Triton 3.6")
+    from triton.backends.nvidia import driver as nvidia
+    encoded = []
+    fake = type("Driver", (), {})()
+    fake.active = type("Active", (), {})()
+    record = staticmethod(lambda *a: encoded.append(a) or len(encoded))
+    fake.active.utils = type("Utils", (), {"fill_tma_descriptor": record})()
+    monkeypatch.setattr(triton.runtime, "driver", fake)
+    a = O.random_fp4((520, 2048), fmt, layout, seed=1, device="cpu")
+    b = O.random_activation((12, 2048), torch.bfloat16, seed=2, device="cpu")
+    ops = gemv_operands(a, b, torch.empty((1, 520, 12), dtype=torch.float16))
+    _, args, _, _ = engine.engine_arguments(ops.case, engine_config(ops.case))
+    filled = fill_sources(args, ops)
+    meta = {"swizzle": 0, "elem_size": 1, "elem_type": 0, "block_size": [1], "fp4_padded": False}
+    sources = [(name, v) for name, v in args.items() if isinstance(v, DescSrc)]
+    assert [name for name, _ in sources] == ["w_desc", "s_desc", "x_desc"]
+    for name, src in sources:
+        real = nvidia.make_tensordesc_arg(filled[name], meta)
+        kept = nvidia.make_tensordesc_arg(AddressDescriptor(getattr(ops, src.name).data_ptr(), src), meta)
+        assert real[1:] == kept[1:] and encoded[-2] == encoded[-1], name
+        assert encoded[-1][0] == getattr(ops, src.name).data_ptr() and list(encoded[-1][5]) == list(src.shape)
+
+
 def test_grid_size_one_program_per_tile_or_per_sm_programs():
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 0), 132) == (128, False)
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 2), 132) == (264, True)

@@ -272,8 +272,8 @@ class AddressDescriptor:
 
     def __init__(self, ptr: int, src: DescSrc):
         self.base = _Address(ptr)
-        self.shape = src.shape
-        self.strides = src.strides
+        self.shape = list(src.shape)  # lists, as the JIT call's descriptor gives the encoder
+        self.strides = list(src.strides)
         self.padding = "zero"
 
 
