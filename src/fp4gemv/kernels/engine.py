@@ -69,8 +69,7 @@ from .spec import (DescSrc, ErrorModel, GemvCase, GemvOperands, Src, TritonKerne
                    global_scale_sources)
 
 __all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
-           "STEP_K", "register",
-           "activation_rows"]
+           "STEP_K", "register", "activation_rows", "copy_layout"]
 
 WARPS = 4  # consumer warps; each takes 256 elements of a step
 STEP_K = 256 * WARPS
@@ -506,8 +505,7 @@ def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n,
 
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
-              programs,
-              M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
+              programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
@@ -597,8 +595,7 @@ def _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, tile, units, programs, M, N, n_s
 
 @gluon.jit
 def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, M, N, K, units,
-                       out_stride_m,
-                       out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
+                       out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
                        ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
@@ -673,8 +670,9 @@ class Engine(TritonKernelSpec):
             return f"needs N <= {MAX_N}, got N = {case.n}"
         if case.k % STEP_K:
             return f"needs K a multiple of {STEP_K}, got K = {case.k}"
-        scale_align = case.a.scale_tile_align if case.a.scale_layout == "swizzled" else case.a.scale_align
-        if case.a.align < 16 or scale_align < 16 or case.a.scale_tile_align < 16:
+        # Linear scale rows are copied at every row (scale_align); swizzled atoms are read from 128-row tiles.
+        linear_rows_unaligned = case.a.scale_layout == "linear" and case.a.scale_align < 16
+        if case.a.align < 16 or case.a.scale_tile_align < 16 or linear_rows_unaligned:
             return "needs the weights' and scales' rows at 16-byte aligned addresses (bulk copies)"
         if case.b.align < 16:
             return "b: needs rows contiguous along K at 16-byte aligned addresses (bulk copies)"
@@ -747,15 +745,13 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return kept[-1]
 
 
-
-
 @functools.lru_cache(maxsize=None)
-def _copy_layout(swizzle: int, bits: int, rank: int):
+def copy_layout(swizzle: int, bits: int, rank: int):
     """A copy's shared-memory layout, made once (each construction validates itself: host time every call)."""
     return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
 
 
-def _sources(case: GemvCase, config: EngineConfig, sm_count: int) -> dict:
+def _sources(case: GemvCase, config: EngineConfig) -> dict:
     """The launch's tensor arguments as operand placeholders (``spec.Src`` / ``spec.DescSrc``): the weights', scales'
     and activation's bulk-copy descriptors (weights int64 [K/1024, M, 16], linear scales [K/1024, M, 16] bytes or
     MXFP4's [M, K/32]; swizzled scales are loaded by the consumer, their descriptor the weights'), out, the global
@@ -765,29 +761,23 @@ def _sources(case: GemvCase, config: EngineConfig, sm_count: int) -> dict:
     tiles = config.tiles
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
     w = DescSrc("a_data", torch.uint8, (k // 256, m, 128), (128, case.a.row_stride, 1), (WARPS, 16 * tiles, 128),
-                _copy_layout(128, 8, 3))
+                copy_layout(128, 8, 3))
     swizzled = case.a.scale_layout == "swizzled"
     if swizzled:
         s = w  # not copied
     elif case.fmt.name == "mxfp4":  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
         s = DescSrc("a_scales", torch.uint8, (m, k // 32), (case.a.scales.r32, 1), (16 * tiles, 32),
-                    _copy_layout(0, 8, 2))
+                    copy_layout(0, 8, 2))
     else:
         s = DescSrc("a_scales", torch.uint8, (k // 256, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
-                    _copy_layout(0, 8, 3))
+                    copy_layout(0, 8, 3))
     rows = activation_rows(n)
     x = DescSrc("b_data", torch.bfloat16, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
-                _copy_layout(_x_swizzle(rows), 16, 3))
+                copy_layout(_x_swizzle(rows), 16, 3))
     out = Src("out", case.out_dtype)
     gsa, _ = global_scale_sources(case)
     return dict(w_desc=w, s_desc=s, x_desc=x, out_ptr=out, gsa_ptr=gsa, ws_ptr=out, count_ptr=out,
                 sp_ptr=Src("a_scales", torch.int32 if swizzled else torch.uint8))
-
-
-@functools.lru_cache(maxsize=None)
-def _copy_layout(swizzle: int, bits: int, rank: int):
-    """A copy's shared-memory layout, made once (each construction validates itself)."""
-    return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
 
 
 def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) -> tuple[tuple, dict, dict, bool]:
@@ -804,7 +794,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     w32, l32 = k32_weight_layouts(config.tiles)
     tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
     programs, split = grid_size(tiles, steps, config, sm_count)
-    args = dict(_sources(case, config, sm_count), M=m, N=n, K=k, units=tiles * steps,
+    args = dict(_sources(case, config), M=m, N=n, K=k, units=tiles * steps,
                 out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers("bf16", order))
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,

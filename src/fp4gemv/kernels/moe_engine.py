@@ -60,7 +60,7 @@ from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import multipliers
 from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64, _layouts, _x_operands,
-                     check_ring_config, k32_scale_layout as _k32_scale_layout, k32_scales, k32_step,
+                     check_ring_config, copy_layout, k32_scale_layout as _k32_scale_layout, k32_scales, k32_step,
                      k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
 from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
@@ -657,12 +657,10 @@ def _copy_paths(case: MoeCase, config: MoeEngineConfig) -> tuple[bool, bool]:
 
 
 @functools.lru_cache(maxsize=None)
-@functools.lru_cache(maxsize=None)
 def _copy_layouts():
-    """The shared-memory layouts of the copies (made once: each construction validates itself)."""
-    return dict(w2=gl.NVMMASharedLayout(128, 8, rank=2), w3=gl.NVMMASharedLayout(128, 8, rank=3),
-                s2=gl.NVMMASharedLayout(0, 8, rank=2), x3=gl.NVMMASharedLayout(128, 16, rank=3),
-                x64=gl.NVMMASharedLayout(128, 64, rank=3))
+    """The shared-memory layouts of the copies (``engine.copy_layout``'s, made once)."""
+    return dict(w2=copy_layout(128, 8, 2), w3=copy_layout(128, 8, 3), s2=copy_layout(0, 8, 2),
+                x3=copy_layout(128, 16, 3), x64=copy_layout(128, 64, 3))
 
 
 # The engine launch's first positional arguments that come from each call's tensors (``_call_arguments``).

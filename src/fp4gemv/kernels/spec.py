@@ -30,7 +30,8 @@ from ..formats import FP4Format, dtype_name
 from ..target import Target
 
 __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "TritonKernelSpec", "TritonLaunch",
-           "Src", "DescSrc", "AddressDescriptor", "ScaleAddressing", "linear_scale_addressing", "swizzled_scale_addressing", "alignment",
+           "Src", "DescSrc", "AddressDescriptor", "ScaleAddressing", "linear_scale_addressing",
+           "swizzled_scale_addressing", "alignment",
            "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources", "GEMV_MAX_N",
            "too_many_rows", "MoeCase", "MoeOperands"]
 
