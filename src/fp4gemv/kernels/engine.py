@@ -39,9 +39,10 @@ program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23)
 
 Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms, 16 bytes
 a row r % 32 -- four 32-row groups of 4 bytes: the consumer loads its group's 4-byte words of the step's atoms
-itself, one step ahead of their use, ``_swizzled_words``; tiles 1 or 2 only).  Copying the atoms' 16-byte lines
-through the ring instead moved 4x the scale bytes and, at N = 16, grew the ring past two programs an SM
-(docs/performance.md, round 24).
+itself, one step ahead of their use, each warp its own atoms in the linear pairs' register layout,
+``_swizzled_words``; tiles 1 or 2 only).  Copying the atoms' 16-byte lines through the ring instead moved 4x the
+scale bytes and, at N = 16, grew the ring past two programs an SM; words loaded with warps on other warps' atoms
+cost a barrier a step to rearrange (docs/performance.md, round 24).
 
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
@@ -444,45 +445,51 @@ def k32_step(acc, wslot, s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES: gl
                                      dtype=gl.float32, is_pure=True, pack=8 * TILES)
 
 
-# Registers of the consumer's swizzled scale words ``[atoms, 16 TILES]`` int32: warps on the atoms, lanes on rows.
-SWIZZLED_WORDS = gl.constexpr(gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0]))
+# The consumer's swizzled scale words in registers: NVFP4 ``[WARPS, 16 TILES, 8]`` as the linear slot's 16-bit pairs
+# (``SCALE_PAIRS``: lanes c hold pairs c and c + 4 of their warp), MXFP4 ``[WARPS, 16 TILES, 2]`` (both atoms of a row
+# in one thread's registers, the lanes c replicated): each warp loads only its own atoms' words, so reaching the
+# step's layout moves no data between warps.
+SCALE_PAIRS = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0]))
+K32_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1, 0]))
 
 
 @gluon.jit
-def _swizzled_words(sp_ptr, tile, step, n_steps, ATOMS: gl.constexpr, TILES: gl.constexpr):
+def _swizzled_words(sp_ptr, tile, step, n_steps, TILES: gl.constexpr, MX: gl.constexpr):
     """The program's scale words of step ``step`` from the swizzled scale bytes (128 x 4 atoms of 512 bytes, 16
-    bytes a row r % 32, four 32-row groups q of 4 bytes): ``[ATOMS, 16 TILES]`` int32, word (a, r) the 4 bytes of
-    group q = (row % 128) // 32 of atom ``step ATOMS + a`` for the tile's row r -- loaded by the consumer (one
-    4-byte load per atom and row), not copied through the ring, so that only the group's bytes move."""
+    bytes a row r % 32, four 32-row groups q of 4 bytes: word (atom, r) the 4 bytes of group q = (row % 128) // 32),
+    loaded by the consumer (not copied through the ring, so that only the group's bytes move).  Warp w's blocks
+    are atoms 4 w .. 4 w + 3 (NVFP4: 4 blocks an atom) or 2 w, 2 w + 1 (MXFP4): NVFP4 ``[WARPS, 16 TILES, 8]``
+    int32, element (w, r, p) the word holding pair p (atom 4 w + p // 2, half p % 2); MXFP4 ``[WARPS, 16 TILES,
+    2]``, element (w, r, a) the word of atom 2 w + a."""
     R: gl.constexpr = 16 * TILES
+    ATOMS: gl.constexpr = 8 if MX else 16
     row0 = tile * R
     # int32 words: an atom is 128, a row r % 32 four, a group one
     base = (row0 // 128) * (n_steps * ATOMS * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
-    a = gl.arange(0, ATOMS, layout=gl.SliceLayout(1, SWIZZLED_WORDS))[:, None]
-    r = gl.arange(0, R, layout=gl.SliceLayout(0, SWIZZLED_WORDS))[None, :]
-    return gl.load(sp_ptr + base + a * 128 + r * 4)
+    L: gl.constexpr = K32_WORDS if MX else SCALE_PAIRS
+    E: gl.constexpr = 2 if MX else 8
+    w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None]
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
+    e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
+    atom = 2 * w + e if MX else 4 * w + e // 2
+    return gl.load(sp_ptr + base + atom * 128 + r * 4)
 
 
 @gluon.jit
-def _swizzled_scales(w, TILES: gl.constexpr, LW: gl.constexpr):
+def _swizzled_scales(words, TILES: gl.constexpr, LW: gl.constexpr):
     """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
-    2 (j // 2), 2 (j // 2) + 1, what the linear slot's 16-bit loads give) from the program's words of the step's
-    16 atoms (``_swizzled_words``: 4 columns each)."""
-    R: gl.constexpr = 16 * TILES
-    pairs = gl.join((w & 0xFFFF).to(gl.int16), ((w >> 16) & 0xFFFF).to(gl.int16))  # [16, R, 2]: columns (0, 1), (2, 3)
-    pairs = gl.reshape(gl.permute(gl.reshape(pairs, [4, 4, R, 2]), [0, 2, 1, 3]), [4, R, 8])
-    return gl.convert_layout(gl.reshape(gl.join(pairs, pairs), [4, R, 16]), LW)
+    2 (j // 2), 2 (j // 2) + 1) from ``_swizzled_words``: each pair's half of its word, then as the linear slot's
+    pairs (``SCALE_PAIRS``) are given to both of their elements."""
+    p = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALE_PAIRS)))[None, None, :]
+    s16 = ((words >> (16 * (p % 2))) & 0xFFFF).to(gl.int16)
+    return gl.convert_layout(gl.reshape(gl.join(s16, s16), [4, 16 * TILES, 16]), LW)
 
 
 @gluon.jit
-def _swizzled_scales_k32(w, TILES: gl.constexpr, LW: gl.constexpr):
+def _swizzled_scales_k32(words, TILES: gl.constexpr, LW: gl.constexpr):
     """The k32 step's scales ``[WARPS, 16 TILES]`` int64 (warp w's 8 e8m0 bytes of each row, block J in byte J) in
-    ``SliceLayout(2, LW)`` from the program's words of the step's 8 atoms (``_swizzled_words``: 4 blocks each);
-    warp w's blocks are atoms 2 w (bytes 0-3) and 2 w + 1 (bytes 4-7)."""
-    R: gl.constexpr = 16 * TILES
-    L3W: gl.constexpr = gl.BlockedLayout([1, 2, 1], [1, 1, 32], [4, 1, 1], [2, 1, 0])
-    w = gl.convert_layout(gl.reshape(w, [4, 2, R]), L3W)  # atoms 2 w + a: both of a thread's row in registers
-    lo, hi = gl.split(gl.permute(w, [0, 2, 1]))  # atoms 2 w, 2 w + 1
+    ``SliceLayout(2, LW)`` from ``_swizzled_words``: atom 2 w's word in bytes 0-3, atom 2 w + 1's in bytes 4-7."""
+    lo, hi = gl.split(words)
     s8 = (lo.to(gl.int64) & 0xFFFFFFFF) | (hi.to(gl.int64) << 32)
     return gl.convert_layout(s8, gl.SliceLayout(2, LW))
 
@@ -522,14 +529,14 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
         if SWIZZLED:  # the scale words one step ahead of their use: their load's latency under a step
-            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, n_steps, 8 if MX else 16, TILES)
+            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, n_steps, TILES, MX)
         for v in range(seg0, seg1):
             i = v - start
             slot = i % STAGES
             if SWIZZLED:
                 words = words_next
                 ahead = gl.minimum(v + 1, seg1 - 1) - tile * n_steps  # the last step loads its own again
-                words_next = _swizzled_words(sp_ptr, tile, ahead, n_steps, 8 if MX else 16, TILES)
+                words_next = _swizzled_words(sp_ptr, tile, ahead, n_steps, TILES, MX)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
             if MX:
@@ -835,15 +842,15 @@ def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step
     words32 = (flat << (8 * torch.arange(4))).sum(-1)  # the bytes as little-endian int32 words (unsigned, in int64)
     row0 = tile * rows
     base = (row0 // 128) * (n_steps * per_step * 128) + step * (per_step * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
-    a = torch.arange(per_step)[:, None]
-    r = torch.arange(rows)[None, :]
-    word = words32[base + a * 128 + r * 4]  # [atom, R]
+    w = torch.arange(4)[:, None, None]
+    r = torch.arange(rows)[None, :, None]
+    e = torch.arange(2 if mx else 8)[None, None, :]
+    atom = 2 * w + e if mx else 4 * w + e // 2
+    words = words32[base + atom * 128 + r * 4]  # _swizzled_words: [4, R, 2] (MXFP4) or [4, R, 8]
     if mx:
-        w = word.reshape(4, 2, rows)  # atoms 2 w + a
-        return (w[:, 0] & 0xFFFFFFFF) | (w[:, 1] << 32)
-    pairs = torch.stack([word & 0xFFFF, (word >> 16) & 0xFFFF], -1)  # gl.join: [atom, R, 2], columns (0, 1), (2, 3)
-    pairs = pairs.reshape(4, 4, rows, 2).permute(0, 2, 1, 3).reshape(4, rows, 8)
-    return torch.stack([pairs, pairs], -1).reshape(4, rows, 16)  # each pair given to both of its elements
+        return (words[..., 0] & 0xFFFFFFFF) | (words[..., 1] << 32)
+    s16 = (words >> (16 * (e % 2))) & 0xFFFF  # pair p: half p % 2 of its word
+    return torch.stack([s16, s16], -1).reshape(4, rows, 16)  # each pair given to both of its elements
 
 
 def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, tiles: int = 2,
