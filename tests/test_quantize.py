@@ -10,6 +10,7 @@ their block's scale and one ulp either side, blocks spanning many binades, the i
 subnormal values.
 """
 
+import importlib
 import math
 
 import pytest
@@ -566,3 +567,32 @@ def test_gpu_reference_backend_matches_the_cpu(fmt):
 @pytest.mark.gpu
 def test_gpu_quantize_and_dequantize_a_real_sized_weight():
     check_real_sized_weight("cuda")
+
+
+@pytest.mark.parametrize("op", ["quantize", "dequantize"])
+@pytest.mark.parametrize("layout, global_scale", [("linear", None), ("swizzled", 0.5)])
+def test_kept_launch_addresses_are_the_operands_the_kernel_reads(monkeypatch, op, layout, global_scale):
+    """A kept (de)quantize launch fills each pointer argument from the call's addresses by operand name (``ops
+    .KeptLaunch``, CUDA with Triton 3.6): for the table's kernel on an sm_90 target, every pointer the JIT call
+    would pass (``fill_sources``) is the address the kept launch puts in its place."""
+    q = importlib.import_module("fp4gemv.quantize")  # the module (fp4gemv.quantize is the op)
+    from fp4gemv.kernels.spec import Src, fill_sources
+    from fp4gemv.target import SM90
+    x = torch.randn(2, 200, 256, dtype=torch.bfloat16)
+    g = None if global_scale is None else torch.tensor(global_scale)
+    t = quantize(x, "mxfp4", layout, g)
+    seen = []
+    monkeypatch.setattr(q.KeptQuantize, "run", lambda self, operands, addresses: seen.append((self, operands,
+                                                                                              addresses)))
+    if op == "quantize":
+        q._quantize_into(x, formats.resolve_format("nvfp4"), layout, g, None, SM90)
+    else:
+        monkeypatch.setattr(q, "_resolve_backend", lambda backend, device: SM90)
+        dequantize(t, torch.float16)
+    kept, operands, addresses = seen[-1]
+    assert kept.plan.spec.name == op
+    filled = fill_sources(kept._template.args, operands)
+    pointers = [name for name, v in kept._template.args.items() if isinstance(v, Src)]
+    assert len(pointers) == 4
+    for name in pointers:
+        assert addresses[kept._fields[kept._template.args[name].name]] == filled[name].data_ptr(), name

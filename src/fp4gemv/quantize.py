@@ -2,23 +2,27 @@
 (:func:`dequantize`).  ``fp4gemv.quantize`` (``library.py``) runs :func:`quantize` eagerly and the custom op
 ``torch.ops.fp4gemv.quantize`` under ``torch.compile``.
 
-Both run a Triton kernel on CUDA tensors (``kernels/quantize.py``) and the exact CPU path of ``formats``
-elsewhere; the two give the same bytes (quantize) and the same bits (dequantize) on the same input, so the
-CPU path is the definition: ``formats.quantize`` documents every rounding (NVFP4 per NVIDIA ModelOpt, MXFP4
+Both go through the kernel table (``kernels.QUANTIZE_KERNELS`` / ``DEQUANTIZE_KERNELS``) and a plan kept for
+their metadata (``KeptQuantize``, in ``ops``' cache: on CUDA with Triton 3.6 later calls launch the compiled kernel
+on the operands' addresses, without the JIT's dispatch): a Triton kernel where Triton runs (``kernels/quantize.py``)
+and the exact CPU path of ``formats`` elsewhere (``kernels.reference``); the two give the same bytes (quantize) and
+the same bits (dequantize) on the same input, so the CPU path is the definition: ``formats.quantize`` documents every rounding (NVFP4 per NVIDIA ModelOpt, MXFP4
 per the OCP Microscaling spec), ``formats.dequantize`` the single rounding of the exact value.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
-import triton
 
 from . import formats, layouts
-from .kernels.spec import linear_scale_addressing, swizzled_scale_addressing
-from .target import resolve_target
-from .kernels.quantize import FLOAT_CODES, QuantizeConfig, dequantize_kernel, quantize_config, quantize_kernel
+from .kernels import DEQUANTIZE_KERNELS, QUANTIZE_KERNELS, choose_kernel
+from .kernels.quantize import (DequantizeCase, DequantizeOperands, QuantizeCase, QuantizeConfig, QuantizeOperands,
+                               pair_dtype)
+from .kernels.spec import DIRECT_LAUNCH, linear_scale_addressing, swizzled_scale_addressing
+from .ops import KeptLaunch, keep_call, kept_call
+from .target import Target, resolve_target
 from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, check_device_with_values, checked_global_scale
 
 __all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
@@ -30,12 +34,12 @@ _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def _resolve_backend(backend: str, device: torch.device) -> Target:
     """'auto': the Triton kernel on CUDA, the CPU path elsewhere; 'triton' off CUDA only under TRITON_INTERPRET=1
     (``target.resolve_target``, gemv's rule)."""
     if backend not in QUANTIZE_BACKENDS:
         raise ValueError(f"backend: expected one of {', '.join(map(repr, QUANTIZE_BACKENDS))}, got {backend!r}")
-    return "triton" if resolve_target(backend, device).runs_triton else "reference"
+    return resolve_target(backend, device)
 
 
 def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
@@ -100,16 +104,75 @@ def _scale_addressing(scales: torch.Tensor, layout: str, cols: int):
     return swizzled_scale_addressing(scales.stride(0) if scales.dim() == 2 else 0, cols)
 
 
-def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
-                     config: QuantizeConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+class QuantizePlan(NamedTuple):
+    """One quantize or dequantize launch as the table chose it: the spec, its case, configuration and target."""
+
+    spec: Any
+    case: QuantizeCase | DequantizeCase
+    config: QuantizeConfig | None
+    target: Target
+
+
+class KeptQuantize(KeptLaunch):
+    """A quantize or dequantize plan kept for its metadata (``ops``' cache): the first call launches through
+    Triton's JIT; on CUDA (Triton 3.6) later calls launch the compiled kernel on the operands' addresses
+    (``ops.KeptLaunch``).  The reference runs ``spec.launch`` on every call."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: QuantizePlan, fields: dict[str, int], device: torch.device):
+        # The JIT launches on the current device's stream: so does the kept launch (that device is keyed).
+        cuda = device.type == "cuda"
+        super().__init__(plan, fields, torch.device("cuda", torch.cuda.current_device()) if cuda else device,
+                         DIRECT_LAUNCH)
+        self.plan = plan
+
+    def run(self, operands: QuantizeOperands | DequantizeOperands, addresses: tuple[int, ...]) -> None:
+        if self._compiled is not None:
+            self._launch(addresses)
+        elif self._template is not None:
+            self._launch_jit(operands)
+        else:
+            self.plan.spec.launch(operands, self.plan.config, self.plan.target)
+
+
+# Operand name -> index in the addresses a kept launch is given.
+_QUANTIZE_FIELDS = {"x_words": 0, "data": 1, "scales": 2, "global_scale": 3}
+_DEQUANTIZE_FIELDS = {"data": 0, "scales": 1, "global_scale": 2, "out_words": 3}
+
+
+def _kept(op: str, case, target: Target, config: QuantizeConfig | None, aligned: tuple[int, ...],
+          kernels: tuple, fields: dict[str, int], device: torch.device) -> KeptQuantize:
+    """The kept plan of ``case`` (the table's choice, ``config`` resolved), made on the first call of its metadata:
+    the case, target, configuration and operands' address alignments (what the JIT specializes on)."""
+    where = torch.cuda.current_device() if device.type == "cuda" else None
+    key = (op, case, target, type(config), config, aligned, device, where)
+    kept = kept_call(key)
+    if kept is None:
+        spec = choose_kernel(case, target, None, kernels)
+        # A tile configures the kernels; the reference (no configuration) computes the same bytes without one.
+        plan = QuantizePlan(spec, case, spec.resolve_config(config if spec.config_type else None, case, target),
+                            target)
+        kept = keep_call(key, KeptQuantize(plan, fields, device))
+    return kept
+
+
+def _quantize_into(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
+                   config: QuantizeConfig | None, target: Target) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed bytes, scale bytes) of checked ``x``, through the table's kept plan."""
     *batch, rows, k = x.shape
     cols = k // fmt.block_size
-    if x.dtype == torch.float64:
-        x = x.to(torch.float32)  # formats.quantize rounds float64 to float32 first too
-    try:
-        words = _pairs(x)
-    except RuntimeError:  # an odd row stride or offset: the pairs need an even-aligned copy
-        words = _pairs(x.contiguous())
+    words = x  # what the kernel reads: x as pair words (the reference reads x)
+    if target.runs_triton:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.dtype == torch.float64:
+            x = x.to(torch.float32)  # formats.quantize rounds float64 to float32 first too
+        try:
+            words = _pairs(x)
+        except RuntimeError:  # an odd row stride or offset: the pairs need an even-aligned copy
+            x = x.contiguous()
+            words = _pairs(x)
     data = torch.empty((*batch, rows, k // 2), dtype=torch.uint8, device=x.device)
     if layout == "linear":
         scales = torch.empty((*batch, rows, cols), dtype=torch.uint8, device=x.device)
@@ -120,14 +183,12 @@ def _launch_quantize(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: to
         scales = (torch.zeros if padded else torch.empty)((*batch, rows_p * cols_p), dtype=torch.uint8,
                                                           device=x.device)
     w3, d3 = _as_3d(words), _as_3d(data)
-    cfg = config or quantize_config(fmt.block_size)
-    grid = (triton.cdiv(rows, cfg.rows), triton.cdiv(cols, cfg.blocks), w3.shape[0])
-    quantize_kernel[grid](
-        w3, d3, scales, data if g is None else g, rows, cols, w3.stride(0), w3.stride(1), d3.stride(0),
-        d3.stride(1), *_scale_addressing(scales, layout, cols),
-        FLOAT_CODES[formats.dtype_name(x.dtype)], fmt.name, g is not None, cfg.rows, cfg.blocks,
-        cfg.float64_reciprocal, num_warps=cfg.num_warps,
-    )
+    case = QuantizeCase(fmt, w3.shape[0], rows, k, x.dtype, (w3.stride(0), w3.stride(1)), (d3.stride(0), d3.stride(1)),
+                        layout, _scale_addressing(scales, layout, cols), g is not None)
+    addresses = (words.data_ptr(), data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr())
+    kept = _kept("quantize", case, target, config, tuple(a & 15 for a in addresses), QUANTIZE_KERNELS,
+                 _QUANTIZE_FIELDS, x.device)
+    kept.run(QuantizeOperands(case, x, words, data, scales, g), addresses)
     return data, scales
 
 
@@ -201,16 +262,10 @@ def quantize(
     Raises TypeError / ValueError naming the argument, the expected and the actual.
     """
     fmt = check_quantize_arguments(x, fmt, scale_layout, backend, config)
-    resolved = _resolve_backend(backend, x.device)
+    target = _resolve_backend(backend, x.device)
     g = global_scale_tensor(global_scale, fmt, x, check_values)
-    if resolved == "reference":
-        data, scales = formats.quantize(x, fmt, g)
-        if scale_layout == "swizzled":
-            scales = layouts.swizzle_scales(scales)
-    else:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        data, scales = _launch_quantize(x, fmt, scale_layout, g, config)
+    with torch.no_grad():  # quantized bytes carry no gradient on any backend
+        data, scales = _quantize_into(x, fmt, scale_layout, g, config, target)
     if check_values and bool((scales == formats.NAN_SCALE_BYTE[fmt.name]).any()):
         where = "x / global_scale" if fmt.name == "mxfp4" and g is not None else "x"
         raise ValueError(f"{where}: expected finite values (NaN and infinity have no FP4 encoding)")
@@ -239,21 +294,19 @@ def dequantize(
     if dtype not in (*_OUTPUT_DTYPES, torch.float64):
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
     t = t.with_code_order("checkpoint")
-    resolved = _resolve_backend(backend, t.device)
+    target = _resolve_backend(backend, t.device)
     _check_config(config)
-    if resolved == "reference" or dtype == torch.float64:
-        with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
-            return formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, dtype)
     cols = t.k // t.fmt.block_size
     out = torch.empty(t.shape, dtype=dtype, device=t.device)
-    o3, d3 = _as_3d(_pairs(out)), _as_3d(t.data)
-    cfg = config or quantize_config(t.fmt.block_size)
-    grid = (triton.cdiv(t.rows, cfg.rows), triton.cdiv(cols, cfg.blocks), d3.shape[0])
+    out_words = out if dtype == torch.float64 else _pairs(out)  # the kernel writes pair words
+    o3, d3 = _as_3d(out_words), _as_3d(t.data)
     g = t.global_scale
-    dequantize_kernel[grid](
-        d3, t.scales, t.data if g is None else g, o3, t.rows, cols, d3.stride(0), d3.stride(1),
-        *_scale_addressing(t.scales, t.scale_layout, cols), o3.stride(0), o3.stride(1),
-        FLOAT_CODES[formats.dtype_name(dtype)], t.fmt.name, g is not None, cfg.rows, cfg.blocks,
-        num_warps=cfg.num_warps,
-    )
+    case = DequantizeCase(t.fmt, d3.shape[0], t.rows, t.k, (d3.stride(0), d3.stride(1)), t.scale_layout,
+                          _scale_addressing(t.scales, t.scale_layout, cols), g is not None, dtype,
+                          (o3.stride(0), o3.stride(1)))
+    addresses = (t.data.data_ptr(), t.scales.data_ptr(), 0 if g is None else g.data_ptr(), out_words.data_ptr())
+    kept = _kept("dequantize", case, target, config, tuple(a & 15 for a in addresses), DEQUANTIZE_KERNELS,
+                 _DEQUANTIZE_FIELDS, t.device)
+    with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
+        kept.run(DequantizeOperands(case, t.data, t.scales, g, out, out_words), addresses)
     return out

@@ -128,3 +128,15 @@ from .reference import CombineReference  # noqa: E402
 
 COMBINE_KERNELS: tuple[KernelSpec, ...] = (MoeCombine(), CombineReference())
 __all__ += ["COMBINE_KERNELS"]
+
+
+# --- quantize and dequantize (fp4gemv.quantize, fp4gemv.dequantize) ------------------------------------------------
+# The tables ``fp4gemv.quantize`` reads (``quantize.QuantizeCase`` / ``DequantizeCase``): the kernels where Triton
+# runs, ``formats``' exact CPU path otherwise (and for float64 results, the exact value).
+
+from .quantize import Dequantize, Quantize  # noqa: E402
+from .reference import DequantizeReference, QuantizeReference  # noqa: E402
+
+QUANTIZE_KERNELS: tuple[KernelSpec, ...] = (Quantize(), QuantizeReference())
+DEQUANTIZE_KERNELS: tuple[KernelSpec, ...] = (Dequantize(), DequantizeReference())
+__all__ += ["QUANTIZE_KERNELS", "DEQUANTIZE_KERNELS"]

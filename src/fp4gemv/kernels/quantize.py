@@ -19,14 +19,20 @@ packed bytes come out in the words' own layout.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
+from ..formats import FP4Format, dtype_name
+from ..target import Target
 from ._common import decode_scale, scale_row_offset
+from .spec import ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
-__all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES"]
+__all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES", "QuantizeCase",
+           "QuantizeOperands", "DequantizeCase", "DequantizeOperands", "Quantize", "Dequantize", "pair_dtype"]
 
 # How a kernel names the float dtype of its pair words.
 FLOAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -53,6 +59,143 @@ def quantize_config(block_size: int) -> QuantizeConfig:
     in 4 warps, so each thread has several 16-byte loads in flight.  Not yet tuned on the GPU
     (``benchmarks/quantize_speed.py`` sweeps the alternatives)."""
     return QuantizeConfig(8, 512 // block_size)
+
+
+def pair_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The words a float tensor of ``dtype`` is read or written as, two elements each (module docstring)."""
+    return torch.int64 if dtype == torch.float32 else torch.int32
+
+
+@dataclass(frozen=True)
+class QuantizeCase:
+    """Quantizing floats ``[L, R, K]`` of ``x_dtype`` (read as pair words, ``x_strides`` their batch and row
+    strides in words) to ``fmt`` bytes ``[L, R, K/2]`` (``data_strides``) and scale bytes at ``scales``
+    (``layout``), divided by a global scale where ``has_global_scale``: what a quantize kernel may look at."""
+
+    fmt: FP4Format
+    batch: int
+    rows: int
+    k: int
+    x_dtype: torch.dtype
+    x_strides: tuple[int, int]
+    data_strides: tuple[int, int]
+    layout: str
+    scales: ScaleAddressing
+    has_global_scale: bool
+
+    def describe(self) -> str:
+        return (f"quantizing {dtype_name(self.x_dtype)} [{self.batch}, {self.rows}, {self.k}] to {self.fmt.name} "
+                f"with {self.layout} scales")
+
+
+class QuantizeOperands(NamedTuple):
+    """The tensors of one quantization: x as given (floats), x as pair words, the results' bytes and scale bytes,
+    and the fp32 global scale (or None)."""
+
+    case: QuantizeCase
+    x: torch.Tensor
+    x_words: torch.Tensor
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class DequantizeCase:
+    """``fmt`` bytes ``[L, R, K/2]`` (``data_strides``) with ``layout`` scales at ``scales`` (and a global scale
+    where ``has_global_scale``) to floats of ``out_dtype`` (written as pair words, ``out_strides`` in words)."""
+
+    fmt: FP4Format
+    batch: int
+    rows: int
+    k: int
+    data_strides: tuple[int, int]
+    layout: str
+    scales: ScaleAddressing
+    has_global_scale: bool
+    out_dtype: torch.dtype
+    out_strides: tuple[int, int]
+
+    def describe(self) -> str:
+        return (f"dequantizing {self.fmt.name} [{self.batch}, {self.rows}, {self.k}] with {self.layout} scales to "
+                f"{dtype_name(self.out_dtype)}")
+
+
+class DequantizeOperands(NamedTuple):
+    """The tensors of one dequantization: packed bytes, scale bytes, the global scale (or None), the result (and
+    it as pair words)."""
+
+    case: DequantizeCase
+    data: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    out: torch.Tensor
+    out_words: torch.Tensor
+
+
+def _grid(rows: int, k: int, batch: int, block_size: int, config: QuantizeConfig) -> tuple[int, int, int]:
+    return triton.cdiv(rows, config.rows), triton.cdiv(k // block_size, config.blocks), batch
+
+
+class _Tiled(TritonKernelSpec):
+    """What both kernels' specs share: a tile of ``rows`` x ``blocks`` (``QuantizeConfig``), Triton targets only."""
+
+    config_type = QuantizeConfig
+
+    def why_not(self, case, target: Target) -> str | None:
+        return None if target.runs_triton else "runs Triton kernels only"
+
+    def default_config(self, case, target: Target) -> QuantizeConfig:
+        return quantize_config(case.fmt.block_size)
+
+    def check_config(self, config: QuantizeConfig, case=None) -> None:
+        check_powers_of_two(config, ("rows", "blocks", "num_warps"))
+
+
+class Quantize(_Tiled):
+    """``quantize_kernel``: any float input read as pair words, either scale layout, bit for bit as
+    ``formats.quantize``."""
+
+    name = "quantize"
+
+    def triton_launch(self, case: QuantizeCase, config: QuantizeConfig, target: Target) -> TritonLaunch:
+        gs = Src("global_scale", torch.float32) if case.has_global_scale else Src("data", torch.uint8)  # not read
+        args = dict(x_ptr=Src("x_words", pair_dtype(case.x_dtype)), data_ptr=Src("data", torch.uint8),
+                    scales_ptr=Src("scales", torch.uint8), gs_ptr=gs, rows=case.rows,
+                    n_blocks=case.k // case.fmt.block_size, x_stride_l=case.x_strides[0],
+                    x_stride_r=case.x_strides[1], data_stride_l=case.data_strides[0],
+                    data_stride_r=case.data_strides[1], sf_stride_l=case.scales.batch,
+                    sf_row_tile=case.scales.row_tile, sf_r32=case.scales.r32, sf_r4=case.scales.r4,
+                    sf_col_tile=case.scales.col_tile, FLOAT_CODE=FLOAT_CODES[dtype_name(case.x_dtype)],
+                    FORMAT=case.fmt.name, HAS_GLOBAL=case.has_global_scale, ROWS=config.rows,
+                    BLOCKS=config.blocks, FLOAT64_RECIPROCAL=config.float64_reciprocal)
+        return TritonLaunch(quantize_kernel, _grid(case.rows, case.k, case.batch, case.fmt.block_size, config), args,
+                            dict(num_warps=config.num_warps))
+
+
+class Dequantize(_Tiled):
+    """``dequantize_kernel``: float32, float16 and bfloat16 results, each value rounded once, bit for bit as
+    ``formats.dequantize``."""
+
+    name = "dequantize"
+
+    def why_not(self, case: DequantizeCase, target: Target) -> str | None:
+        if case.out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return f"writes float32, float16 or bfloat16 (the reference computes {dtype_name(case.out_dtype)})"
+        return super().why_not(case, target)
+
+    def triton_launch(self, case: DequantizeCase, config: QuantizeConfig, target: Target) -> TritonLaunch:
+        gs = Src("global_scale", torch.float32) if case.has_global_scale else Src("data", torch.uint8)  # not read
+        args = dict(data_ptr=Src("data", torch.uint8), scales_ptr=Src("scales", torch.uint8), gs_ptr=gs,
+                    out_ptr=Src("out_words", pair_dtype(case.out_dtype)), rows=case.rows,
+                    n_blocks=case.k // case.fmt.block_size, data_stride_l=case.data_strides[0],
+                    data_stride_r=case.data_strides[1], sf_stride_l=case.scales.batch,
+                    sf_row_tile=case.scales.row_tile, sf_r32=case.scales.r32, sf_r4=case.scales.r4,
+                    sf_col_tile=case.scales.col_tile, out_stride_l=case.out_strides[0],
+                    out_stride_r=case.out_strides[1], FLOAT_CODE=FLOAT_CODES[dtype_name(case.out_dtype)],
+                    FORMAT=case.fmt.name, HAS_GLOBAL=case.has_global_scale, ROWS=config.rows, BLOCKS=config.blocks)
+        return TritonLaunch(dequantize_kernel, _grid(case.rows, case.k, case.batch, case.fmt.block_size, config),
+                            args, dict(num_warps=config.num_warps))
 
 
 @triton.jit

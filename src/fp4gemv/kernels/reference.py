@@ -3,12 +3,16 @@ with ``backend="auto"``, on tensors off CUDA)."""
 
 from __future__ import annotations
 
+import torch
+
+from .. import formats, layouts
 from ..formats import CODE_ORDERS
 from ..reference import combine_reference, fp4_values, gemv_reference, route_reference, routed_gemv_reference
 from ..target import Target
 from .spec import GemvOperands, KernelSpec, MoeOperands
 
-__all__ = ["Reference", "MoeReference", "RouteReference", "CombineReference"]
+__all__ = ["Reference", "MoeReference", "RouteReference", "CombineReference", "QuantizeReference",
+           "DequantizeReference"]
 
 _ONLY_WHEN_ASKED = "the reference runs only when asked for (or off CUDA with backend 'auto')"
 
@@ -80,3 +84,40 @@ class CombineReference(_AskedReference):
 
     def launch(self, ops, config, target: Target) -> None:
         ops.out.copy_(combine_reference(ops.y, ops.case.out_dtype))
+
+
+# --- quantize and dequantize (fp4gemv.quantize, fp4gemv.dequantize) ------------------------------------------------
+
+class QuantizeReference(_AskedReference):
+    """``formats.quantize`` (the definition every kernel matches bit for bit) of x, its scale bytes swizzled where
+    asked, copied into the results."""
+
+    name = "quantize_reference"
+
+    def launch(self, ops, config, target: Target) -> None:
+        case = ops.case
+        data, scales = formats.quantize(ops.x, case.fmt, ops.global_scale)
+        if case.layout == "swizzled":
+            scales = layouts.swizzle_scales(scales)
+        ops.data.copy_(data)
+        ops.scales.copy_(scales)
+
+
+class DequantizeReference(_AskedReference):
+    """``formats.dequantize`` (the exact value rounded once; float64 the exact value itself) of the bytes, copied
+    into the result."""
+
+    name = "dequantize_reference"
+
+    def why_not(self, case, target: Target) -> str | None:
+        if case.out_dtype == torch.float64:
+            return None  # the exact value: only the reference computes it
+        return super().why_not(case, target)
+
+    def launch(self, ops, config, target: Target) -> None:
+        case = ops.case
+        scales = ops.scales
+        if case.layout == "swizzled":
+            scales = layouts.unswizzle_scales(scales, case.rows, case.k // case.fmt.block_size)
+        with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
+            ops.out.copy_(formats.dequantize(ops.data, scales, case.fmt, ops.global_scale, case.out_dtype))
