@@ -4,6 +4,8 @@ of the same bytes, in one process.
 
     PYTHONPATH=src python benchmarks/engine_ab.py [VARIANT ...]   -> engine_ab.json in $OUT (or .)
 
+``NS`` (default 1,8,16) and ``SHAPES`` (default the six below, e.g. ``SHAPES=4096x14336,4096x4096``) choose the rows.
+
 A variant is ``FMT:LAYOUT:ORDER:KERNEL[:CONFIG]`` (KERNEL ``auto`` = the library's choice; CONFIG the engine's
 ``tiles,stages,maxnreg,per_sm``, stages 0 for the default ring at N), e.g. ``nvfp4:swizzled:checkpoint:auto`` (what ``FP4Linear`` runs today) or
 ``nvfp4:linear:native:engine:2,3,128,2``.  Timing: ``bench.timing.device_time_us`` (one CUDA
@@ -27,6 +29,8 @@ from fp4gemv.library import gemv
 
 OUT = os.environ.get("OUT", ".")
 SHAPES = ((7168, 16384), (28672, 8192), (14336, 4096), (4096, 14336), (4096, 4096), (5760, 2880))
+if os.environ.get("SHAPES"):  # e.g. SHAPES=4096x14336,4096x4096
+    SHAPES = tuple(tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(","))
 NS = tuple(int(v) for v in os.environ.get("NS", "1,8,16").split(","))
 DEFAULT_VARIANTS = ("nvfp4:swizzled:checkpoint:auto", "nvfp4:swizzled:native:auto", "nvfp4:linear:native:auto",
                     "nvfp4:linear:native:engine", "mxfp4:swizzled:checkpoint:auto", "mxfp4:swizzled:native:auto")

@@ -17,7 +17,7 @@ from fp4gemv.kernels.engine import (STEP_K, Engine, EngineConfig, engine_config,
 from fp4gemv.layouts import swizzle_scales
 from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import quantized_gemv_reference
-from fp4gemv.target import SM90, Target
+from fp4gemv.target import SM90, Target, device_target
 
 
 def _exact(a_data, a_scales, b, fmt="nvfp4"):
@@ -152,6 +152,12 @@ def test_dispatch_on_sm90_from_nine_rows_with_linear_scales():
 def test_default_config_and_bad_configs():
     assert engine_config(_case(n=16)) == EngineConfig(2, 2, 128)
     assert engine_config(_case(n=8)) == EngineConfig(2, 3, 128)
+    # one tile a program where the 32-row tiles leave multiprocessors idle (round 25)
+    for m, n, tiles in ((4096, 16, 1), (4096, 13, 1), (4096, 12, 2), (4096, 9, 2), (4224, 16, 1), (4256, 16, 2),
+                        (2048, 9, 1), (2112, 9, 1), (2144, 9, 2), (7168, 16, 2), (2048, 8, 2)):
+        assert engine_config(_case(m=m, k=1024, n=n), 132).tiles == tiles, (m, n)
+    assert Engine().default_config(_case(n=16), SM90) == EngineConfig(1, 2, 128)
+    assert engine_config(_case(n=16), 0) == EngineConfig(2, 2, 128)  # multiprocessors unknown
     spec = Engine()
     for bad, words in ((EngineConfig(3, 2, 128), "tiles"), (EngineConfig(2, 0, 128), "stages"),
                        (EngineConfig(2, 2, 100), "maxnreg"), (EngineConfig(2, 2, 128, 5), "per_sm")):
@@ -228,13 +234,14 @@ _COMPILE = textwrap.dedent("""
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import engine_launch, engine_config
-    for fmt, n, layout in (("nvfp4", 1, "linear"), ("nvfp4", 3, "linear"), ("nvfp4", 8, "linear"),
-                           ("nvfp4", 16, "linear"), ("mxfp4", 1, "linear"), ("mxfp4", 16, "linear"),
-                           ("nvfp4", 16, "swizzled"), ("mxfp4", 16, "swizzled")):
+    for fmt, n, layout, tiles in (("nvfp4", 1, "linear", 2), ("nvfp4", 3, "linear", 2), ("nvfp4", 8, "linear", 2),
+                                  ("nvfp4", 16, "linear", 2), ("mxfp4", 1, "linear", 2), ("mxfp4", 16, "linear", 2),
+                                  ("nvfp4", 16, "swizzled", 2), ("mxfp4", 16, "swizzled", 2),
+                                  ("nvfp4", 16, "swizzled", 1), ("mxfp4", 16, "swizzled", 1)):
         a = O.random_fp4((4096, 4096), fmt, layout, seed=1, device="cpu")
         b = O.random_activation((n, 4096), torch.bfloat16, seed=2, device="cpu")
         ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
-        config = engine_config(ops.case)
+        config = engine_config(ops.case)._replace(tiles=tiles)
         kernel, grid, args, options = engine_launch(ops, config)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -243,20 +250,21 @@ _COMPILE = textwrap.dedent("""
         listing = sass_listing(c)
         ops_ = collections.Counter(op.split(".")[0] for _, op, _ in listing)
         bars = sum(op.startswith("BAR") for _, op, _ in mma_loop(listing))
-        print(fmt, layout, n, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
+        print(fmt, layout, n, config.tiles, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
               c.metadata.shared, bars, local_memory(c))
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 8
+    assert len(lines) == 10
     for line in lines:
-        fmt, layout, n, maxnreg, regs, tma, mma, syncs, shared, bars, local = line.split(" ", 10)
+        fmt, layout, n, tiles, maxnreg, regs, tma, mma, syncs, shared, bars, local = line.split(" ", 11)
         assert int(regs) <= int(maxnreg), line
         # weights, scales and activation through the copy engine (swizzled scales: loaded by the consumer)
         assert int(tma) == (2 if layout == "swizzled" else 3), line
-        assert int(mma) == (64 if int(n) > 8 else 32), line  # 2 tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
+        # tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
+        assert int(mma) == 16 * int(tiles) * (2 if int(n) > 8 else 1), line
         assert int(syncs) > 0, line  # mbarrier waits and arrivals
         # two programs an SM (228 KB, 1 KB reserved a program): at 122916 bytes one fit, 1.5x slower (round 24)
         assert int(shared) <= 233472 // 2 - 1024, line
@@ -277,7 +285,8 @@ def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compil
 def test_ptx_exact(layout, out_dtype, m, k, n):
     a = O.random_fp4((m, k), "nvfp4", layout, seed=m + n, global_scale=0.375 if n % 2 else None, device="cuda")
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
-    default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
+    default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
+                                      device_target(a.data.device))
     configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=1), EngineConfig(1, 3, 128, 3)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs += [EngineConfig(4, 2, 168), EngineConfig(4, 2, 168, 2)]
@@ -325,7 +334,8 @@ def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
     """MXFP4 weights (e8m0 scales in either layout) on the engine's k32 step."""
     a = O.random_fp4((m, k), "mxfp4", layout, seed=m + n, device="cuda")
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
-    default = engine_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case)
+    default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
+                                      device_target(a.data.device))
     configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=2)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs.append(EngineConfig(4, 2, 168))

@@ -94,11 +94,23 @@ TILES = (1, 2, 4)
 PRODUCER_REGS = 40
 
 
-def engine_config(case: GemvCase) -> EngineConfig:
-    """2 tiles; 2 ring slots where N > 8 (the 16-row activation slice makes a slot 50 KB), else 3 (H200, round 14
-    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16); one
+# One tile a program (16 rows) where N > 8 and the 32-row tiles are few (docs/performance.md, round 25, H100): at
+# most half the multiprocessors (2048 x 8192, 64 tiles: 9.4-10.5 against 11.5-12.0 µs at N = 9 and 16, both
+# formats and scale layouts), or at most one a multiprocessor from N = ONE_TILE_N (4096 x 4096 and 4096 x 14336,
+# 128 tiles: faster from N = 14 by 2-18%, mixed at 12, slower at 9-10 by 1-20%).  At 224 tiles (7168 x 16384) 2
+# tiles are 17-40% faster at N = 9 and 16.
+ONE_TILE_N = 13
+
+
+def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
+    """2 ring slots where N > 8 (the 16-row activation slice makes a slot 50 KB), else 3; 2 tiles (H200, round 14
+    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16), or 1
+    where the row tiles leave multiprocessors idle (``ONE_TILE_N``; ``sm_count`` 0: unknown, 2 tiles); one
     program per row tile (round 23: the persistent grid, 1 or 2 programs per SM, was slower on 4 of 5 shapes)."""
-    return EngineConfig(2, 2 if case.n > 8 else 3, 128)
+    row_tiles = -(-case.m // 32)
+    few = case.n > 8 and sm_count > 0 and (2 * row_tiles <= sm_count or
+                                          (row_tiles <= sm_count and case.n >= ONE_TILE_N))
+    return EngineConfig(1 if few else 2, 2 if case.n > 8 else 3, 128)
 
 
 def register(b: int, u: int, h: int, t: int) -> int:
@@ -689,7 +701,7 @@ class Engine(TritonKernelSpec):
         return ErrorModel(tensor_cores=True, fold=step_fold_exponent(case.fmt.name))
 
     def default_config(self, case: GemvCase, target: Target) -> EngineConfig:
-        return engine_config(case)
+        return engine_config(case, target.sm_count)
 
     def check_config(self, config: EngineConfig, case: GemvCase | None = None) -> None:
         check_ring_config(config)
