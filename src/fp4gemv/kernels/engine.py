@@ -50,8 +50,9 @@ program order), one rounding to the output dtype.
 
 What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a
 multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
-rounds 14 and 24): N >= 9, both formats and scale layouts (at N = 16 swizzled scales take 1.1-1.4x the linear ones'
-time; swizzled NVFP4 is level with the streaming kernel overall, MXFP4 1.24-1.8x faster than weight_only).
+rounds 14, 24 and 25): N >= 9, both formats and scale layouts (at N = 16 swizzled scales within 3% of the linear
+ones' time since round 25; NVFP4 swizzled 1.16-1.46x faster than the streaming kernel on an H100, MXFP4 1.24-1.8x
+faster than weight_only).
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ PRODUCER_REGS = 40
 # One tile a program (16 rows) where N > 8 and the 32-row tiles are few (docs/performance.md, round 25, H100): at
 # most half the multiprocessors (2048 x 8192, 64 tiles: 9.4-10.5 against 11.5-12.0 µs at N = 9 and 16, both
 # formats and scale layouts), or at most one a multiprocessor from N = ONE_TILE_N (4096 x 4096 and 4096 x 14336,
-# 128 tiles: faster from N = 14 by 2-18%, mixed at 12, slower at 9-10 by 1-20%).  At 224 tiles (7168 x 16384) 2
-# tiles are 17-40% faster at N = 9 and 16.
+# 128 tiles: faster from N = 14 by 3-18%, mixed at 12, slower at 9-10 by 1-21%).  At 224 tiles (7168 x 16384) 2
+# tiles are 19-42% faster at N = 9 and 16.
 ONE_TILE_N = 13
 
 
