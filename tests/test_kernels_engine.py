@@ -233,15 +233,19 @@ _COMPILE = textwrap.dedent("""
     from aot import jit_specialization, sass_listing, registers, local_memory, mma_loop
     import operands as O
     from fp4gemv.ops import gemv_operands
-    from fp4gemv.kernels.engine import engine_launch, engine_config
+    from fp4gemv.kernels.engine import EngineConfig, engine_launch, engine_config
     for fmt, n, layout, tiles in (("nvfp4", 1, "linear", 2), ("nvfp4", 3, "linear", 2), ("nvfp4", 8, "linear", 2),
                                   ("nvfp4", 16, "linear", 2), ("mxfp4", 1, "linear", 2), ("mxfp4", 16, "linear", 2),
                                   ("nvfp4", 16, "swizzled", 2), ("mxfp4", 16, "swizzled", 2),
-                                  ("nvfp4", 16, "swizzled", 1), ("mxfp4", 16, "swizzled", 1)):
+                                  ("nvfp4", 16, "swizzled", 1), ("mxfp4", 16, "swizzled", 1),
+                                  ("nvfp4", 8, "linear", "2,2,80"), ("mxfp4", 8, "swizzled", "2,2,80")):
         a = O.random_fp4((4096, 4096), fmt, layout, seed=1, device="cpu")
         b = O.random_activation((n, 4096), torch.bfloat16, seed=2, device="cpu")
         ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
-        config = engine_config(ops.case)._replace(tiles=tiles)
+        if isinstance(tiles, str):  # a whole configuration: tiles, stages, launch registers
+            config = EngineConfig(*(int(v) for v in tiles.split(",")))
+        else:
+            config = engine_config(ops.case)._replace(tiles=tiles)
         kernel, grid, args, options = engine_launch(ops, config)
         kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
         sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -250,16 +254,16 @@ _COMPILE = textwrap.dedent("""
         listing = sass_listing(c)
         ops_ = collections.Counter(op.split(".")[0] for _, op, _ in listing)
         bars = sum(op.startswith("BAR") for _, op, _ in mma_loop(listing))
-        print(fmt, layout, n, config.tiles, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
+        print(fmt, layout, n, config.tiles, config.stages, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
               c.metadata.shared, bars, local_memory(c))
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 10
+    assert len(lines) == 12
     for line in lines:
-        fmt, layout, n, tiles, maxnreg, regs, tma, mma, syncs, shared, bars, local = line.split(" ", 11)
+        fmt, layout, n, tiles, stages, maxnreg, regs, tma, mma, syncs, shared, bars, local = line.split(" ", 12)
         assert int(regs) <= int(maxnreg), line
         # weights, scales and activation through the copy engine (swizzled scales: loaded by the consumer)
         assert int(tma) == (2 if layout == "swizzled" else 3), line
@@ -268,6 +272,9 @@ def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compil
         assert int(syncs) > 0, line  # mbarrier waits and arrivals
         # two programs an SM (228 KB, 1 KB reserved a program): at 122916 bytes one fit, 1.5x slower (round 24)
         assert int(shared) <= 233472 // 2 - 1024, line
+        if int(stages) == 2 and int(maxnreg) == 80:
+            # three programs an SM at N <= 8: the warps' partials summed through the ring (no 8 KB scratch)
+            assert int(shared) <= 233472 // 3 - 1024 and 3 * 256 * int(maxnreg) <= 65536, line
         # one barrier a step at most: the swizzled scale words reach the step's layout without crossing warps
         # (round 24: their conversion through shared memory added a barrier a step, 1.04-1.36x the time)
         assert int(bars) <= 1, line
@@ -287,7 +294,8 @@ def test_ptx_exact(layout, out_dtype, m, k, n):
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
     default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
                                       device_target(a.data.device))
-    configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=1), EngineConfig(1, 3, 128, 3)]
+    configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=1), EngineConfig(1, 3, 128, 3),
+               EngineConfig(2, 2, 80)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs += [EngineConfig(4, 2, 168), EngineConfig(4, 2, 168, 2)]
     for config in configs:
@@ -336,7 +344,7 @@ def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
     b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
     default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
                                       device_target(a.data.device))
-    configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=2)]
+    configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=2), EngineConfig(2, 2, 80)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs.append(EngineConfig(4, 2, 168))
     for config in configs:

@@ -9,7 +9,8 @@ The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon
   load their slice from shared memory (16-byte loads of 128-byte-swizzled rows) and run the weight-only kernel's
   fold step on registers (``_mma_step``: the e2m1 codes decoded straight into ``mma.sync.m16n8k16`` A fragments,
   the e4m3 scale folded into them, bf16 mma) -- no barrier between the consumer warps per step;
-* at the end the warps' fp32 accumulators are summed (once) and the result rounded once into ``out``.
+* at the end the warps' fp32 accumulators are summed (once; where a program has one tile, through the ring's
+  first weight slot rather than a scratch buffer) and the result rounded once into ``out``.
 
 Operand layout.  A consumer thread (lane 4 g + c of warp w) holds, as the asm's 8 * tiles elements
 e = b + 2 u + 4 h + 8 t (``register``), block ``8 u + 2 c + b`` (16 elements, one int64 of packed codes) of row
@@ -507,6 +508,12 @@ def _swizzled_scales_k32(words, TILES: gl.constexpr, LW: gl.constexpr):
     return gl.convert_layout(s8, gl.SliceLayout(2, LW))
 
 
+# The ring sum's view of the first weight slot (fp32 [WARPS, 16 TILES, 16], unswizzled) and the layout it is read
+# in: the four warps' partials of an element in one thread's registers.
+RED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+LR = gl.constexpr(gl.BlockedLayout([4, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0]))
+
+
 @gluon.jit
 def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES: gl.constexpr,
                 HAS_GSA: gl.constexpr, LO: gl.constexpr):
@@ -529,7 +536,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
-              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr):
+              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -573,13 +580,24 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
                                                 dtype=gl.float32, is_pure=True, pack=8 * TILES)
             # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
-        total = gl.sum(acc, axis=0) * FOLD
-        if SPLIT and (seg1 - seg0) != n_steps:
+        if RING_SUM:
+            # One tile a program: every copy has landed and the ring is idle, so the warps' partials are summed
+            # through its first weight slot (a barrier before the store and one before the load, placed by
+            # Triton) and each thread adds its elements' four partials itself -- no scratch buffer, which at N <= 8
+            # is what keeps a third program off an SM (docs/performance.md, round 25).
+            red = shared_view(wbuf.index(0), gl.float32, [4, 16 * TILES, 16], RED)
+            red.store(acc)
+            total = gl.sum(red.load(LR), axis=0) * FOLD
+            _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA,
+                        gl.SliceLayout(0, LR))
+        elif SPLIT and (seg1 - seg0) != n_steps:
+            total = gl.sum(acc, axis=0) * FOLD
             # A tile other programs add to: its partial goes to this program's slot of the fix-up's partials (0:
             # the range's first tile, 1: its last); the arrivals wait until the range is done (below).
             mine = (tile != first_tile).to(gl.int32)
             gl.store(ws_ptr + (2 * gl.program_id(0) + mine) * (256 * TILES) + part, total)
         else:
+            total = gl.sum(acc, axis=0) * FOLD
             _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
     if SPLIT:
         # The split-K fix-up (``tile_contributors``), once the range is done so that its latency is paid once: one
@@ -620,7 +638,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
-                       W32: gl.constexpr, L32: gl.constexpr):
+                       W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -642,7 +660,8 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
                      programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
-                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32)),
+                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
+                     RING_SUM)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
                      16 * TILES, SWIZZLED, MX)),
     ], [1], [PRODUCER_REGS])
@@ -820,7 +839,8 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
-                   LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, num_warps=WARPS, maxnreg=config.maxnreg)
+                   LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, RING_SUM=programs == tiles,
+                   num_warps=WARPS, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
 
