@@ -504,11 +504,11 @@ class EncodedDescriptors:
     metadata), so a kept expansion is the one the wrapper would make (``tests/test_kernels_engine.py``); decode
     calls the same weights each step, so there only the activation's descriptor is encoded again."""
 
-    __slots__ = ("_raw", "_launcher", "_flat", "_slots", "_descs", "_kept")
+    __slots__ = ("_raw", "_launcher", "_encode", "_flat", "_slots", "_descs", "_kept")
 
     def __init__(self, raw, launcher, argv, slots, descriptors, metas):
         from triton.backends.nvidia.driver import make_tensordesc_arg
-        self._raw, self._launcher = raw, launcher
+        self._raw, self._launcher, self._encode = raw, launcher, make_tensordesc_arg
         at = {i for i, _, _ in descriptors}
         where, flat = {}, []
         for i, v in enumerate(argv):  # argv's positions in the expanded list
@@ -516,7 +516,7 @@ class EncodedDescriptors:
             flat.extend([None] * (1 + 2 * len(v.shape)) if i in at else [v])  # descriptor: map, shape, strides
         self._flat = flat
         self._slots = tuple((where[i], j) for i, j in slots)
-        self._descs = tuple((where[i], 1 + 2 * len(src.shape), j, src, meta, make_tensordesc_arg)
+        self._descs = tuple((where[i], 1 + 2 * len(src.shape), j, src, meta)
                             for (i, j, src), meta in zip(descriptors, metas))
         self._kept = [None] * len(descriptors)
 
@@ -525,8 +525,8 @@ class EncodedDescriptors:
         flat = self._flat.copy()
         for p, j in self._slots:
             flat[p] = addresses[j]
-        kept = self._kept
-        for n, (p, width, j, src, meta, encode) in enumerate(self._descs):
+        kept, encode = self._kept, self._encode
+        for n, (p, width, j, src, meta) in enumerate(self._descs):
             address = addresses[j]
             got = kept[n]
             if got is None or got[0] != address:
