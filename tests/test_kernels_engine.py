@@ -219,6 +219,57 @@ def test_kept_launch_descriptors_encode_as_the_jit_calls(monkeypatch, fmt, layou
         assert encoded[-1][0] == getattr(ops, src.name).data_ptr() and list(encoded[-1][5]) == list(src.shape)
 
 
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+def test_kept_descriptors_expand_as_the_launcher_wrapper_and_encode_once_per_address(monkeypatch, layout):
+    """``ops.EncodedDescriptors`` hands the C launch what Triton 3.6's descriptor wrapper would for the same call
+    (each descriptor expanded at the call's address), and encodes a descriptor again only when its address
+    changes (the encoder recorded here in place of the driver's)."""
+    import types
+    import triton
+    from fp4gemv.kernels.spec import DIRECT_LAUNCH, AddressDescriptor, DescSrc, Src, bound_arguments
+    if not DIRECT_LAUNCH:
+        pytest.skip("kept launches call the compiled kernel directly only under Triton 3.6")
+    from triton.backends.nvidia import driver as nvidia
+    from fp4gemv.ops import EncodedDescriptors, _raw_launch
+    encoded = []
+    fake = types.SimpleNamespace(active=types.SimpleNamespace(utils=types.SimpleNamespace(
+        fill_tma_descriptor=lambda *a: encoded.append(a) or ("map", repr(a)))))
+    monkeypatch.setattr(triton.runtime, "driver", fake)
+    a = O.random_fp4((520, 2048), "nvfp4", layout, seed=1, device="cpu")
+    b = O.random_activation((12, 2048), torch.bfloat16, seed=2, device="cpu")
+    ops = gemv_operands(a, b, torch.empty((1, 520, 12), dtype=torch.float16))
+    _, args, options, _ = engine.engine_arguments(ops.case, engine_config(ops.case))
+    argv = bound_arguments(engine.engine_gemv_kernel, (), {**args, **options})
+    names = sorted({v.name for v in argv if isinstance(v, (Src, DescSrc))})
+    fields = {name: k for k, name in enumerate(names)}
+    slots = tuple((i, fields[v.name]) for i, v in enumerate(argv) if isinstance(v, Src))
+    descs = tuple((i, fields[v.name], v) for i, v in enumerate(argv) if isinstance(v, DescSrc))
+    metas = [{"swizzle": 0, "elem_size": 1, "elem_type": 0, "block_size": list(v.block), "fp4_padded": False}
+             for _, _, v in descs]
+    calls = []
+    raw = lambda *args: calls.append(args)  # noqa: E731 -- the C launch
+    signature = {i: "tensordesc<u8[1]>" if isinstance(v, DescSrc) else "i32" for i, v in enumerate(argv)}
+    wrapper = nvidia.wrap_handle_tensordesc(raw, signature, metas)
+    assert _raw_launch(wrapper) is raw and _raw_launch(raw) is None
+    launcher = types.SimpleNamespace(launch=wrapper, launch_cooperative_grid=False, launch_pdl=False)
+    compiled = types.SimpleNamespace(function=7, packed_metadata="packed")
+    kept = EncodedDescriptors(raw, launcher, argv, slots, descs, metas)
+    addresses = [4096 * (k + 1) for k in range(len(names))]
+    for change, encodes in ((None, len(descs)), (None, 0), ("b_data", 1), ("a_data", 1 if layout == "linear" else 2)):
+        if change:
+            addresses[fields[change]] += 512
+        before = len(encoded)
+        kept.launch((9, 1, 1), 5, compiled, tuple(addresses))
+        assert len(encoded) - before == encodes, change
+        wrapped = list(argv)
+        for i, j in slots:
+            wrapped[i] = addresses[j]
+        for i, j, src in descs:
+            wrapped[i] = AddressDescriptor(addresses[j], src)
+        wrapper(9, 1, 1, 5, 7, False, False, None, None, "packed", None, None, None, *wrapped)
+        assert calls[-2] == calls[-1], change
+
+
 def test_grid_size_one_program_per_tile_or_per_sm_programs():
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 0), 132) == (128, False)
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 2), 132) == (264, True)

@@ -421,7 +421,7 @@ class KeptLaunch:
     ``torch.cuda.graph`` is captured like the JIT's)."""
 
     __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_descriptors", "_grid",
-                 "_launcher", "_direct_launch", "_current_stream", "_runtime_knobs")
+                 "_launcher", "_direct_launch", "_current_stream", "_runtime_knobs", "_encoded")
 
     def __init__(self, plan, fields: dict[str, int], device: torch.device, direct_launch: bool):
         template = None
@@ -458,6 +458,12 @@ class KeptLaunch:
         else:
             self._launcher = launcher
         self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
+        self._encoded = None
+        raw = _raw_launch(getattr(launcher, "launch", None)) if self._descriptors else None
+        metas = getattr(compiled.metadata, "tensordesc_meta", None)
+        if raw is not None and metas and len(metas) == len(self._descriptors) and self._launcher is not launcher:
+            # no scratch to allocate (the C launch is called directly): the descriptors encoded once per address
+            self._encoded = EncodedDescriptors(raw, launcher, argv, self._slots, self._descriptors, metas)
         self._compiled = compiled
 
     def _launch(self, addresses: tuple) -> None:
@@ -471,8 +477,64 @@ class KeptLaunch:
         stream = self._current_stream(self._device_index)
         runtime = self._runtime_knobs
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if self._encoded is not None and enter is None:
+            self._encoded.launch(self._grid, stream, k, addresses)
+            return
         meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
         self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
+
+
+def _raw_launch(launch):
+    """The C launch that Triton 3.6's tensor-descriptor wrapper (``wrap_handle_tensordesc``'s ``inner``: it encodes
+    each descriptor argument, then calls this) closes over, or None where ``launch`` is not that wrapper."""
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or closure is None:
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    if "launcher" not in cells or "tensordesc_indices" not in cells:
+        return None
+    return cells["launcher"].cell_contents
+
+
+class EncodedDescriptors:
+    """A kept launch's bulk-copy arguments encoded once per address: the argument list as the C launch takes it
+    (each descriptor expanded into its encoded tensor map, shape and strides, as Triton 3.6's wrapper expands it),
+    each descriptor's expansion kept with the address it was encoded at and encoded again only when that address
+    changes.  The encoding depends on nothing else that varies (shape, strides, box and swizzle are the launch's
+    metadata), so a kept expansion is the one the wrapper would make (``tests/test_kernels_engine.py``); decode
+    calls the same weights each step, so there only the activation's descriptor is encoded again."""
+
+    __slots__ = ("_raw", "_launcher", "_encode", "_flat", "_slots", "_descs", "_kept")
+
+    def __init__(self, raw, launcher, argv, slots, descriptors, metas):
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+        self._raw, self._launcher, self._encode = raw, launcher, make_tensordesc_arg
+        at = {i for i, _, _ in descriptors}
+        where, flat = {}, []
+        for i, v in enumerate(argv):  # argv's positions in the expanded list
+            where[i] = len(flat)
+            flat.extend([None] * (1 + 2 * len(v.shape)) if i in at else [v])  # descriptor: map, shape, strides
+        self._flat = flat
+        self._slots = tuple((where[i], j) for i, j in slots)
+        self._descs = tuple((where[i], 1 + 2 * len(src.shape), j, src, meta)
+                            for (i, j, src), meta in zip(descriptors, metas))
+        self._kept = [None] * len(descriptors)
+
+    def launch(self, grid, stream, compiled, addresses) -> None:
+        """``compiled`` on operands at ``addresses`` over ``grid`` on ``stream`` (no launch hooks)."""
+        flat = self._flat.copy()
+        for p, j in self._slots:
+            flat[p] = addresses[j]
+        kept, encode = self._kept, self._encode
+        for n, (p, width, j, src, meta) in enumerate(self._descs):
+            address = addresses[j]
+            got = kept[n]
+            if got is None or got[0] != address:
+                got = kept[n] = (address, encode(AddressDescriptor(address, src), meta))
+            flat[p:p + width] = got[1]
+        launcher = self._launcher
+        self._raw(*grid, stream, compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None,
+                  None, compiled.packed_metadata, None, None, None, *flat)
 
 
 def _launch_c(launcher, grid_x, grid_y, grid_z, stream, function, *args):
