@@ -140,21 +140,27 @@ def test_refusals_name_the_reason(case, target, words):
     assert words in Engine().why_not(case, target)
 
 
-def test_dispatch_on_sm90_from_nine_rows_with_linear_scales():
-    for n, expected in ((1, "weight_only"), (8, "weight_only"), (9, "engine"), (16, "engine")):
+def test_dispatch_on_sm90_from_four_rows_where_one_wave_holds_the_programs():
+    for n, expected in ((1, "weight_only"), (3, "weight_only"), (4, "engine"), (8, "engine"), (9, "engine"),
+                        (16, "engine")):
         assert choose_kernel(_case(n=n), SM90).name == expected, n
     assert choose_kernel(_case(layout="swizzled"), SM90).name == "engine"
     for layout in ("linear", "swizzled"):
         assert choose_kernel(_case(fmt="mxfp4", layout=layout), SM90).name == "engine", layout
-        assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=8), SM90).name == "weight_only", layout
+        assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=2), SM90).name == "weight_only", layout
+        assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=8), SM90).name == "engine", layout
+    # 32-row programs beyond one wave of three an SM (132 SMs: 396 programs, 12672 rows) stay on weight_only to N = 8
+    for m, n, expected in ((12672, 8, "engine"), (12704, 8, "weight_only"), (12704, 9, "engine")):
+        assert choose_kernel(_case(m=m, k=1024, n=n), SM90).name == expected, (m, n)
+    assert choose_kernel(_case(n=8), Target("cuda", (9, 0), 0, "ptx")).name == "weight_only"  # SMs unknown
 
 
 def test_default_config_and_bad_configs():
     assert engine_config(_case(n=16)) == EngineConfig(2, 2, 128)
-    assert engine_config(_case(n=8)) == EngineConfig(2, 3, 128)
+    assert engine_config(_case(n=8)) == engine_config(_case(n=1), 132) == EngineConfig(2, 2, 80)
     # one tile a program where the 32-row tiles leave multiprocessors idle (round 25)
     for m, n, tiles in ((4096, 16, 1), (4096, 13, 1), (4096, 12, 2), (4096, 9, 2), (4224, 16, 1), (4256, 16, 2),
-                        (2048, 9, 1), (2112, 9, 1), (2144, 9, 2), (7168, 16, 2), (2048, 8, 2)):
+                        (2048, 9, 1), (2112, 9, 1), (2144, 9, 2), (7168, 16, 2), (2048, 9, 1)):
         assert engine_config(_case(m=m, k=1024, n=n), 132).tiles == tiles, (m, n)
     assert Engine().default_config(_case(n=16), SM90) == EngineConfig(1, 2, 128)
     assert engine_config(_case(n=16), 0) == EngineConfig(2, 2, 128)  # multiprocessors unknown
@@ -421,10 +427,10 @@ def test_nan_scales_give_nan_rows():
 
 
 @pytest.mark.gpu
-def test_chosen_on_the_gpu_from_nine_rows_with_linear_scales():
+def test_chosen_on_the_gpu_from_four_rows_with_linear_scales():
     a = O.random_fp4((4096, 4096), "nvfp4", "linear", seed=1, device="cuda")
-    assert select_kernel(a, torch.empty(9, 4096, dtype=torch.bfloat16, device="cuda")).name == "engine"
-    assert select_kernel(a, torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
+    assert select_kernel(a, torch.empty(4, 4096, dtype=torch.bfloat16, device="cuda")).name == "engine"
+    assert select_kernel(a, torch.empty(3, 4096, dtype=torch.bfloat16, device="cuda")).name == "weight_only"
     assert STEP_K == 1024
 
 

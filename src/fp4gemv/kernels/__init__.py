@@ -19,7 +19,10 @@ from .engine import Engine
 from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
+from .engine import MIN_N_OVER_WEIGHT_ONLY as ENGINE_MIN_N
+from .engine import SMALL_N_PER_SM as ENGINE_PER_SM
 from .engine import STEP_K as ENGINE_STEP_K
+from .engine import engine_deferred
 from .moe_engine import MIN_TOKENS as MOE_ENGINE_MIN_TOKENS
 from .moe_engine import MoeEngine, moe_engine_deferred
 from .moe_gemv import MoeGeneral
@@ -39,29 +42,31 @@ MOE_KERNELS: tuple[KernelSpec, ...] = (MoeEngine(), MoeWeightOnly(), MoeGeneral(
 
 
 class Deferral(NamedTuple):
-    """Kernel ``kernel`` leaves the cases where ``when(case)`` holds to kernel ``to``, when ``to`` runs them."""
+    """Kernel ``kernel`` leaves the cases where ``when(case, target)`` holds to kernel ``to``, when ``to`` runs
+    them."""
 
     kernel: str
     to: str
-    when: Callable[[GemvCase | MoeCase], bool]
+    when: Callable[[GemvCase | MoeCase, Target], bool]
     why: str
 
 
 DEFERRALS: tuple[Deferral, ...] = (
-    # docs/performance.md, rounds 14 and 24 (the decode engine): at N <= 8 it was slower than weight_only on 14336 x
-    # 4096 and 28672 x 8192 (both formats; MXFP4 faster on the other three shapes, NVFP4 level or slower).
-    Deferral("engine", "weight_only", lambda case: case.n <= MAX_FLOAT_N_OVER_HMMA,
-             f"N <= {MAX_FLOAT_N_OVER_HMMA} runs on weight_only (measured as fast or faster on some shapes)"),
+    # docs/performance.md, round 26 (the decode engine at N <= 8, three programs an SM): slower than weight_only below
+    # N = 4 and where its programs take more than one wave (14336 x 4096, 28672 x 8192), faster elsewhere.
+    Deferral("engine", "weight_only", lambda case, target: engine_deferred(case, target.sm_count),
+             f"N < {ENGINE_MIN_N}, or N <= 8 with more 32-row tiles than {ENGINE_PER_SM} an SM: weight_only "
+             "measured faster"),
     # docs/performance.md, the streaming skeleton: at N <= 8 the register-fed weight_only kernel is faster.
-    Deferral("stream", "weight_only", lambda case: case.n < STREAM_MIN_N,
+    Deferral("stream", "weight_only", lambda case, target: case.n < STREAM_MIN_N,
              f"N < {STREAM_MIN_N} runs faster on weight_only (measured)"),
     # docs/performance.md, the weight-only kernel's dispatch: at N = 16 hmma was as fast or faster on most shapes.
-    Deferral("weight_only", "hmma", lambda case: case.fmt.name == "nvfp4" and case.n > MAX_FLOAT_N_OVER_HMMA,
+    Deferral("weight_only", "hmma", lambda case, target: case.fmt.name == "nvfp4" and case.n > MAX_FLOAT_N_OVER_HMMA,
              f"NVFP4 with N > {MAX_FLOAT_N_OVER_HMMA} runs on hmma (measured as fast or faster)"),
     # docs/performance.md, round 16 (the routed engine): with its scale bytes copied it was faster than moe_weight_only
     # from T = 4 rows of x where K takes more than one 1024-element step (gpt-oss gate_up and down, Qwen3's gate_up),
     # slower at T = 1-2 and at K <= 1024 (Qwen3's down: one step per item), 1.08x slower with the scales loaded.
-    Deferral("moe_engine", "moe_weight_only", moe_engine_deferred,
+    Deferral("moe_engine", "moe_weight_only", lambda case, target: moe_engine_deferred(case),
              f"T < {MOE_ENGINE_MIN_TOKENS}, K <= {ENGINE_STEP_K}, or scales the engine cannot copy: moe_weight_only "
              "measured faster"),
 )
@@ -81,7 +86,7 @@ def _deferred(spec: KernelSpec, case: GemvCase | MoeCase, target: Target,
     """Why ``spec`` leaves ``case`` to a later kernel of ``kernels`` by default (a :data:`DEFERRALS` rule), or
     None."""
     for rule in DEFERRALS:
-        if rule.kernel == spec.name and rule.when(case) \
+        if rule.kernel == spec.name and rule.when(case, target) \
                 and kernel_by_name(rule.to, kernels).refusal(case, target) is None:
             return rule.why
     return None

@@ -71,7 +71,7 @@ from ._ptx import AsmOperands, PtxBlock
 from .spec import (DescSrc, ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources,
                    global_scale_sources)
 
-__all__ = ["EngineConfig", "Engine", "engine_config", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
+__all__ = ["EngineConfig", "Engine", "engine_config", "engine_deferred", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
            "STEP_K", "register", "activation_rows", "copy_layout"]
 
 WARPS = 4  # consumer warps; each takes 256 elements of a step
@@ -104,15 +104,38 @@ PRODUCER_REGS = 40
 ONE_TILE_N = 13
 
 
+# N <= 8 (round 26, H100): 2 ring slots at 80 registers, three programs an SM (the ring sum leaves no scratch: 69812
+# bytes at N = 8) -- faster than (2, 3, 128) and (2, 3, 80) on all five shapes at N = 1, 2, 4 and 8, by 1-17%.
+SMALL_N_CONFIG = EngineConfig(2, 2, 80)
+SMALL_N_PER_SM = 3  # programs an SM that SMALL_N_CONFIG's shared memory and registers allow (sm_90 compile test)
+
+# Where the engine takes N <= 8 from weight_only (``engine_deferred``; round 26, H100, both formats, swizzled
+# scales): from N = 4 (7168 x 16384 27.7 against 32.0 µs, 4096 x 14336 17.4 / 20.4, 4096^2 7.8 / 8.5; at N = 1-2 it
+# was 1-7% slower on the three shapes other than 7168 x 16384) where its 32-row programs run in one wave at
+# SMALL_N_PER_SM an SM (14336 x 4096, 448 programs, 10-15% slower at N = 4-8; 28672 x 8192, 896, 0-3% slower).
+MIN_N_OVER_WEIGHT_ONLY = 4
+
+
 def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
-    """2 ring slots where N > 8 (the 16-row activation slice makes a slot 50 KB), else 3; 2 tiles (H200, round 14
-    of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 1, 8 and 16), or 1
-    where the row tiles leave multiprocessors idle (``ONE_TILE_N``; ``sm_count`` 0: unknown, 2 tiles); one
+    """N <= 8: ``SMALL_N_CONFIG``.  N > 8: 2 ring slots (the 16-row activation slice makes a slot 50 KB), 2 tiles
+    (H200, round 14 of docs/performance.md: 2 tiles at 128 registers were the best or within 3% of it at N = 16), or
+    1 where the row tiles leave multiprocessors idle (``ONE_TILE_N``; ``sm_count`` 0: unknown, 2 tiles); one
     program per row tile (round 23: the persistent grid, 1 or 2 programs per SM, was slower on 4 of 5 shapes)."""
+    if case.n <= 8:
+        return SMALL_N_CONFIG
     row_tiles = -(-case.m // 32)
-    few = case.n > 8 and sm_count > 0 and (2 * row_tiles <= sm_count or
-                                          (row_tiles <= sm_count and case.n >= ONE_TILE_N))
-    return EngineConfig(1 if few else 2, 2 if case.n > 8 else 3, 128)
+    few = sm_count > 0 and (2 * row_tiles <= sm_count or (row_tiles <= sm_count and case.n >= ONE_TILE_N))
+    return EngineConfig(1 if few else 2, 2, 128)
+
+
+def engine_deferred(case: GemvCase, sm_count: int) -> bool:
+    """Whether the engine leaves an N <= 8 case to weight_only by default (``kernels.DEFERRALS``): below
+    ``MIN_N_OVER_WEIGHT_ONLY``, or where ``SMALL_N_CONFIG``'s programs would take more than one wave (``sm_count``
+    0, unknown: deferred)."""
+    if case.n > 8:
+        return False
+    tiles = -(-case.m // (16 * SMALL_N_CONFIG.tiles))
+    return case.n < MIN_N_OVER_WEIGHT_ONLY or tiles > SMALL_N_PER_SM * sm_count
 
 
 def register(b: int, u: int, h: int, t: int) -> int:
