@@ -14,7 +14,7 @@ from fp4gemv.formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from fp4gemv.kernels import _mma_step, choose_kernel, engine
 from fp4gemv.kernels.engine import (STEP_K, Engine, EngineConfig, engine_config, engine_twin, grid_size,
                                     persistent_ranges, swizzled_scales_twin, tile_contributors)
-from fp4gemv.layouts import swizzle_scales
+from fp4gemv.layouts import aligned_scale_rows, swizzle_scales, swizzled_offset
 from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import quantized_gemv_reference
 from fp4gemv.target import SM90, Target, device_target
@@ -39,29 +39,34 @@ def _raw(m, k, n, seed, fmt="nvfp4"):
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tiles", [1, 2, 4])
 @pytest.mark.parametrize("m, k, n", [(70, 2048, 1), (64, 1024, 2), (48, 1024, 3), (40, 1024, 5), (33, 2048, 8),
-                                     (96, 1024, 9), (32, 1024, 16)])
+                                     (96, 1024, 9), (32, 1024, 16), (40, 2880, 16), (33, 1088, 8), (17, 1344, 1)])
 def test_twin_matches_exact_result(fmt, tiles, m, k, n):
     """The fold step's maps (NVFP4) and the k32 step's (MXFP4: the words' split, the activation's permutation,
-    each block's scale byte) replayed in torch give the exact result."""
+    each block's scale byte) replayed in torch give the exact result (K past a multiple of 1024 too: the last
+    step's copies zero-filled past K)."""
     a, s, b = _raw(m, k, n, seed=m + n, fmt=fmt)
     torch.testing.assert_close(engine_twin(a, s, b, tiles, fmt), _exact(a, s, b, fmt), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("tiles", [1, 2])
-@pytest.mark.parametrize("m", [256, 200])
-def test_swizzled_scale_slots_hold_the_linear_slots_bytes(fmt, tiles, m):
+@pytest.mark.parametrize("m, k", [(256, 2048), (200, 2048), (200, 2880), (136, 1088)])
+def test_swizzled_scale_slots_hold_the_linear_slots_bytes(fmt, tiles, m, k):
     """The swizzled scales' path (the copy's box, the 32-row group kept, the 16-bit pairs' joins; MXFP4: warp w's
-    atoms as one int64) gives every row tile and step what the linear scales' copy gives."""
-    k = 2048
+    atoms as one int64) gives every row tile and step what the linear scales' copy gives; past K (K % 1024 != 0)
+    zero, the layout's padding bytes (0xFF here, NaN as e8m0) included."""
     block = 16 if fmt == "nvfp4" else 32
     g = torch.Generator().manual_seed(m + tiles)
-    linear = torch.randint(0, 256, (m, k // block), dtype=torch.uint8, generator=g)
-    swizzled = swizzle_scales(linear)
+    cols = k // block
+    linear = torch.randint(0, 256, (m, cols), dtype=torch.uint8, generator=g)
+    poisoned_pad = torch.full((m, cols + (-cols) % 4), 0xFF, dtype=torch.uint8)
+    poisoned_pad[:, :cols] = linear
+    swizzled = swizzle_scales(poisoned_pad)
     rows = 16 * tiles
-    padded = torch.nn.functional.pad(linear, (0, 0, 0, -(-m // rows) * rows - m))
+    steps = -(-k // STEP_K)
+    padded = torch.nn.functional.pad(linear, (0, steps * STEP_K // block - cols, 0, -(-m // rows) * rows - m))
     for tile in range(-(-m // rows)):
-        for step in range(k // STEP_K):
+        for step in range(steps):
             got = swizzled_scales_twin(swizzled, m, k, tile, step, tiles, fmt)
             rows_ = padded[tile * rows:(tile + 1) * rows, step * (STEP_K // block):(step + 1) * (STEP_K // block)]
             if fmt == "nvfp4":  # [WARPS, R, 16]: warp w's 16 columns of each row, element j the pair j // 2
@@ -130,12 +135,13 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
 @pytest.mark.parametrize("case, target, words", [
     (_case(dtype=torch.float16), SM90, "bf16 activations"),
     (_case(batch=2), SM90, "L = 2"),
-    (_case(k=3072 + 512), SM90, "K a multiple of 1024"),
+    (_case(k=3072 + 32), SM90, "K a multiple of 64"),
+    (_case(k=2880), SM90, "multiple of 256 with linear NVFP4 scales"),
     (_case(n=17), SM90, "N <= 16"),
     (_case(), Target("cpu", None, 0, "triton"), "sm_90 or newer"),
     (_case(), Target("cuda", (8, 9), 84, "ptx"), "sm_90 or newer"),
     (_case(), Target("cuda", (9, 0), 132, "triton"), "PTX mode"),
-], ids=["fp16", "batch", "k", "n", "cpu", "sm89", "triton-mode"])
+], ids=["fp16", "batch", "k", "k-linear-nvfp4", "n", "cpu", "sm89", "triton-mode"])
 def test_refusals_name_the_reason(case, target, words):
     assert words in Engine().why_not(case, target)
 
@@ -295,9 +301,12 @@ _COMPILE = textwrap.dedent("""
                                   ("nvfp4", 16, "linear", 2), ("mxfp4", 1, "linear", 2), ("mxfp4", 16, "linear", 2),
                                   ("nvfp4", 16, "swizzled", 2), ("mxfp4", 16, "swizzled", 2),
                                   ("nvfp4", 16, "swizzled", 1), ("mxfp4", 16, "swizzled", 1),
-                                  ("nvfp4", 8, "linear", "2,2,80"), ("mxfp4", 8, "swizzled", "2,2,80")):
-        a = O.random_fp4((4096, 4096), fmt, layout, seed=1, device="cpu")
-        b = O.random_activation((n, 4096), torch.bfloat16, seed=2, device="cpu")
+                                  ("nvfp4", 8, "linear", "2,2,80"), ("mxfp4", 8, "swizzled", "2,2,80"),
+                                  ("nvfp4", 16, "swizzled", 2880), ("mxfp4", 4, "swizzled", 2880)):
+        k = tiles if isinstance(tiles, int) and tiles > 4 else 4096  # K past a multiple of 1024 (and of 256)
+        tiles = 2 if k != 4096 else tiles
+        a = O.random_fp4((4096, k), fmt, layout, seed=1, device="cpu")
+        b = O.random_activation((n, k), torch.bfloat16, seed=2, device="cpu")
         ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
         if isinstance(tiles, str):  # a whole configuration: tiles, stages, launch registers
             config = EngineConfig(*(int(v) for v in tiles.split(",")))
@@ -312,18 +321,20 @@ _COMPILE = textwrap.dedent("""
         ops_ = collections.Counter(op.split(".")[0] for _, op, _ in listing)
         bars = sum(op.startswith("BAR") for _, op, _ in mma_loop(listing))
         print(fmt, layout, n, config.tiles, config.stages, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
-              c.metadata.shared, bars, local_memory(c))
+              c.metadata.shared, bars, k, local_memory(c))
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 12
+    assert len(lines) == 14
     for line in lines:
-        fmt, layout, n, tiles, stages, maxnreg, regs, tma, mma, syncs, shared, bars, local = line.split(" ", 12)
+        fmt, layout, n, tiles, stages, maxnreg, regs, tma, mma, syncs, shared, bars, k, local = line.split(" ", 13)
         assert int(regs) <= int(maxnreg), line
-        # weights, scales and activation through the copy engine (swizzled scales: loaded by the consumer)
-        assert int(tma) == (2 if layout == "swizzled" else 3), line
+        # weights, scales and activation through the copy engine (swizzled scales: loaded by the consumer); K % 256
+        # != 0: the weights in four copies of 128 columns
+        weights = 1 if int(k) % 256 == 0 else 4
+        assert int(tma) == weights + (1 if layout == "swizzled" else 2), line
         # tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
         assert int(mma) == 16 * int(tiles) * (2 if int(n) > 8 else 1), line
         assert int(syncs) > 0, line  # mbarrier waits and arrivals
@@ -408,6 +419,41 @@ def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.step_fold_exponent("mxfp4"))
+
+
+def _with_poisoned_padding(a):
+    """``a`` with its swizzled scales' padding columns (past K's last block, in the last atom) set to 0xFF: NaN as
+    e8m0 and as e4m3, so a kernel that reads them with the zero-filled weights past K gives NaN."""
+    if a.scale_layout != "swizzled":
+        return a
+    m, cols = a.shape[0], a.shape[1] // a.fmt.block_size
+    scales = a.scales.clone()
+    rows = torch.arange(m, device=scales.device)[:, None]
+    pad = torch.arange(cols, cols + (-cols) % 4, device=scales.device)[None, :]
+    scales.view(-1)[swizzled_offset(rows, pad, cols).reshape(-1)] = 0xFF
+    return FP4Tensor(a.data, scales, a.fmt, "swizzled", a.global_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, layout, m, k, n", [
+    ("nvfp4", "swizzled", 5760, 2880, 16), ("nvfp4", "swizzled", 300, 1088, 5), ("nvfp4", "linear", 300, 1280, 9),
+    ("mxfp4", "swizzled", 5760, 2880, 16), ("mxfp4", "swizzled", 136, 1088, 4), ("mxfp4", "linear", 200, 2880, 12),
+    ("mxfp4", "swizzled", 200, 2880, 1)])
+def test_k_past_a_multiple_of_1024(fmt, layout, m, k, n):
+    """The last step's copies past K are zero-filled and the swizzled scales past K read as zero (their padding
+    bytes 0xFF here): exact results in every configuration, K % 256 != 0 (the weights' four 2-D copies a step) and
+    K % 256 = 0 (the 3-D copy past K)."""
+    a = _with_poisoned_padding(O.random_fp4((m, k), fmt, layout, seed=m + k, device="cuda"))
+    if layout == "linear" and fmt == "mxfp4":  # gpt-oss's 90 scale bytes a row, stored 96 apart (16-byte rows)
+        a = FP4Tensor(a.data, aligned_scale_rows(a.scales)[:, :k // 32], fmt, "linear")
+    b = O.random_activation((n, k), torch.bfloat16, seed=k, device="cuda")
+    fold = engine.step_fold_exponent(fmt)
+    if n >= 4:
+        assert select_kernel(a, b).name == "engine"
+    for config in (None, EngineConfig(1, 2, 128), EngineConfig(2, 2, 80), EngineConfig(2, 3, 128, 2)):
+        out = O.poisoned((m, n), torch.float32, device="cuda")
+        gemv(a, b, out=out, out_dtype=torch.float32, backend="triton-ptx", kernel="engine", config=config)
+        O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=fold)
 
 
 @pytest.mark.gpu

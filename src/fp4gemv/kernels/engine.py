@@ -76,6 +76,9 @@ __all__ = ["EngineConfig", "Engine", "engine_config", "engine_deferred", "step_a
 
 WARPS = 4  # consumer warps; each takes 256 elements of a step
 STEP_K = 256 * WARPS
+# K: a multiple of 64 (the activation's copies view its rows as 64-element chunks); the last step's copies past K
+# are zero-filled by the copy engine, and the swizzled scales past K read as zero (``_swizzled_words``' TAIL).
+K_ALIGN = 64
 MAX_N = 16
 
 
@@ -396,8 +399,10 @@ def _x_swizzle(rows: int) -> int:
 
 @gluon.jit
 def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
-              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr):
-    # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).
+              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, W2D: gl.constexpr):
+    # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).  Copies
+    # past K (the last step where K % 1024 != 0) are zero-filled by the copy engine.
+    W_BYTES: gl.constexpr = w_desc.block_type.nbytes * (4 if W2D else 1)
     for v in range(start, end):
         i = v - start
         slot = i % STAGES
@@ -405,11 +410,16 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
         step = v - tile * n_steps
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         if SWIZZLED:  # the consumer loads its scale words itself (``_swizzled_words``)
-            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(slot), W_BYTES + x_desc.block_type.nbytes)
         else:
-            mbarrier.expect(ready.index(slot), w_desc.block_type.nbytes + s_desc.block_type.nbytes
-                            + x_desc.block_type.nbytes)
-        tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
+            mbarrier.expect(ready.index(slot), W_BYTES + s_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        if W2D:  # K % 256 != 0: the rows' bytes [M, K/2] in four copies of 128 columns (the last ones zero-filled)
+            W2: gl.constexpr = gl.NVMMASharedLayout(128, 8, rank=2)  # the 2-D copy's (``_sources``)
+            chunks = shared_view(wbuf.index(slot), gl.uint8, [4, TILE_ROWS, 128], W2)
+            for c in gl.static_range(4):
+                tma_load(w_desc, [tile * TILE_ROWS, (step * 4 + c) * 128], ready.index(slot), chunks.index(c))
+        else:
+            tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
         if not SWIZZLED:
             if MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
                 tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
@@ -491,24 +501,33 @@ K32_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1
 
 
 @gluon.jit
-def _swizzled_words(sp_ptr, tile, step, n_steps, TILES: gl.constexpr, MX: gl.constexpr):
+def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr, TAIL: gl.constexpr):
     """The program's scale words of step ``step`` from the swizzled scale bytes (128 x 4 atoms of 512 bytes, 16
     bytes a row r % 32, four 32-row groups q of 4 bytes: word (atom, r) the 4 bytes of group q = (row % 128) // 32),
     loaded by the consumer (not copied through the ring, so that only the group's bytes move).  Warp w's blocks
     are atoms 4 w .. 4 w + 3 (NVFP4: 4 blocks an atom) or 2 w, 2 w + 1 (MXFP4): NVFP4 ``[WARPS, 16 TILES, 8]``
     int32, element (w, r, p) the word holding pair p (atom 4 w + p // 2, half p % 2); MXFP4 ``[WARPS, 16 TILES,
-    2]``, element (w, r, a) the word of atom 2 w + a."""
+    2]``, element (w, r, a) the word of atom 2 w + a.  ``TAIL`` (K % 1024 != 0): scale columns at or past K's
+    (atoms past the row's, and the padding bytes of its last) read as zero, so that the zero-filled weights past K
+    meet finite scales."""
     R: gl.constexpr = 16 * TILES
     ATOMS: gl.constexpr = 8 if MX else 16
+    BLOCK: gl.constexpr = 32 if MX else 16
     row0 = tile * R
+    cols = K // BLOCK
+    atoms = (cols + 3) // 4  # a 128-row group's atoms
     # int32 words: an atom is 128, a row r % 32 four, a group one
-    base = (row0 // 128) * (n_steps * ATOMS * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
+    base = (row0 // 128) * (atoms * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
     L: gl.constexpr = K32_WORDS if MX else SCALE_PAIRS
     E: gl.constexpr = 2 if MX else 8
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None]
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
     e = gl.arange(0, E, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))[None, None, :]
     atom = 2 * w + e if MX else 4 * w + e // 2
+    if TAIL:
+        valid = gl.minimum(gl.maximum(cols - 4 * (step * ATOMS + atom), 0), 4)  # the atom's columns before K's end
+        words = gl.load(sp_ptr + base + atom * 128 + r * 4, mask=(valid > 0) & (r >= 0), other=0)
+        return words & gl.where(valid >= 4, -1, (1 << (8 * gl.minimum(valid, 3))) - 1)
     return gl.load(sp_ptr + base + atom * 128 + r * 4)
 
 
@@ -555,11 +574,11 @@ def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n,
 
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
-              programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
+              programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
-              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr):
+              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, TAIL: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -572,14 +591,14 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
         if SWIZZLED:  # the scale words one step ahead of their use: their load's latency under a step
-            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, n_steps, TILES, MX)
+            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, K, TILES, MX, TAIL)
         for v in range(seg0, seg1):
             i = v - start
             slot = i % STAGES
             if SWIZZLED:
                 words = words_next
                 ahead = gl.minimum(v + 1, seg1 - 1) - tile * n_steps  # the last step loads its own again
-                words_next = _swizzled_words(sp_ptr, tile, ahead, n_steps, TILES, MX)
+                words_next = _swizzled_words(sp_ptr, tile, ahead, K, TILES, MX, TAIL)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
             if MX:
@@ -661,15 +680,20 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
-                       W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr):
+                       W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
+                       TAIL: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
-    n_steps = K // 1024
+    n_steps = (K + 1023) // 1024  # the last step's copies past K zero-filled (``TAIL``)
     start = pid * units // programs
     end = (pid + 1) * units // programs
-    wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    if W2D:  # a slot holds the four copies of a step [4, rows, 128], as the 3-D copy lays them out
+        W3: gl.constexpr = gl.NVMMASharedLayout(128, 8, rank=3)
+        wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 4] + w_desc.block_type.shape, W3)
+    else:
+        wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     if SWIZZLED:  # no scale slots: the consumer loads its group's words (``_swizzled_words``)
         sbuf = wbuf
     else:
@@ -682,11 +706,11 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
         mbarrier.init(empty.index(i), count=128)  # every consumer thread
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
-                     programs, M, N, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES, ROWS,
-                     HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
-                     RING_SUM)),
+                     programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES,
+                     ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
+                     RING_SUM, TAIL)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
-                     16 * TILES, SWIZZLED, MX)),
+                     16 * TILES, SWIZZLED, MX, W2D)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -730,8 +754,10 @@ class Engine(TritonKernelSpec):
             return f"needs one matrix (L = 1), got L = {case.batch}"
         if case.n > MAX_N:
             return f"needs N <= {MAX_N}, got N = {case.n}"
-        if case.k % STEP_K:
-            return f"needs K a multiple of {STEP_K}, got K = {case.k}"
+        if case.k % K_ALIGN:
+            return f"needs K a multiple of {K_ALIGN}, got K = {case.k}"
+        if case.a.scale_layout == "linear" and case.fmt.name == "nvfp4" and case.k % 256:
+            return f"needs K a multiple of 256 with linear NVFP4 scales (their copy's view), got K = {case.k}"
         # Linear scale rows are copied at every row (scale_align); swizzled atoms are read from 128-row tiles.
         linear_rows_unaligned = case.a.scale_layout == "linear" and case.a.scale_align < 16
         if case.a.align < 16 or case.a.scale_tile_align < 16 or linear_rows_unaligned:
@@ -822,8 +848,12 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     m, k, n = case.m, case.k, case.n
     tiles = config.tiles
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
-    w = DescSrc("a_data", torch.uint8, (k // 256, m, 128), (128, case.a.row_stride, 1), (WARPS, 16 * tiles, 128),
-                copy_layout(128, 8, 3))
+    if k % 256:  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step (the chunks' view needs K % 256 = 0)
+        w = DescSrc("a_data", torch.uint8, (m, k // 2), (case.a.row_stride, 1), (16 * tiles, 128),
+                    copy_layout(128, 8, 2))
+    else:
+        w = DescSrc("a_data", torch.uint8, (k // 256, m, 128), (128, case.a.row_stride, 1),
+                    (WARPS, 16 * tiles, 128), copy_layout(128, 8, 3))
     swizzled = case.a.scale_layout == "swizzled"
     if swizzled:
         s = w  # not copied
@@ -854,7 +884,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
     w32, l32 = k32_weight_layouts(config.tiles)
-    tiles, steps = -(-m // (16 * config.tiles)), k // STEP_K
+    tiles, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
     programs, split = grid_size(tiles, steps, config, sm_count)
     args = dict(_sources(case, config), M=m, N=n, K=k, units=tiles * steps,
                 out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers("bf16", order))
@@ -863,6 +893,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, RING_SUM=programs == tiles,
+                   W2D=k % 256 != 0, TAIL=k % STEP_K != 0,
                    num_warps=WARPS, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
@@ -889,20 +920,24 @@ def swizzled_scales_twin(swizzled: torch.Tensor, m: int, k: int, tile: int, step
     2 (j // 2) and 2 (j // 2) + 1 of warp w's 16, as int64) or ``_swizzled_scales_k32`` (MXFP4: int64 ``[WARPS, 16
     tiles]``) hold for row tile ``tile`` and step ``step``, from the swizzled scale bytes ``[R_p * C_p]``: the
     consumer's word addresses (``_swizzled_words``' arithmetic on the bytes as int32), then its rearrangement,
-    replayed in torch (the joins and the int64 assembly included).  Equal to what the linear slot gives when the
-    maps are right (``tests/test_kernels_engine.py``)."""
+    replayed in torch (the joins and the int64 assembly included), the columns at or past K's zero (``TAIL``).
+    Equal to what the linear slot gives when the maps are right (``tests/test_kernels_engine.py``)."""
     rows, mx = 16 * tiles, fmt == "mxfp4"
     per_step = 8 if mx else 16
-    n_steps = k // STEP_K
+    cols = k // (32 if mx else 16)
+    atoms = -(-cols // 4)
     flat = swizzled.contiguous().view(torch.uint8).reshape(-1, 4).to(torch.int64)
     words32 = (flat << (8 * torch.arange(4))).sum(-1)  # the bytes as little-endian int32 words (unsigned, in int64)
     row0 = tile * rows
-    base = (row0 // 128) * (n_steps * per_step * 128) + step * (per_step * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
+    base = (row0 // 128) * (atoms * 128) + step * (per_step * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
     w = torch.arange(4)[:, None, None]
     r = torch.arange(rows)[None, :, None]
     e = torch.arange(2 if mx else 8)[None, None, :]
     atom = 2 * w + e if mx else 4 * w + e // 2
-    words = words32[base + atom * 128 + r * 4]  # _swizzled_words: [4, R, 2] (MXFP4) or [4, R, 8]
+    valid = (cols - 4 * (step * per_step + atom)).clamp(0, 4)
+    index = torch.where(valid > 0, base + atom * 128 + r * 4, 0)  # the masked loads read nothing
+    keep = torch.where(valid >= 4, 0xFFFFFFFF, (1 << (8 * valid.clamp(max=3))) - 1)
+    words = torch.where(valid > 0, words32[index], 0) & keep  # _swizzled_words: [4, R, 2] (MXFP4) or [4, R, 8]
     if mx:
         return (words[..., 0] & 0xFFFFFFFF) | (words[..., 1] << 32)
     s16 = (words >> (16 * (e % 2))) & 0xFFFF  # pair p: half p % 2 of its word
@@ -920,8 +955,10 @@ def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, t
     products the kernel pairs: A from the element's own row and block, B from the lane whose g is the C column's
     (its activation row g + 8 h, n-tile h).  MXFP4 (the k32 step): the row's words through ``W_SPLIT_K32`` /
     ``W_ORDER_K32``, the activation through ``X_SPLIT_K32`` / ``X_ORDER_K32``, each word times the scale of block
-    ``k32_block``.  A wrong index map gives a wrong result (the test checks it against the exact oracle)."""
+    ``k32_block``.  A wrong index map gives a wrong result (the test checks it against the exact oracle).  K past
+    its last multiple of 1024: the last step's weights and activation past K are zero, as the copies fill them."""
     m, k = a_data.shape[0], 2 * a_data.shape[1]
+    k_p = -(-k // STEP_K) * STEP_K
     n = b.shape[0]
     k32 = fmt == "mxfp4"
     rows = activation_rows(n)
@@ -930,14 +967,14 @@ def engine_twin(a_data: torch.Tensor, a_scales: torch.Tensor, b: torch.Tensor, t
     w = decode_e2m1(unpack_e2m1(a_data)).double()
     if not k32:
         w = w * decode_e4m3(a_scales).double().repeat_interleave(16, 1)
-    w = torch.nn.functional.pad(w, (0, 0, 0, rows_p - m))
-    sc = torch.nn.functional.pad(decode_e8m0(a_scales).double(), (0, 0, 0, rows_p - m)) if k32 else None
-    x = torch.nn.functional.pad(b.double(), (0, 0, 0, rows - n))
+    w = torch.nn.functional.pad(w, (0, k_p - k, 0, rows_p - m))
+    sc = torch.nn.functional.pad(decode_e8m0(a_scales).double(), (0, (k_p - k) // 32, 0, rows_p - m)) if k32 else None
+    x = torch.nn.functional.pad(b.double(), (0, k_p - k, 0, rows - n))
     out = torch.zeros(rows_p, 16, dtype=torch.float64)
     # k32: element j = 8 u + 2 c + b of a row's operands holds block k32_block(half, u, b)
     j = torch.arange(16)
     blocks = torch.stack([k32_block(h, j // 8, j % 2) for h in range(2)], dim=1)  # [j, half]
-    for step in range(k // STEP_K):
+    for step in range(k_p // STEP_K):
         ks = slice(step * STEP_K, (step + 1) * STEP_K)
         # Activation slice as the copy lays it out: [4 WARPS, rows, 16 int64] of 4 elements each -> [..., 4 elements]
         xt = x[:, ks].reshape(rows, 4 * WARPS, 16, 4).permute(1, 0, 2, 3)
