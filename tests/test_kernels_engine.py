@@ -159,6 +159,9 @@ def test_dispatch_on_sm90_from_four_rows_where_one_wave_holds_the_programs():
     for m, n, expected in ((12672, 8, "engine"), (12704, 8, "weight_only"), (12704, 9, "engine")):
         assert choose_kernel(_case(m=m, k=1024, n=n), SM90).name == expected, (m, n)
     assert choose_kernel(_case(n=8), Target("cuda", (9, 0), 0, "ptx")).name == "weight_only"  # SMs unknown
+    # K past a multiple of 1024 (gpt-oss's 2880) runs here; K < 1024 (one step mostly past K) is left to the others
+    for k, n, expected in ((2880, 16, "engine"), (2880, 4, "engine"), (768, 16, "stream"), (960, 16, "hmma")):
+        assert choose_kernel(_case(m=1024, k=k, n=n, layout="swizzled"), SM90).name == expected, (k, n)
 
 
 def test_default_config_and_bad_configs():

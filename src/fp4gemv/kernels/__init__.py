@@ -57,6 +57,10 @@ DEFERRALS: tuple[Deferral, ...] = (
     Deferral("engine", "weight_only", lambda case, target: engine_deferred(case, target.sm_count),
              f"N < {ENGINE_MIN_N}, or N <= 8 with more 32-row tiles than {ENGINE_PER_SM} an SM: weight_only "
              "measured faster"),
+    # K < 1024: the engine's one step would be mostly copies past K (zero-filled, decoded and multiplied all the
+    # same); not measured there, so those cases keep the kernels that ran them before the engine took K tails.
+    Deferral("engine", "weight_only", lambda case, target: case.k < ENGINE_STEP_K,
+             f"K < {ENGINE_STEP_K}: one step mostly past K (not measured on the engine)"),
     # docs/performance.md, the streaming skeleton: at N <= 8 the register-fed weight_only kernel is faster.
     Deferral("stream", "weight_only", lambda case, target: case.n < STREAM_MIN_N,
              f"N < {STREAM_MIN_N} runs faster on weight_only (measured)"),
