@@ -49,11 +49,12 @@ Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): e
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
 
-What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a
-multiple of 1024, N > 16, targets without TMA (before sm_90) and the CPU.  Its measured place (docs/performance.md,
-rounds 14, 24 and 25): N >= 9, both formats and scale layouts (at N = 16 swizzled scales within 3% of the linear
+What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a multiple of 64 (with linear
+NVFP4 scales: of 256), N > 16, targets without TMA (before sm_90) and the CPU.  K past a multiple of 1024 takes one
+more step whose copies the copy engine zero-fills past K (``K_ALIGN``).  Its measured place (docs/performance.md,
+rounds 14 and 24-26): N >= 9, both formats and scale layouts (at N = 16 swizzled scales within 3% of the linear
 ones' time since round 25; NVFP4 swizzled 1.16-1.46x faster than the streaming kernel on an H100, MXFP4 1.24-1.8x
-faster than weight_only).
+faster than weight_only), and N = 4-8 where its programs fit one wave at three an SM (round 26, ``engine_deferred``).
 """
 
 from __future__ import annotations
@@ -739,7 +740,7 @@ def check_ring_config(config) -> None:
 
 class Engine(TritonKernelSpec):
     """NVFP4 or MXFP4 weights (either scale layout), one matrix, times bf16 activations,
-    N = 1..16, K a multiple of 1024, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
+    N = 1..16, K a multiple of 64, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
 
     name = "engine"
     config_type = EngineConfig
