@@ -109,14 +109,15 @@ ONE_TILE_N = 13
 
 
 # N <= 8 (round 26, H100): 2 ring slots at 80 registers, three programs an SM (the ring sum leaves no scratch: 69812
-# bytes at N = 8) -- faster than (2, 3, 128) and (2, 3, 80) on all five shapes at N = 1, 2, 4 and 8, by 1-17%.
+# bytes at N = 8) -- 1-8% faster than the better of (2, 3, 128) and (2, 3, 80) on five shapes at N = 1, 2, 4 and 8
+# (19 of 20 cases; 4096 x 14336 N = 8 0.3% slower).
 SMALL_N_CONFIG = EngineConfig(2, 2, 80)
 SMALL_N_PER_SM = 3  # programs an SM that SMALL_N_CONFIG's shared memory and registers allow (sm_90 compile test)
 
 # Where the engine takes N <= 8 from weight_only (``engine_deferred``; round 26, H100, both formats, swizzled
 # scales): from N = 4 (7168 x 16384 27.7 against 32.0 µs, 4096 x 14336 17.4 / 20.4, 4096^2 7.8 / 8.5; at N = 1-2 it
-# was 1-7% slower on the three shapes other than 7168 x 16384) where its 32-row programs run in one wave at
-# SMALL_N_PER_SM an SM (14336 x 4096, 448 programs, 10-15% slower at N = 4-8; 28672 x 8192, 896, 0-3% slower).
+# was 1-20% slower on the four shapes other than 7168 x 16384) where its 32-row programs run in one wave at
+# SMALL_N_PER_SM an SM (14336 x 4096, 448 programs, 10-16% slower at N = 4-8; 28672 x 8192, 896, 0-4% slower).
 MIN_N_OVER_WEIGHT_ONLY = 4
 
 
