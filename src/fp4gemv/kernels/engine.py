@@ -72,11 +72,12 @@ from ._ptx import AsmOperands, PtxBlock
 from .spec import (DescSrc, ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources,
                    global_scale_sources)
 
-__all__ = ["EngineConfig", "Engine", "engine_config", "engine_deferred", "step_asm", "engine_twin", "swizzled_scales_twin", "WARPS",
-           "STEP_K", "register", "activation_rows", "copy_layout"]
+__all__ = ["EngineConfig", "Engine", "engine_config", "engine_deferred", "step_asm", "engine_twin",
+           "swizzled_scales_twin", "WARPS", "STEP_K", "register", "activation_rows", "copy_layout"]
 
-WARPS = 4  # consumer warps; each takes 256 elements of a step
-STEP_K = 256 * WARPS
+WARPS = 4  # consumer warps; each takes WARP_K elements of a step
+WARP_K = 256  # a warp's elements of a step: one 128-byte chunk of each weight row
+STEP_K = WARP_K * WARPS
 # K: a multiple of 64 (the activation's copies view its rows as 64-element chunks); the last step's copies past K
 # are zero-filled by the copy engine, and the swizzled scales past K read as zero (``_swizzled_words``' TAIL).
 K_ALIGN = 64
@@ -758,8 +759,8 @@ class Engine(TritonKernelSpec):
             return f"needs N <= {MAX_N}, got N = {case.n}"
         if case.k % K_ALIGN:
             return f"needs K a multiple of {K_ALIGN}, got K = {case.k}"
-        if case.a.scale_layout == "linear" and case.fmt.name == "nvfp4" and case.k % 256:
-            return f"needs K a multiple of 256 with linear NVFP4 scales (their copy's view), got K = {case.k}"
+        if case.a.scale_layout == "linear" and case.fmt.name == "nvfp4" and _four_copies(case.k):
+            return f"needs K a multiple of {WARP_K} with linear NVFP4 scales (their copy's view), got K = {case.k}"
         # Linear scale rows are copied at every row (scale_align); swizzled atoms are read from 128-row tiles.
         linear_rows_unaligned = case.a.scale_layout == "linear" and case.a.scale_align < 16
         if case.a.align < 16 or case.a.scale_tile_align < 16 or linear_rows_unaligned:
@@ -841,6 +842,12 @@ def copy_layout(swizzle: int, bits: int, rank: int):
     return gl.NVMMASharedLayout(swizzle, bits, rank=rank)
 
 
+def _four_copies(k: int) -> bool:
+    """Whether a step's weights come in four 2-D copies of 128 columns: where K % ``WARP_K`` != 0 the rows'
+    128-byte chunks (the 3-D view ``[K / WARP_K, M, 128]`` one copy takes) do not tile a row."""
+    return k % WARP_K != 0
+
+
 def _sources(case: GemvCase, config: EngineConfig) -> dict:
     """The launch's tensor arguments as operand placeholders (``spec.Src`` / ``spec.DescSrc``): the weights', scales'
     and activation's bulk-copy descriptors (weights int64 [K/1024, M, 16], linear scales [K/1024, M, 16] bytes or
@@ -850,11 +857,11 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     m, k, n = case.m, case.k, case.n
     tiles = config.tiles
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
-    if k % 256:  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step (the chunks' view needs K % 256 = 0)
+    if _four_copies(k):  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step
         w = DescSrc("a_data", torch.uint8, (m, k // 2), (case.a.row_stride, 1), (16 * tiles, 128),
                     copy_layout(128, 8, 2))
     else:
-        w = DescSrc("a_data", torch.uint8, (k // 256, m, 128), (128, case.a.row_stride, 1),
+        w = DescSrc("a_data", torch.uint8, (k // WARP_K, m, 128), (128, case.a.row_stride, 1),
                     (WARPS, 16 * tiles, 128), copy_layout(128, 8, 3))
     swizzled = case.a.scale_layout == "swizzled"
     if swizzled:
@@ -863,7 +870,7 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
         s = DescSrc("a_scales", torch.uint8, (m, k // 32), (case.a.scales.r32, 1), (16 * tiles, 32),
                     copy_layout(0, 8, 2))
     else:
-        s = DescSrc("a_scales", torch.uint8, (k // 256, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
+        s = DescSrc("a_scales", torch.uint8, (k // WARP_K, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
                     copy_layout(0, 8, 3))
     rows = activation_rows(n)
     x = DescSrc("b_data", torch.bfloat16, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
@@ -895,7 +902,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, RING_SUM=programs == tiles,
-                   W2D=k % 256 != 0, TAIL=k % STEP_K != 0,
+                   W2D=_four_copies(k), TAIL=k % STEP_K != 0,
                    num_warps=WARPS, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
