@@ -315,6 +315,34 @@ def test_direct_launch_only_on_the_triton_it_was_written_for():
     assert ops.PreparedGemv.__init__.__defaults__ == (ops.direct_launch_supported(triton.__version__),)
 
 
+def test_launch_hooks_are_none_unless_registered():
+    """Kept launches hand Triton's launcher no hooks while none is registered (an empty chain would make it build the
+    launch metadata every call), and the registered chain while one is."""
+    from triton import knobs
+
+    from fp4gemv.kernels.spec import launch_hooks
+
+    runtime = knobs.runtime
+    if getattr(runtime.launch_enter_hook, "calls", None):
+        pytest.skip("a launch hook is registered in this process")
+    assert launch_hooks() == (None, None)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    if hasattr(runtime.launch_enter_hook, "add"):  # Triton 3.6+: hook chains
+        runtime.launch_enter_hook.add(hook)
+        try:
+            enter, leave = launch_hooks()
+            assert enter is runtime.launch_enter_hook and leave is None
+            enter("meta")
+            assert seen == ["meta"]
+        finally:
+            runtime.launch_enter_hook.remove(hook)
+        assert launch_hooks() == (None, None)
+
+
 def test_a_bad_call_after_a_cached_one_still_raises_before_writing():
     a, x = _fp4(2, 128, 64), _x(2, 3, 64)
     out = torch.full((2, 128, 3), float("nan"), dtype=torch.float16)

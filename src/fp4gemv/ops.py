@@ -24,14 +24,13 @@ from typing import NamedTuple
 
 import torch
 import triton
-from triton import knobs
 from triton.runtime.driver import driver
 
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
 from .kernels.spec import (DIRECT_LAUNCH, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase, GemvOperands,
                            KernelSpec, Src, TritonKernelSpec, alignment, bound_arguments, direct_launch_supported,
-                           fill_sources, linear_scale_addressing, swizzled_scale_addressing)
+                           fill_sources, launch_hooks, linear_scale_addressing, swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
@@ -421,7 +420,7 @@ class KeptLaunch:
     ``torch.cuda.graph`` is captured like the JIT's)."""
 
     __slots__ = ("_template", "_fields", "_device_index", "_compiled", "_argv", "_slots", "_descriptors", "_grid",
-                 "_launcher", "_direct_launch", "_current_stream", "_runtime_knobs", "_encoded")
+                 "_launcher", "_direct_launch", "_current_stream", "_encoded")
 
     def __init__(self, plan, fields: dict[str, int], device: torch.device, direct_launch: bool):
         template = None
@@ -457,7 +456,7 @@ class KeptLaunch:
             self._launcher = functools.partial(_launch_c, launcher)
         else:
             self._launcher = launcher
-        self._current_stream, self._runtime_knobs = driver.active.get_current_stream, knobs.runtime
+        self._current_stream = driver.active.get_current_stream
         self._encoded = None
         raw = _raw_launch(getattr(launcher, "launch", None)) if self._descriptors else None
         metas = getattr(compiled.metadata, "tensordesc_meta", None)
@@ -475,8 +474,7 @@ class KeptLaunch:
             argv[i] = AddressDescriptor(addresses[j], src)
         k = self._compiled
         stream = self._current_stream(self._device_index)
-        runtime = self._runtime_knobs
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        enter, leave = launch_hooks()
         if self._encoded is not None and enter is None:
             self._encoded.launch(self._grid, stream, k, addresses)
             return

@@ -33,7 +33,7 @@ __all__ = ["FP4Meta", "FloatMeta", "GemvCase", "GemvOperands", "KernelSpec", "Tr
            "Src", "DescSrc", "AddressDescriptor", "ScaleAddressing", "linear_scale_addressing",
            "swizzled_scale_addressing", "alignment",
            "global_scale_sources", "check_powers_of_two", "ErrorModel", "fill_sources", "GEMV_MAX_N",
-           "too_many_rows", "MoeCase", "MoeOperands"]
+           "too_many_rows", "MoeCase", "MoeOperands", "launch_hooks"]
 
 # Activation rows the GEMV kernels take: they keep every row's accumulator in registers (the GEMM takes more).
 GEMV_MAX_N = 16
@@ -446,12 +446,28 @@ def bound_arguments(kernel, args: tuple, options: dict) -> list:
     return values
 
 
+def launch_hooks() -> tuple:
+    """(enter, exit): Triton's launch hooks as a compiled kernel's launcher takes them, None where none is
+    registered.  Since Triton 3.6 the knobs are hook chains, never None, and a launcher handed an empty chain still
+    builds the launch metadata and calls it (round 26 of docs/performance.md: a kept launch paid for that every
+    call); an empty chain is handed as None, so the launcher skips both."""
+    runtime = knobs.runtime
+    return _registered(runtime.launch_enter_hook), _registered(runtime.launch_exit_hook)
+
+
+def _registered(hook):
+    """``hook`` unless it is None or an empty hook chain (``calls`` empty)."""
+    if hook is None or getattr(hook, "calls", True) == []:
+        return None
+    return hook
+
+
 def run_compiled(compiled, grid: tuple, argv: list, device_index: int) -> None:
     """``compiled`` (what a JIT call returned) on ``argv`` (``bound_arguments``) over ``grid``, on the current stream
     of CUDA device ``device_index``: what the JIT call does after its dispatch, without the dispatch (so a launch
     inside ``torch.cuda.graph`` is captured like the JIT's)."""
     stream = driver.active.get_current_stream(device_index)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, leave = launch_hooks()
     meta = compiled.launch_metadata(grid, stream, *argv) if enter is not None else None
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, meta, enter, leave, *argv)
