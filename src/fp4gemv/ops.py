@@ -467,17 +467,17 @@ class KeptLaunch:
 
     def _launch(self, addresses: tuple) -> None:
         """The compiled kernel on operands at ``addresses`` (the order of ``fields``); only once compiled."""
+        k = self._compiled
+        stream = self._current_stream(self._device_index)
+        enter, leave = launch_hooks()
+        if self._encoded is not None and enter is None:  # builds its own argument list
+            self._encoded.launch(self._grid, stream, k, addresses)
+            return
         argv = self._argv.copy()
         for i, j in self._slots:
             argv[i] = addresses[j]
         for i, j, src in self._descriptors:
             argv[i] = AddressDescriptor(addresses[j], src)
-        k = self._compiled
-        stream = self._current_stream(self._device_index)
-        enter, leave = launch_hooks()
-        if self._encoded is not None and enter is None:
-            self._encoded.launch(self._grid, stream, k, addresses)
-            return
         meta = k.launch_metadata(self._grid, stream, *argv) if enter is not None else None
         self._launcher(*self._grid, stream, k.function, k.packed_metadata, meta, enter, leave, *argv)
 
