@@ -371,6 +371,10 @@ def test_ptx_exact(layout, out_dtype, m, k, n):
                EngineConfig(2, 2, 80)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs += [EngineConfig(4, 2, 168), EngineConfig(4, 2, 168, 2)]
+    if n > 8:  # a warp group a tile (four consumer warps a 16-row tile)
+        configs += [EngineConfig(2, 2, 80, 0, 2), EngineConfig(2, 2, 80, 1, 2)]
+        if layout == "linear":
+            configs.append(EngineConfig(4, 2, 96, 0, 4))
     for config in configs:
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
@@ -455,7 +459,10 @@ def test_k_past_a_multiple_of_1024(fmt, layout, m, k, n):
     fold = engine.step_fold_exponent(fmt)
     if n >= 4:
         assert select_kernel(a, b).name == "engine"
-    for config in (None, EngineConfig(1, 2, 128), EngineConfig(2, 2, 80), EngineConfig(2, 3, 128, 2)):
+    configs = [None, EngineConfig(1, 2, 128), EngineConfig(2, 2, 80), EngineConfig(2, 3, 128, 2)]
+    if fmt == "nvfp4" and n > 8:
+        configs.append(EngineConfig(2, 2, 80, 0, 2))
+    for config in configs:
         out = O.poisoned((m, n), torch.float32, device="cuda")
         gemv(a, b, out=out, out_dtype=torch.float32, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True, fold=fold)

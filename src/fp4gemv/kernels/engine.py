@@ -89,12 +89,15 @@ class EngineConfig(NamedTuple):
     the registers per thread the launch allows (the producer warp's group keeps ``PRODUCER_REGS`` and leaves the
     rest to the consumer warps); ``per_sm``: 0 for one program per row tile, else a persistent grid of ``per_sm``
     programs per multiprocessor sharing the (row tile, step) units evenly (``persistent_ranges``), tiles split
-    over programs summed by the split-K fix-up."""
+    over programs summed by the split-K fix-up; ``groups``: the consumer's warp groups along the program's rows
+    -- 1 (four consumer warps, each over all of the program's rows and a quarter of the step's K) or ``tiles``
+    (four warps a 16-row tile: ``4 * tiles`` consumer warps sharing the step's activation slot; NVFP4, N > 8)."""
 
     tiles: int = 2
     stages: int = 2
     maxnreg: int = 128
     per_sm: int = 0
+    groups: int = 1
 
 
 TILES = (1, 2, 4)
@@ -339,13 +342,29 @@ def _x_split(rows: int, k32: bool = False) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(rows if v == "n" else v for v in split["few"]), order["few"]
 
 
+def _group_bases(tiles: int, groups: int) -> list[list[int]]:
+    """The warp bases that give each of ``groups`` warp groups its own 16-row tile (groups 1 or ``tiles``: the
+    tile index t on the warp index's low bits, the four K quarters above them, as the blocked layouts of
+    ``_x_operands`` place them)."""
+    return [[0, 16 << i, 0] for i in range(groups.bit_length() - 1)]
+
+
 @functools.lru_cache(maxsize=None)
-def _layouts(tiles: int, rows: int, k32: bool = False):
+def _layouts(tiles: int, rows: int, k32: bool = False, groups: int = 1):
     """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16], the int64 views of
-    the weight and activation slots) layouts; made once per (tiles, rows, step): every launch passes them.  The
-    activation layout keeps, per thread, the int64 the step pairs in registers (fold: z; k32: z and half) and puts
-    c on the lanes, so that ``_x_operands``' permutations are register renames."""
-    weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
+    the weight and activation slots) layouts; made once per (tiles, rows, step, groups): every launch passes them.
+    The activation layout keeps, per thread, the int64 the step pairs in registers (fold: z; k32: z and half) and
+    puts c on the lanes, so that ``_x_operands``' permutations are register renames.  With ``groups`` = ``tiles``
+    (``EngineConfig``) the tile index t moves from the registers to the warps: each warp holds one tile's elements
+    (the step's asm for one tile), and every group holds the whole activation slice."""
+    if groups == 1:
+        weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
+    else:  # registers b, u, h; lanes c, g; warps the K quarter, then t
+        weights = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 8, 0]],
+            lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]], block_bases=[],
+            shape=[WARPS, 16 * tiles, 16])
     if k32:  # registers z, half, b, u (h); lanes c0, c1
         bases = [[0, 0, 1], [2, 0, 0], [0, 0, 8], [1, 0, 0]]
         c_lanes = [[0, 0, 2], [0, 0, 4]]
@@ -355,8 +374,8 @@ def _layouts(tiles: int, rows: int, k32: bool = False):
     bases += [[0, 8, 0]] if rows == 16 else []
     g_lanes = [[0, 1 << i, 0] if (1 << i) < rows else [0, 0, 0] for i in range(3)]
     activation = gl.DistributedLinearLayout(reg_bases=bases, lane_bases=c_lanes + g_lanes,
-                                            warp_bases=[[4, 0, 0], [8, 0, 0]], block_bases=[],
-                                            shape=[4 * WARPS, rows, 16])
+                                            warp_bases=[[0, 0, 0]] * (groups.bit_length() - 1) + [[4, 0, 0], [8, 0, 0]],
+                                            block_bases=[], shape=[4 * WARPS, rows, 16])
     return (weights, activation, gl.NVMMASharedLayout(128, 64, rank=3),
             gl.NVMMASharedLayout(_x_swizzle(rows), 64, rank=3))
 
@@ -438,13 +457,15 @@ def _as_int64(buf, SHAPE0: gl.constexpr, SHAPE1: gl.constexpr, LAYOUT: gl.conste
 
 
 @gluon.jit
-def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr, K32: gl.constexpr = False):
+def _x_operands(xt, TILES: gl.constexpr, ROWS: gl.constexpr, LW: gl.constexpr, K32: gl.constexpr = False,
+                GROUPS: gl.constexpr = 1):
     """x0 .. x3 ``[WARPS, 16 TILES, 16]`` in ``LW`` from the activation slice (module docstring): the reshape and
     permutation are ``X_SPLIT`` / ``X_ORDER`` (``X_SPLIT_K32`` / ``X_ORDER_K32`` for the k32 step; written out:
     Gluon takes shapes as literals)."""
     G: gl.constexpr = min(ROWS, 8)
-    B5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 4], [1, 8 // G, G, 4, 1], [4, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    B4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 8 // G, G, 4], [4, 1, 1, 1], [3, 2, 1, 0])
+    # GROUPS > 1 (ROWS 16): the warp index's low bits on the tile dimension (B5's, of size 1: replicated)
+    B5: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2, 4], [1, 8 // G, G, 4, 1], [4, GROUPS, 1, 1, 1], [4, 3, 2, 1, 0])
+    B4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 2], [1, 8 // G, G, 4], [4, GROUPS, 1, 1], [3, 2, 1, 0])
     if K32:
         if ROWS == 16:
             x = gl.permute(gl.reshape(xt, [4, 2, 2, 2, 8, 2, 2, 2, 2]), [0, 3, 4, 2, 6, 7, 5, 1, 8])
@@ -503,8 +524,28 @@ SCALE_PAIRS = gl.constexpr(gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2,
 K32_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1, 0]))
 
 
+@functools.lru_cache(maxsize=None)
+def scale_pair_layout(tiles: int, groups: int):
+    """NVFP4's 16-bit scale pairs ``[WARPS, 16 tiles, 8]`` in registers (``SCALE_PAIRS`` where ``groups`` is 1; else
+    the same lanes and registers with the tile index on the warps, as ``_layouts``' weights)."""
+    if groups == 1:
+        return SCALE_PAIRS
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 4], [0, 8, 0]],
+                                      lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                                      warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
+                                      block_bases=[], shape=[WARPS, 16 * tiles, 8])
+
+
+@functools.lru_cache(maxsize=None)
+def ring_sum_layout(groups: int):
+    """The ring sum's register layout of the fp32 ``[WARPS, 16 tiles, 16]`` partials: the four K quarters' partials
+    of an element in one thread's registers, over ``WARPS * groups`` warps."""
+    return gl.BlockedLayout([4, 1, 4 // groups], [1, 8, 4], [1, 4, groups], [2, 1, 0])
+
+
 @gluon.jit
-def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr, TAIL: gl.constexpr):
+def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr, TAIL: gl.constexpr,
+                    LP: gl.constexpr = SCALE_PAIRS):
     """The program's scale words of step ``step`` from the swizzled scale bytes (128 x 4 atoms of 512 bytes, 16
     bytes a row r % 32, four 32-row groups q of 4 bytes: word (atom, r) the 4 bytes of group q = (row % 128) // 32),
     loaded by the consumer (not copied through the ring, so that only the group's bytes move).  Warp w's blocks
@@ -521,7 +562,7 @@ def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr
     atoms = (cols + 3) // 4  # a 128-row group's atoms
     # int32 words: an atom is 128, a row r % 32 four, a group one
     base = (row0 // 128) * (atoms * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
-    L: gl.constexpr = K32_WORDS if MX else SCALE_PAIRS
+    L: gl.constexpr = K32_WORDS if MX else LP
     E: gl.constexpr = 2 if MX else 8
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None]
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
@@ -535,11 +576,11 @@ def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr
 
 
 @gluon.jit
-def _swizzled_scales(words, TILES: gl.constexpr, LW: gl.constexpr):
+def _swizzled_scales(words, TILES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr = SCALE_PAIRS):
     """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
     2 (j // 2), 2 (j // 2) + 1) from ``_swizzled_words``: each pair's half of its word, then as the linear slot's
     pairs (``SCALE_PAIRS``) are given to both of their elements."""
-    p = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALE_PAIRS)))[None, None, :]
+    p = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))[None, None, :]
     s16 = ((words >> (16 * (p % 2))) & 0xFFFF).to(gl.int16)
     return gl.convert_layout(gl.reshape(gl.join(s16, s16), [4, 16 * TILES, 16]), LW)
 
@@ -556,7 +597,6 @@ def _swizzled_scales_k32(words, TILES: gl.constexpr, LW: gl.constexpr):
 # The ring sum's view of the first weight slot (fp32 [WARPS, 16 TILES, 16], unswizzled) and the layout it is read
 # in: the four warps' partials of an element in one thread's registers.
 RED = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-LR = gl.constexpr(gl.BlockedLayout([4, 1, 4], [1, 8, 4], [1, 4, 1], [2, 1, 0]))
 
 
 @gluon.jit
@@ -581,7 +621,8 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
-              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, TAIL: gl.constexpr):
+              LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, TAIL: gl.constexpr,
+              GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -594,16 +635,17 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
         if SWIZZLED:  # the scale words one step ahead of their use: their load's latency under a step
-            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, K, TILES, MX, TAIL)
+            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, K, TILES, MX, TAIL, LP)
         for v in range(seg0, seg1):
             i = v - start
             slot = i % STAGES
             if SWIZZLED:
                 words = words_next
                 ahead = gl.minimum(v + 1, seg1 - 1) - tile * n_steps  # the last step loads its own again
-                words_next = _swizzled_words(sp_ptr, tile, ahead, K, TILES, MX, TAIL)
+                words_next = _swizzled_words(sp_ptr, tile, ahead, K, TILES, MX, TAIL, LP)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-            x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX)
+            x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX,
+                                         GROUPS)
             if MX:
                 if SWIZZLED:
                     s8 = _swizzled_scales_k32(words, TILES, LW)
@@ -614,15 +656,14 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             else:
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
                 if SWIZZLED:
-                    s = _swizzled_scales(words, TILES, LW)
+                    s = _swizzled_scales(words, TILES, LW, LP)
                 else:  # each block pair (b = 0, 1) as one 16-bit load, given to both of its elements
-                    L16: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 8, 4], [4, 1, 1], [2, 1, 0])
                     s16 = shared_view(sbuf.index(slot), gl.int16, [4, 16 * TILES, 8],
-                                      gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).load(L16)
+                                      gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])).load(LP)
                     s = gl.convert_layout(gl.reshape(gl.join(s16, s16), [4, 16 * TILES, 16]), LW)
                 acc = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, w, s, x0, x1, x2, x3, zero + mp0,
                                                                    zero + mp1, zero + m24, zero + m29],
-                                                dtype=gl.float32, is_pure=True, pack=8 * TILES)
+                                                dtype=gl.float32, is_pure=True, pack=8 * TILES // GROUPS)
             # Each thread arrives once its loads are consumed (the asm above used them): no barrier between warps.
             async_copy.mbarrier_arrive(empty.index(slot), increment_count=False)
         if RING_SUM:
@@ -684,7 +725,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
                        W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
-                       TAIL: gl.constexpr):
+                       TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -706,12 +747,12 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=128)  # every consumer thread
+        mbarrier.init(empty.index(i), count=128 * GROUPS)  # every consumer thread
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
                      programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES,
                      ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
-                     RING_SUM, TAIL)),
+                     RING_SUM, TAIL, GROUPS, LP, LR)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
                      16 * TILES, SWIZZLED, MX, W2D)),
     ], [1], [PRODUCER_REGS])
@@ -782,6 +823,11 @@ class Engine(TritonKernelSpec):
                              f"the 128-row atoms), got {config}")
         if not isinstance(config.per_sm, int) or not 0 <= config.per_sm <= 4:
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
+        if config.groups not in (1, config.tiles):
+            raise ValueError(f"config: expected groups 1 or tiles, got {config}")
+        if config.groups > 1 and case is not None and (case.fmt.name != "nvfp4" or case.n <= 8):
+            raise ValueError(f"config: groups > 1 takes NVFP4 at N > 8, got {config} for {case.fmt.name} at "
+                             f"N = {case.n}")
 
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
         """The launch with operand placeholders (descriptors too: ``spec.DescSrc``), kept and launched on addresses
@@ -890,8 +936,8 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     mx = case.fmt.name == "mxfp4"
     order = case.a.code_order
     scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
-    asm, constraints = step_asm(config.tiles, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
-    lw, lx, w64, x64 = _layouts(config.tiles, rows, mx)
+    asm, constraints = step_asm(config.tiles // config.groups, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
+    lw, lx, w64, x64 = _layouts(config.tiles, rows, mx, config.groups)
     w32, l32 = k32_weight_layouts(config.tiles)
     tiles, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
     programs, split = grid_size(tiles, steps, config, sm_count)
@@ -902,8 +948,9 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, RING_SUM=programs == tiles,
-                   W2D=_four_copies(k), TAIL=k % STEP_K != 0,
-                   num_warps=WARPS, maxnreg=config.maxnreg)
+                   W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
+                   LP=scale_pair_layout(config.tiles, config.groups), LR=ring_sum_layout(config.groups),
+                   num_warps=WARPS * config.groups, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
 
