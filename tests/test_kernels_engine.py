@@ -177,9 +177,13 @@ def test_default_config_and_bad_configs():
     assert engine_config(_case(n=16), 0) == EngineConfig(2, 2, 128)  # multiprocessors unknown
     spec = Engine()
     for bad, words in ((EngineConfig(3, 2, 128), "tiles"), (EngineConfig(2, 0, 128), "stages"),
-                       (EngineConfig(2, 2, 100), "maxnreg"), (EngineConfig(2, 2, 128, 5), "per_sm")):
+                       (EngineConfig(2, 2, 100), "maxnreg"), (EngineConfig(2, 2, 128, 5), "per_sm"),
+                       (EngineConfig(4, 2, 96, 0, 2), "groups 1 or tiles")):
         with pytest.raises(ValueError, match=words):
             spec.check_config(bad)
+    spec.check_config(EngineConfig(2, 2, 80, 0, 2), _case(n=9))
+    with pytest.raises(ValueError, match="N > 8"):  # a warp group a tile reads the 16-row activation slice
+        spec.check_config(EngineConfig(2, 2, 80, 0, 2), _case(n=8))
 
 
 @pytest.mark.parametrize("tiles, steps, programs", [(128, 4, 264), (224, 16, 264), (7, 3, 5), (5, 1, 5),
@@ -307,13 +311,14 @@ _COMPILE = textwrap.dedent("""
                                   ("nvfp4", 16, "swizzled", 2), ("mxfp4", 16, "swizzled", 2),
                                   ("nvfp4", 16, "swizzled", 1), ("mxfp4", 16, "swizzled", 1),
                                   ("nvfp4", 8, "linear", "2,2,80"), ("mxfp4", 8, "swizzled", "2,2,80"),
-                                  ("nvfp4", 16, "swizzled", 2880), ("mxfp4", 4, "swizzled", 2880)):
+                                  ("nvfp4", 16, "swizzled", 2880), ("mxfp4", 4, "swizzled", 2880),
+                                  ("mxfp4", 16, "swizzled", "2,2,80,0,2"), ("mxfp4", 16, "linear", "2,2,80,0,2")):
         k = tiles if isinstance(tiles, int) and tiles > 4 else 4096  # K past a multiple of 1024 (and of 256)
         tiles = 2 if k != 4096 else tiles
         a = O.random_fp4((4096, k), fmt, layout, seed=1, device="cpu")
         b = O.random_activation((n, k), torch.bfloat16, seed=2, device="cpu")
         ops = gemv_operands(a, b, torch.empty((1, 4096, n), dtype=torch.bfloat16))
-        if isinstance(tiles, str):  # a whole configuration: tiles, stages, launch registers
+        if isinstance(tiles, str):  # a whole configuration: tiles, stages, launch registers[, per_sm, groups]
             config = EngineConfig(*(int(v) for v in tiles.split(",")))
         else:
             config = engine_config(ops.case)._replace(tiles=tiles)
@@ -325,27 +330,30 @@ _COMPILE = textwrap.dedent("""
         listing = sass_listing(c)
         ops_ = collections.Counter(op.split(".")[0] for _, op, _ in listing)
         bars = sum(op.startswith("BAR") for _, op, _ in mma_loop(listing))
-        print(fmt, layout, n, config.tiles, config.stages, config.maxnreg, registers(c), ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"],
-              c.metadata.shared, bars, k, local_memory(c))
+        print(fmt, layout, n, config.tiles, config.stages, config.maxnreg, config.groups, registers(c),
+              ops_["UTMALDG"], ops_["HMMA"], ops_["SYNCS"], c.metadata.shared, bars, k, local_memory(c))
 """)
 
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 14
+    assert len(lines) == 16
     for line in lines:
-        fmt, layout, n, tiles, stages, maxnreg, regs, tma, mma, syncs, shared, bars, k, local = line.split(" ", 13)
+        fmt, layout, n, tiles, stages, maxnreg, groups, regs, tma, mma, syncs, shared, bars, k, local = \
+            line.split(" ", 14)
         assert int(regs) <= int(maxnreg), line
         # weights, scales and activation through the copy engine (swizzled scales: loaded by the consumer); K % 256
         # != 0: the weights in four copies of 128 columns
         weights = 1 if int(k) % 256 == 0 else 4
         assert int(tma) == weights + (1 if layout == "swizzled" else 2), line
-        # tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
-        assert int(mma) == 16 * int(tiles) * (2 if int(n) > 8 else 1), line
+        # a warp's tiles x 2 chunks x 4 words x 2 k16 (x 2 n-tiles)
+        assert int(mma) == 16 * int(tiles) // int(groups) * (2 if int(n) > 8 else 1), line
         assert int(syncs) > 0, line  # mbarrier waits and arrivals
         # two programs an SM (228 KB, 1 KB reserved a program): at 122916 bytes one fit, 1.5x slower (round 24)
         assert int(shared) <= 233472 // 2 - 1024, line
-        if int(stages) == 2 and int(maxnreg) == 80:
+        if int(groups) > 1:  # 4 tiles consumer warps and the producer's warp group: two programs an SM
+            assert 2 * 32 * (4 * int(groups) + 4) * int(maxnreg) <= 65536, line
+        elif int(stages) == 2 and int(maxnreg) == 80:
             # three programs an SM at N <= 8: the warps' partials summed through the ring (no 8 KB scratch)
             assert int(shared) <= 233472 // 3 - 1024 and 3 * 256 * int(maxnreg) <= 65536, line
         # one barrier a step at most: the swizzled scale words reach the step's layout without crossing warps
@@ -424,6 +432,8 @@ def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
     configs = [default, EngineConfig(1, 4, 128), default._replace(per_sm=2), EngineConfig(2, 2, 80)]
     if layout == "linear":  # 64-row programs: linear scales only
         configs.append(EngineConfig(4, 2, 168))
+    if n > 8:  # a warp group a tile
+        configs += [EngineConfig(2, 2, 80, 0, 2), EngineConfig(2, 2, 80, 2, 2)]
     for config in configs:
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
@@ -460,7 +470,7 @@ def test_k_past_a_multiple_of_1024(fmt, layout, m, k, n):
     if n >= 4:
         assert select_kernel(a, b).name == "engine"
     configs = [None, EngineConfig(1, 2, 128), EngineConfig(2, 2, 80), EngineConfig(2, 3, 128, 2)]
-    if fmt == "nvfp4" and n > 8:
+    if n > 8:
         configs.append(EngineConfig(2, 2, 80, 0, 2))
     for config in configs:
         out = O.poisoned((m, n), torch.float32, device="cuda")

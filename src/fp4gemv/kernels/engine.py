@@ -91,7 +91,7 @@ class EngineConfig(NamedTuple):
     programs per multiprocessor sharing the (row tile, step) units evenly (``persistent_ranges``), tiles split
     over programs summed by the split-K fix-up; ``groups``: the consumer's warp groups along the program's rows
     -- 1 (four consumer warps, each over all of the program's rows and a quarter of the step's K) or ``tiles``
-    (four warps a 16-row tile: ``4 * tiles`` consumer warps sharing the step's activation slot; NVFP4, N > 8)."""
+    (four warps a 16-row tile: ``4 * tiles`` consumer warps sharing the step's activation slot; N > 8)."""
 
     tiles: int = 2
     stages: int = 2
@@ -381,15 +381,17 @@ def _layouts(tiles: int, rows: int, k32: bool = False, groups: int = 1):
 
 
 @functools.lru_cache(maxsize=None)
-def k32_weight_layouts(tiles: int):
+def k32_weight_layouts(tiles: int, groups: int = 1):
     """The k32 step's weights: (the slot's int32 view ``[WARPS, 16 tiles, 32]`` with the copies' 128-byte swizzle,
     its register layout).  Thread (g, c) loads word c of each block of its rows (registers half, b, u, then the
-    rows' h, t), so that ``_k32_words``' reshape, permutation and split are register renames into ``_layouts``'
-    weight layout."""
-    rows = [[0, 8, 0]] + [[0, 16 << i, 0] for i in range(tiles.bit_length() - 1)]
+    rows' h, t; t on the warps where ``groups`` > 1), so that ``_k32_words``' reshape, permutation and split are
+    register renames into ``_layouts``' weight layout."""
+    tile_bits = [[0, 16 << i, 0] for i in range(tiles.bit_length() - 1)]
+    rows = [[0, 8, 0]] + (tile_bits if groups == 1 else [])
     layout = gl.DistributedLinearLayout(reg_bases=[[0, 0, 16], [0, 0, 4], [0, 0, 8]] + rows,
                                         lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[],
+                                        warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
+                                        block_bases=[],
                                         shape=[WARPS, 16 * tiles, 32])
     return gl.NVMMASharedLayout(128, 32, rank=3), layout
 
@@ -400,14 +402,17 @@ SCALE_ROWS = gl.constexpr(gl.NVMMASharedLayout(0, 64, rank=3))
 
 
 @functools.lru_cache(maxsize=None)
-def k32_scale_layout(tiles: int):
+def k32_scale_layout(tiles: int, groups: int = 1):
     """The MXFP4 scale slot's int64 ``[2, 2, 16 tiles]`` (warp w's at ``[w // 2, w % 2]``) in registers as the k32
     step reads them, so that its reshape to ``[4, 16 tiles]`` is the weights' layout without the block dimension:
-    warps on the first two, lanes g and the registers h, t on the rows, lanes c replicated."""
-    rows = [[0, 0, 8]] + [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
+    warps on the first two (and t where ``groups`` > 1), lanes g and the registers h, t on the rows, lanes c
+    replicated."""
+    tile_bits = [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
+    rows = [[0, 0, 8]] + (tile_bits if groups == 1 else [])
     return gl.DistributedLinearLayout(reg_bases=rows, lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
                                                                   [0, 0, 4]],
-                                      warp_bases=[[0, 1, 0], [1, 0, 0]], block_bases=[], shape=[2, 2, 16 * tiles])
+                                      warp_bases=(tile_bits if groups > 1 else []) + [[0, 1, 0], [1, 0, 0]],
+                                      block_bases=[], shape=[2, 2, 16 * tiles])
 
 
 def _x_swizzle(rows: int) -> int:
@@ -506,14 +511,15 @@ def k32_scales(slot, TILES: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr, LW
 
 @gluon.jit
 def k32_step(acc, wslot, s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES: gl.constexpr, ASM: gl.constexpr,
-             CONSTRAINTS: gl.constexpr, LW: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr):
+             CONSTRAINTS: gl.constexpr, LW: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr,
+             GROUPS: gl.constexpr = 1):
     """One k32 step (MXFP4) on ``acc``: the weight slot's words split (``_k32_words``), the scales ``s8``
     (``k32_scales``) given to every element of their row, the activation operands ``x0 .. x3``."""
     s8 = gl.expand_dims(s8, 2).broadcast_to([4, 16 * TILES, 16])
     wl, wh = _k32_words(shared_view(wslot, gl.int32, [4, 16 * TILES, 32], W32).load(L32), TILES, LW)
     return gl.inline_asm_elementwise(ASM, CONSTRAINTS, [acc, wl, wh, s8, x0, x1, x2, x3, zero + mp0, zero + mp1,
                                                         zero + m24, zero + m29],
-                                     dtype=gl.float32, is_pure=True, pack=8 * TILES)
+                                     dtype=gl.float32, is_pure=True, pack=8 * TILES // GROUPS)
 
 
 # The consumer's swizzled scale words in registers: NVFP4 ``[WARPS, 16 TILES, 8]`` as the linear slot's 16-bit pairs
@@ -525,15 +531,17 @@ K32_WORDS = gl.constexpr(gl.BlockedLayout([1, 1, 2], [1, 8, 4], [4, 1, 1], [2, 1
 
 
 @functools.lru_cache(maxsize=None)
-def scale_pair_layout(tiles: int, groups: int):
-    """NVFP4's 16-bit scale pairs ``[WARPS, 16 tiles, 8]`` in registers (``SCALE_PAIRS`` where ``groups`` is 1; else
-    the same lanes and registers with the tile index on the warps, as ``_layouts``' weights)."""
+def scale_word_layout(tiles: int, groups: int, mx: bool = False):
+    """The consumer's scale words in registers: NVFP4's 16-bit pairs ``[WARPS, 16 tiles, 8]`` (``SCALE_PAIRS``) or
+    MXFP4's atom words ``[WARPS, 16 tiles, 2]`` (``K32_WORDS``) where ``groups`` is 1; else the same lanes and
+    registers with the tile index on the warps, as ``_layouts``' weights."""
     if groups == 1:
-        return SCALE_PAIRS
-    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 4], [0, 8, 0]],
-                                      lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        return K32_WORDS if mx else SCALE_PAIRS
+    lanes = [[0, 0, 0], [0, 0, 0]] if mx else [[0, 0, 1], [0, 0, 2]]
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1] if mx else [0, 0, 4], [0, 8, 0]],
+                                      lane_bases=lanes + [[0, 1, 0], [0, 2, 0], [0, 4, 0]],
                                       warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
-                                      block_bases=[], shape=[WARPS, 16 * tiles, 8])
+                                      block_bases=[], shape=[WARPS, 16 * tiles, 2 if mx else 8])
 
 
 @functools.lru_cache(maxsize=None)
@@ -545,7 +553,7 @@ def ring_sum_layout(groups: int):
 
 @gluon.jit
 def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr, TAIL: gl.constexpr,
-                    LP: gl.constexpr = SCALE_PAIRS):
+                    L: gl.constexpr):
     """The program's scale words of step ``step`` from the swizzled scale bytes (128 x 4 atoms of 512 bytes, 16
     bytes a row r % 32, four 32-row groups q of 4 bytes: word (atom, r) the 4 bytes of group q = (row % 128) // 32),
     loaded by the consumer (not copied through the ring, so that only the group's bytes move).  Warp w's blocks
@@ -553,7 +561,7 @@ def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr
     int32, element (w, r, p) the word holding pair p (atom 4 w + p // 2, half p % 2); MXFP4 ``[WARPS, 16 TILES,
     2]``, element (w, r, a) the word of atom 2 w + a.  ``TAIL`` (K % 1024 != 0): scale columns at or past K's
     (atoms past the row's, and the padding bytes of its last) read as zero, so that the zero-filled weights past K
-    meet finite scales."""
+    meet finite scales.  ``L``: their layout (``scale_word_layout``)."""
     R: gl.constexpr = 16 * TILES
     ATOMS: gl.constexpr = 8 if MX else 16
     BLOCK: gl.constexpr = 32 if MX else 16
@@ -562,7 +570,6 @@ def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr
     atoms = (cols + 3) // 4  # a 128-row group's atoms
     # int32 words: an atom is 128, a row r % 32 four, a group one
     base = (row0 // 128) * (atoms * 128) + step * (ATOMS * 128) + (row0 % 32) * 4 + (row0 // 32) % 4
-    L: gl.constexpr = K32_WORDS if MX else LP
     E: gl.constexpr = 2 if MX else 8
     w = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))[:, None, None]
     r = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(2, L)))[None, :, None]
@@ -652,7 +659,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
                 else:
                     s8 = k32_scales(sbuf.index(slot), TILES, S3, LS, LW)
                 acc = k32_step(acc, wbuf.index(slot), s8, x0, x1, x2, x3, zero, mp0, mp1, m24, m29, TILES, ASM,
-                               CONSTRAINTS, LW, W32, L32)
+                               CONSTRAINTS, LW, W32, L32, GROUPS)
             else:
                 w = _as_int64(wbuf.index(slot), 4, 16 * TILES, W64).load(LW)
                 if SWIZZLED:
@@ -825,8 +832,8 @@ class Engine(TritonKernelSpec):
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
         if config.groups not in (1, config.tiles):
             raise ValueError(f"config: expected groups 1 or tiles, got {config}")
-        if config.groups > 1 and case is not None and (case.fmt.name != "nvfp4" or case.n <= 8):
-            raise ValueError(f"config: groups > 1 takes NVFP4 at N > 8, got {config} for {case.fmt.name} at "
+        if config.groups > 1 and case is not None and case.n <= 8:
+            raise ValueError(f"config: groups > 1 takes N > 8 (the 16-row activation slice), got {config} at "
                              f"N = {case.n}")
 
     def triton_launch(self, case: GemvCase, config: EngineConfig, target: Target) -> TritonLaunch | None:
@@ -938,7 +945,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
     asm, constraints = step_asm(config.tiles // config.groups, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx, config.groups)
-    w32, l32 = k32_weight_layouts(config.tiles)
+    w32, l32 = k32_weight_layouts(config.tiles, config.groups)
     tiles, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
     programs, split = grid_size(tiles, steps, config, sm_count)
     args = dict(_sources(case, config), M=m, N=n, K=k, units=tiles * steps,
@@ -947,9 +954,9 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
-                   LS=k32_scale_layout(config.tiles), W32=w32, L32=l32, RING_SUM=programs == tiles,
+                   LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
                    W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
-                   LP=scale_pair_layout(config.tiles, config.groups), LR=ring_sum_layout(config.groups),
+                   LP=scale_word_layout(config.tiles, config.groups, mx), LR=ring_sum_layout(config.groups),
                    num_warps=WARPS * config.groups, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
