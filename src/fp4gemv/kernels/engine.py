@@ -90,8 +90,9 @@ class EngineConfig(NamedTuple):
     rest to the consumer warps); ``per_sm``: 0 for one program per row tile, else a persistent grid of ``per_sm``
     programs per multiprocessor sharing the (row tile, step) units evenly (``persistent_ranges``), tiles split
     over programs summed by the split-K fix-up; ``groups``: the consumer's warp groups along the program's rows
-    -- 1 (four consumer warps, each over all of the program's rows and a quarter of the step's K) or ``tiles``
-    (four warps a 16-row tile: ``4 * tiles`` consumer warps sharing the step's activation slot; N > 8)."""
+    -- 1 (four consumer warps, each over all of the program's rows and a quarter of the step's K), 2 or 4 (four
+    warps a group, group q over the tiles t = q (mod groups): ``4 * groups`` consumer warps sharing the step's
+    activation slot; N > 8)."""
 
     tiles: int = 2
     stages: int = 2
@@ -342,11 +343,20 @@ def _x_split(rows: int, k32: bool = False) -> tuple[tuple[int, ...], tuple[int, 
     return tuple(rows if v == "n" else v for v in split["few"]), order["few"]
 
 
+def _tile_bases(tiles: int, groups: int, dim: int = 1, rank: int = 3) -> tuple[list, list]:
+    """(register bases, warp bases) of the tile index t (rows 16 t ..., dimension ``dim`` of a rank-``rank``
+    layout) where ``groups`` warp groups share a program's ``tiles``: t's low bits on the warp index's low bits
+    (below the four K quarters, as the blocked layouts of ``_x_operands`` place them), the rest on the registers --
+    group q takes the tiles t = q (mod groups)."""
+    def basis(i):
+        return [16 << i if d == dim else 0 for d in range(rank)]
+    low = groups.bit_length() - 1
+    return [basis(i) for i in range(low, tiles.bit_length() - 1)], [basis(i) for i in range(low)]
+
+
 def _group_bases(tiles: int, groups: int) -> list[list[int]]:
-    """The warp bases that give each of ``groups`` warp groups its own 16-row tile (groups 1 or ``tiles``: the
-    tile index t on the warp index's low bits, the four K quarters above them, as the blocked layouts of
-    ``_x_operands`` place them)."""
-    return [[0, 16 << i, 0] for i in range(groups.bit_length() - 1)]
+    """The warp bases of the tile index (``_tile_bases``)."""
+    return _tile_bases(tiles, groups)[1]
 
 
 @functools.lru_cache(maxsize=None)
@@ -361,7 +371,7 @@ def _layouts(tiles: int, rows: int, k32: bool = False, groups: int = 1):
         weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
     else:  # registers b, u, h; lanes c, g; warps the K quarter, then t
         weights = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 8, 0]],
+            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 8, 0]] + _tile_bases(tiles, groups)[0],
             lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
             warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]], block_bases=[],
             shape=[WARPS, 16 * tiles, 16])
@@ -386,11 +396,11 @@ def k32_weight_layouts(tiles: int, groups: int = 1):
     its register layout).  Thread (g, c) loads word c of each block of its rows (registers half, b, u, then the
     rows' h, t; t on the warps where ``groups`` > 1), so that ``_k32_words``' reshape, permutation and split are
     register renames into ``_layouts``' weight layout."""
-    tile_bits = [[0, 16 << i, 0] for i in range(tiles.bit_length() - 1)]
-    rows = [[0, 8, 0]] + (tile_bits if groups == 1 else [])
+    reg_tiles, warp_tiles = _tile_bases(tiles, groups)
+    rows = [[0, 8, 0]] + reg_tiles
     layout = gl.DistributedLinearLayout(reg_bases=[[0, 0, 16], [0, 0, 4], [0, 0, 8]] + rows,
                                         lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                        warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
+                                        warp_bases=warp_tiles + [[1, 0, 0], [2, 0, 0]],
                                         block_bases=[],
                                         shape=[WARPS, 16 * tiles, 32])
     return gl.NVMMASharedLayout(128, 32, rank=3), layout
@@ -407,11 +417,11 @@ def k32_scale_layout(tiles: int, groups: int = 1):
     step reads them, so that its reshape to ``[4, 16 tiles]`` is the weights' layout without the block dimension:
     warps on the first two (and t where ``groups`` > 1), lanes g and the registers h, t on the rows, lanes c
     replicated."""
-    tile_bits = [[0, 0, 16 << i] for i in range(tiles.bit_length() - 1)]
-    rows = [[0, 0, 8]] + (tile_bits if groups == 1 else [])
+    reg_tiles, warp_tiles = _tile_bases(tiles, groups, dim=2)
+    rows = [[0, 0, 8]] + reg_tiles
     return gl.DistributedLinearLayout(reg_bases=rows, lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2],
                                                                   [0, 0, 4]],
-                                      warp_bases=(tile_bits if groups > 1 else []) + [[0, 1, 0], [1, 0, 0]],
+                                      warp_bases=warp_tiles + [[0, 1, 0], [1, 0, 0]],
                                       block_bases=[], shape=[2, 2, 16 * tiles])
 
 
@@ -538,7 +548,7 @@ def scale_word_layout(tiles: int, groups: int, mx: bool = False):
     if groups == 1:
         return K32_WORDS if mx else SCALE_PAIRS
     lanes = [[0, 0, 0], [0, 0, 0]] if mx else [[0, 0, 1], [0, 0, 2]]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1] if mx else [0, 0, 4], [0, 8, 0]],
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1] if mx else [0, 0, 4], [0, 8, 0]] + _tile_bases(tiles, groups)[0],
                                       lane_bases=lanes + [[0, 1, 0], [0, 2, 0], [0, 4, 0]],
                                       warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
                                       block_bases=[], shape=[WARPS, 16 * tiles, 2 if mx else 8])
@@ -830,8 +840,8 @@ class Engine(TritonKernelSpec):
                              f"the 128-row atoms), got {config}")
         if not isinstance(config.per_sm, int) or not 0 <= config.per_sm <= 4:
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
-        if config.groups not in (1, config.tiles):
-            raise ValueError(f"config: expected groups 1 or tiles, got {config}")
+        if config.groups not in (1, 2, 4) or config.groups > config.tiles:
+            raise ValueError(f"config: expected groups 1, 2 or 4, at most tiles, got {config}")
         if config.groups > 1 and case is not None and case.n <= 8:
             raise ValueError(f"config: groups > 1 takes N > 8 (the 16-row activation slice), got {config} at "
                              f"N = {case.n}")
