@@ -354,27 +354,23 @@ def _tile_bases(tiles: int, groups: int, dim: int = 1, rank: int = 3) -> tuple[l
     return [basis(i) for i in range(low, tiles.bit_length() - 1)], [basis(i) for i in range(low)]
 
 
-def _group_bases(tiles: int, groups: int) -> list[list[int]]:
-    """The warp bases of the tile index (``_tile_bases``)."""
-    return _tile_bases(tiles, groups)[1]
-
-
 @functools.lru_cache(maxsize=None)
 def _layouts(tiles: int, rows: int, k32: bool = False, groups: int = 1):
     """(weights/scales/accumulators [WARPS, 16 tiles, 16], activation slice [4 WARPS, rows, 16], the int64 views of
     the weight and activation slots) layouts; made once per (tiles, rows, step, groups): every launch passes them.
     The activation layout keeps, per thread, the int64 the step pairs in registers (fold: z; k32: z and half) and
-    puts c on the lanes, so that ``_x_operands``' permutations are register renames.  With ``groups`` = ``tiles``
-    (``EngineConfig``) the tile index t moves from the registers to the warps: each warp holds one tile's elements
-    (the step's asm for one tile), and every group holds the whole activation slice."""
+    puts c on the lanes, so that ``_x_operands``' permutations are register renames.  With ``groups`` > 1
+    (``EngineConfig``) the tile index's low bits move from the registers to the warps (``_tile_bases``): each warp
+    holds its group's tiles (the step's asm for ``tiles // groups`` tiles), and every group holds the whole
+    activation slice."""
     if groups == 1:
         weights = gl.BlockedLayout([1, 1, 2], [1, 8, 4], [WARPS, 1, 1], [2, 1, 0])  # registers b, u, h, t
-    else:  # registers b, u, h; lanes c, g; warps the K quarter, then t
+    else:  # registers b, u, h (and t's high bits); lanes c, g; warps t's low bits, then the K quarter
+        reg_tiles, warp_tiles = _tile_bases(tiles, groups)
         weights = gl.DistributedLinearLayout(
-            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 8, 0]] + _tile_bases(tiles, groups)[0],
+            reg_bases=[[0, 0, 1], [0, 0, 8], [0, 8, 0]] + reg_tiles,
             lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-            warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]], block_bases=[],
-            shape=[WARPS, 16 * tiles, 16])
+            warp_bases=warp_tiles + [[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[WARPS, 16 * tiles, 16])
     if k32:  # registers z, half, b, u (h); lanes c0, c1
         bases = [[0, 0, 1], [2, 0, 0], [0, 0, 8], [1, 0, 0]]
         c_lanes = [[0, 0, 2], [0, 0, 4]]
@@ -548,9 +544,10 @@ def scale_word_layout(tiles: int, groups: int, mx: bool = False):
     if groups == 1:
         return K32_WORDS if mx else SCALE_PAIRS
     lanes = [[0, 0, 0], [0, 0, 0]] if mx else [[0, 0, 1], [0, 0, 2]]
-    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1] if mx else [0, 0, 4], [0, 8, 0]] + _tile_bases(tiles, groups)[0],
+    reg_tiles, warp_tiles = _tile_bases(tiles, groups)
+    return gl.DistributedLinearLayout(reg_bases=[[0, 0, 1] if mx else [0, 0, 4], [0, 8, 0]] + reg_tiles,
                                       lane_bases=lanes + [[0, 1, 0], [0, 2, 0], [0, 4, 0]],
-                                      warp_bases=_group_bases(tiles, groups) + [[1, 0, 0], [2, 0, 0]],
+                                      warp_bases=warp_tiles + [[1, 0, 0], [2, 0, 0]],
                                       block_bases=[], shape=[WARPS, 16 * tiles, 2 if mx else 8])
 
 
@@ -593,10 +590,10 @@ def _swizzled_words(sp_ptr, tile, step, K, TILES: gl.constexpr, MX: gl.constexpr
 
 
 @gluon.jit
-def _swizzled_scales(words, TILES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr = SCALE_PAIRS):
+def _swizzled_scales(words, TILES: gl.constexpr, LW: gl.constexpr, LP: gl.constexpr):
     """The step's scales as 16-bit block pairs ``[WARPS, 16 TILES, 16]`` in ``LW`` (element j: the pair of blocks
-    2 (j // 2), 2 (j // 2) + 1) from ``_swizzled_words``: each pair's half of its word, then as the linear slot's
-    pairs (``SCALE_PAIRS``) are given to both of their elements."""
+    2 (j // 2), 2 (j // 2) + 1) from ``_swizzled_words`` (in ``LP``, ``scale_word_layout``): each pair's half of its
+    word, then as the linear slot's pairs are given to both of their elements."""
     p = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, LP)))[None, None, :]
     s16 = ((words >> (16 * (p % 2))) & 0xFFFF).to(gl.int16)
     return gl.convert_layout(gl.reshape(gl.join(s16, s16), [4, 16 * TILES, 16]), LW)
