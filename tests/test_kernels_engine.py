@@ -13,7 +13,8 @@ from fp4gemv import FP4Tensor, gemv, select_kernel
 from fp4gemv.formats import decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from fp4gemv.kernels import _mma_step, choose_kernel, engine, hmma_gemv
 from fp4gemv.kernels.engine import (STEP_K, Engine, EngineConfig, engine_config, engine_twin, grid_size,
-                                    persistent_ranges, swizzled_scales_twin, tile_contributors)
+                                    max_contributors, persistent_ranges, swizzled_scales_twin,
+                                    tile_contributors)
 from fp4gemv.layouts import aligned_scale_rows, swizzle_scales, swizzled_offset
 from fp4gemv.ops import gemv_operands
 from fp4gemv.reference import quantized_gemv_reference
@@ -190,23 +191,31 @@ def test_default_config_and_bad_configs():
                                                    (3, 8, 24), (896, 8, 396), (1, 16, 3)])
 def test_persistent_ranges_cover_every_unit_once_and_the_fixup_finds_each_tiles_contributors(tiles, steps, programs):
     """The persistent grid's arithmetic (the kernel computes the same): the programs' ranges cover the (tile, step)
-    units once, in order; each tile's contributors are the programs whose ranges meet it, and the fix-up's slot
-    rule (0 where the program's range starts in the tile, else 1) never gives one program the same slot for two
-    tiles."""
+    units once, in order; each tile's contributors are the programs whose ranges meet it, at most
+    ``max_contributors`` (the finisher's unrolled loads); a split tile's finisher (its first contributor) meets it
+    at the end of its range, every other contributor at the start of its own, so that a program has at most one
+    role of each kind and its two partial slots (contributor, finisher) never hold two tiles."""
     units = tiles * steps
     ranges = persistent_ranges(units, programs)
     assert [v for start, end in ranges for v in range(start, end)] == list(range(units))
+    roles = {p: [] for p in range(programs)}
     for tile in range(tiles):
         first, last = tile_contributors(tile, steps, units, programs)
         meets = [p for p, (start, end) in enumerate(ranges)
                  if start < end and start < (tile + 1) * steps and end > tile * steps]
         assert meets == list(range(first, last + 1)), tile
-    for p, (start, end) in enumerate(ranges):
-        if start < end:
-            tiles_met = range(start // steps, (end - 1) // steps + 1)
-            slots = [0 if t == start // steps else 1 for t in tiles_met
-                     if not (t * steps >= start and (t + 1) * steps <= end)]  # split tiles only
-            assert len(slots) == len(set(slots)) <= 2, (p, start, end)
+        assert last - first + 1 <= max_contributors(steps, units, programs), tile
+        if last > first:  # split
+            start, end = ranges[first]
+            assert start <= tile * steps < end < (tile + 1) * steps, tile  # its first steps, its range's end
+            roles[first].append(("finisher", tile))
+            for p in range(first + 1, last + 1):
+                start, end = ranges[p]
+                assert tile * steps < start < (tile + 1) * steps, (tile, p)  # its range begins inside the tile
+                roles[p].append(("contributor", tile))
+    for p, met in roles.items():
+        kinds = [kind for kind, _ in met]
+        assert kinds.count("finisher") <= 1 and kinds.count("contributor") <= 1, (p, met)
 
 
 @pytest.mark.parametrize("fmt, layout", [("nvfp4", "linear"), ("nvfp4", "swizzled"), ("mxfp4", "linear")])
@@ -313,7 +322,7 @@ _COMPILE = textwrap.dedent("""
                                   ("nvfp4", 8, "linear", "2,2,80"), ("mxfp4", 8, "swizzled", "2,2,80"),
                                   ("nvfp4", 16, "swizzled", 2880), ("mxfp4", 4, "swizzled", 2880),
                                   ("mxfp4", 16, "swizzled", "2,2,80,0,2"), ("mxfp4", 16, "linear", "2,2,80,0,2"),
-                                  ("nvfp4", 16, "linear", "4,3,168,0,2")):
+                                  ("nvfp4", 16, "linear", "4,3,168,0,2"), ("nvfp4", 16, "linear", "2,2,128,2")):
         k = tiles if isinstance(tiles, int) and tiles > 4 else 4096  # K past a multiple of 1024 (and of 256)
         tiles = 2 if k != 4096 else tiles
         a = O.random_fp4((4096, k), fmt, layout, seed=1, device="cpu")
@@ -338,7 +347,7 @@ _COMPILE = textwrap.dedent("""
 
 def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compile_for_sm90):
     lines = compile_for_sm90(_COMPILE).strip().splitlines()
-    assert len(lines) == 17
+    assert len(lines) == 18
     for line in lines:
         fmt, layout, n, tiles, stages, maxnreg, groups, regs, tma, mma, syncs, shared, bars, k, local = \
             line.split(" ", 14)

@@ -32,11 +32,13 @@ the activation biased by 2^64 (``_mma_step.BF16_ACTIVATION_BIAS``; its window 2^
 
 The grid.  One program per row tile by default.  ``EngineConfig.per_sm`` > 0 makes it persistent: ``per_sm``
 programs per multiprocessor share the (row tile, step) units evenly, tile-major (``persistent_ranges``), the ring
-never drained between a program's tiles; a tile split over programs gets each contributor's fp32 partial (two
-slots a program) and, once a program's range is done, one arrival on the tile's counter; the last contributor to
-arrive sums the partials in program order (``tile_contributors``: the same bits whichever arrives last), rounds
-once and resets the counter (``fixup_counters``: kept zero per device and stream).  Measured slower than one
-program per tile on every shape but 28672 x 8192 (docs/performance.md, round 23): an option, not the default.
+never drained between a program's tiles.  A tile split over programs (``tile_contributors``) is finished by the
+program holding its first steps, at the end of its range; the others (for each, the first tile of its range)
+store their fp32 partial (two slots a program: one a contributor's, one a finisher's) and arrive on the tile's counter as soon as their segment is done.
+The finisher, where all have arrived, adds their partials to its own in program order; else it stores its own and
+arrives, and the last to arrive sums them (the same bits either way), rounds once and resets the counter
+(``fixup_counters``: kept zero per device and stream).  Measured slower than one program per tile on every shape
+but 28672 x 8192 with round 23's fix-up (every arrival at the range's end): an option, not the default.
 
 Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms, 16 bytes
 a row r % 32 -- four 32-row groups of 4 bytes: the consumer loads its group's 4-byte words of the step's atoms
@@ -636,7 +638,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
               LS: gl.constexpr, W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, TAIL: gl.constexpr,
-              GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr):
+              GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr, MAXC: gl.constexpr):
     zero = gl.zeros([4, 16 * TILES, 16], gl.int32, LW)
     LO: gl.constexpr = gl.SliceLayout(0, LW)
     r = gl.arange(0, 16 * TILES, layout=gl.SliceLayout(1, LO))[:, None]
@@ -692,43 +694,72 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
                         gl.SliceLayout(0, LR))
         elif SPLIT and (seg1 - seg0) != n_steps:
             total = gl.sum(acc, axis=0) * FOLD
-            # A tile other programs add to: its partial goes to this program's slot of the fix-up's partials (0:
-            # the range's first tile, 1: its last); the arrivals wait until the range is done (below).
-            mine = (tile != first_tile).to(gl.int32)
-            gl.store(ws_ptr + (2 * gl.program_id(0) + mine) * (256 * TILES) + part, total)
+            if seg0 == tile * n_steps:
+                # The tile's first steps: this program finishes it, its range ending here (``_finish``).
+                _finish(out_ptr, gsa_ptr, ws_ptr, count_ptr, total, tile, units, programs, M, N, n_steps,
+                        out_stride_m, out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
+            else:
+                # A contributor (its range began inside this tile, so it is the range's first): its partial and
+                # its arrival now, not at the range's end, so that the finisher seldom waits or arrives itself.
+                gl.store(ws_ptr + 2 * gl.program_id(0) * (256 * TILES) + part, total)
+                thread_barrier()
+                arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                p_first, p_last = _contributors(tile, units, programs, n_steps)
+                if arrived == p_last - p_first:  # the finisher arrived before it, and every other contributor
+                    _sum_partials(out_ptr, gsa_ptr, ws_ptr, count_ptr, gl.zeros_like(total), tile, p_first,
+                                  p_first, p_last, M, N, out_stride_m, out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
         else:
             total = gl.sum(acc, axis=0) * FOLD
             _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
-    if SPLIT:
-        # The split-K fix-up (``tile_contributors``), once the range is done so that its latency is paid once: one
-        # arrival on the counter of each split tile; the last of a tile's contributors to arrive sums every
-        # contributor's partial in program order (the same bits whichever arrives last), writes the rows and
-        # resets the counter for the next launch.
-        thread_barrier()
-        if start > first_tile * n_steps or end < first_tile * n_steps + n_steps:
-            _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, first_tile, units, programs, M, N, n_steps, out_stride_m,
-                   out_stride_n, part, TILES, HAS_GSA, LO)
-        if last_tile != first_tile and end < last_tile * n_steps + n_steps:
-            _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, last_tile, units, programs, M, N, n_steps, out_stride_m,
-                   out_stride_n, part, TILES, HAS_GSA, LO)
 
 
 @gluon.jit
-def _fixup(out_ptr, gsa_ptr, ws_ptr, count_ptr, tile, units, programs, M, N, n_steps, out_stride_m, out_stride_n,
-           part, TILES: gl.constexpr, HAS_GSA: gl.constexpr, LO: gl.constexpr):
-    """This program's arrival on split tile ``tile`` (its partial already stored, a barrier since); the last
-    contributor sums the partials of programs ``tile_contributors`` in order, stores the rows, resets the
-    counter."""
-    arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+def _contributors(tile, units, programs, n_steps):
+    """(first, last) program holding units of row tile ``tile`` (``tile_contributors``)."""
     p_first = ((tile * n_steps + 1) * programs + units - 1) // units - 1
     p_last = ((tile * n_steps + n_steps) * programs + units - 1) // units - 1
-    if arrived == p_last - p_first:
-        total = gl.zeros([16 * TILES, 16], gl.float32, LO)
-        for q in range(p_first, p_last + 1):
-            theirs = ((q * units // programs) // n_steps != tile).to(gl.int32)
-            total += gl.load(ws_ptr + (2 * q + theirs) * (256 * TILES) + part, cache_modifier=".cg")
-        _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
-        gl.store(count_ptr + tile, 0)
+    return p_first, p_last
+
+
+@gluon.jit
+def _sum_partials(out_ptr, gsa_ptr, ws_ptr, count_ptr, total, tile, q_from, p_first, p_last, M, N, out_stride_m,
+                  out_stride_n, part, TILES: gl.constexpr, HAS_GSA: gl.constexpr, LO: gl.constexpr,
+                  MAXC: gl.constexpr):
+    """``total`` plus the partials of programs ``q_from .. p_last`` of ``tile`` in program order (``q_from`` the
+    finisher ``p_first`` with ``total`` zero, or the one after it with ``total`` the finisher's own), their rows
+    stored, the tile's counter reset.  Slots: a contributor's partial is its first (2 p), the finisher's its second
+    (2 p + 1: a program can contribute to its range's first tile and finish its last).  The loads are unrolled
+    over ``MAXC`` (``max_contributors``, masked past ``p_last``) so that their latencies overlap."""
+    for c in gl.static_range(MAXC):
+        q = q_from + c
+        slot = 2 * q + (q == p_first).to(gl.int32)
+        total += gl.load(ws_ptr + slot * (256 * TILES) + part, mask=(q <= p_last) & (part >= 0), other=0.0,
+                         cache_modifier=".cg")
+    _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
+    gl.store(count_ptr + tile, 0)
+
+
+@gluon.jit
+def _finish(out_ptr, gsa_ptr, ws_ptr, count_ptr, total, tile, units, programs, M, N, n_steps, out_stride_m,
+            out_stride_n, part, TILES: gl.constexpr, HAS_GSA: gl.constexpr, LO: gl.constexpr, MAXC: gl.constexpr):
+    """The split-K fix-up's finisher: the program holding ``tile``'s first steps, at its range's end, with its own
+    partial ``total``.  Where every other contributor has arrived (their arrivals come after their first segment,
+    so usually), it adds their partials to its own in program order (the same bits as any other order of arrival
+    gives: ``_sum_partials``) -- one acquiring read and one round of loads, no store and no atomic of its own.
+    Else it stores its partial and arrives; the last contributor to arrive sums."""
+    p_first, p_last = _contributors(tile, units, programs, n_steps)
+    others = p_last - p_first
+    if gl.atomic_add(count_ptr + tile, 0, sem="acquire", scope="gpu") == others:
+        # 0 + its own partial: the bits the other path's sum from zero gives (a -0.0 partial included)
+        _sum_partials(out_ptr, gsa_ptr, ws_ptr, count_ptr, gl.zeros_like(total) + total, tile, p_first + 1,
+                      p_first, p_last, M, N, out_stride_m,
+                      out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
+    else:
+        gl.store(ws_ptr + (2 * gl.program_id(0) + 1) * (256 * TILES) + part, total)
+        thread_barrier()
+        if gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == others:
+            _sum_partials(out_ptr, gsa_ptr, ws_ptr, count_ptr, gl.zeros_like(total), tile, p_first, p_first,
+                          p_last, M, N, out_stride_m, out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
 
 
 @gluon.jit
@@ -739,7 +770,8 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
                        W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
-                       TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr):
+                       TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr,
+                       MAXC: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -766,7 +798,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
                      programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES,
                      ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
-                     RING_SUM, TAIL, GROUPS, LP, LR)),
+                     RING_SUM, TAIL, GROUPS, LP, LR, MAXC)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
                      16 * TILES, SWIZZLED, MX, W2D)),
     ], [1], [PRODUCER_REGS])
@@ -870,6 +902,13 @@ def tile_contributors(tile: int, steps: int, units: int, programs: int) -> tuple
     return first, last
 
 
+def max_contributors(steps: int, units: int, programs: int) -> int:
+    """A bound on the programs holding units of one row tile (``tile_contributors``): a tile's ``steps`` units
+    span at most ``steps // (units // programs)`` whole ranges and two partial ones.  The finisher's loads are
+    unrolled to it (``_sum_partials``)."""
+    return steps // max(1, units // programs) + 2
+
+
 def grid_size(tiles: int, steps: int, config: EngineConfig, sm_count: int) -> tuple[int, bool]:
     """(programs, split): one program per row tile where ``config.per_sm`` is 0, else ``per_sm`` per multiprocessor
     (at most one per unit); ``split`` where a program's range can end inside a tile (the fix-up compiled in)."""
@@ -888,6 +927,8 @@ def fixup_counters(device: torch.device, tiles: int) -> torch.Tensor:
     share them.  Launches of one device running at the same time on different streams take separate buffers
     (keyed by the stream current at launch, or at capture for a CUDA graph).  A buffer too small for ``tiles`` is
     replaced by a larger one; the old one stays allocated for graphs that captured it."""
+    if device.type != "cuda":  # arguments for a compile that runs nothing (the sm_90 compile tests)
+        return torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device)
     key = (device.index, stream.cuda_stream)
     kept = _COUNTERS.setdefault(key, [])
@@ -964,6 +1005,7 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                    LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
                    W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
                    LP=scale_word_layout(config.tiles, config.groups, mx), LR=ring_sum_layout(config.groups),
+                   MAXC=max_contributors(steps, tiles * steps, programs) if split else 1,
                    num_warps=WARPS * config.groups, maxnreg=config.maxnreg)
     return (programs,), args, options, split
 
