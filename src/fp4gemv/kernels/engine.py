@@ -37,8 +37,9 @@ program holding its first steps, at the end of its range; the others (for each, 
 store their fp32 partial (two slots a program: one a contributor's, one a finisher's) and arrive on the tile's counter as soon as their segment is done.
 The finisher, where all have arrived, adds their partials to its own in program order; else it stores its own and
 arrives, and the last to arrive sums them (the same bits either way), rounds once and resets the counter
-(``fixup_counters``: kept zero per device and stream).  Measured slower than one program per tile on every shape
-but 28672 x 8192 with round 23's fix-up (every arrival at the range's end): an option, not the default.
+(``fixup_counters``: kept zero per device and stream).  2-3 µs faster than round 23's fix-up (every arrival at the
+range's end), yet slower than one program per tile on 7168 x 16384 and 4096 x 4096, faster on 28672 x 8192 and
+where the tiles are fewer than the SMs (docs/performance.md, round 28, H100): an option, not the default.
 
 Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms, 16 bytes
 a row r % 32 -- four 32-row groups of 4 bytes: the consumer loads its group's 4-byte words of the step's atoms
