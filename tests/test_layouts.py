@@ -130,3 +130,76 @@ def test_swizzled_from_task_permuted_rejects_other_shapes():
         layouts.swizzled_from_task_permuted(torch.zeros(32, 4, 1, 4, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="permuted: expected shape"):
         layouts.swizzled_from_task_permuted(torch.zeros(16, 4, 1, 4, 2, 1, dtype=torch.uint8))
+
+
+# --- the wgmma tiles of the packed weights ---------------------------------------------------------------------------
+
+# The A operand's layout of a [64, 64] bf16 tile as Gluon computes it (Triton 3.6 and 3.9, ``gl.to_linear_layout`` of
+# ``DotOperandLayout(0, NVMMADistributedLayout([3, 0], [4, 1], [16, 16, 16]), k_width=2)``): (row, K) bases of the
+# registers, lanes and warps.
+_A_REGISTERS = ((0, 1), (8, 0), (0, 8), (0, 16), (0, 32))
+_A_LANES = ((0, 2), (0, 4), (1, 0), (2, 0), (4, 0))
+_A_WARPS = ((16, 0), (32, 0))
+
+
+def _a_coordinates(warp: int, lane: int, register: int) -> tuple[int, int]:
+    row = col = 0
+    for bits, bases in ((register, _A_REGISTERS), (lane, _A_LANES), (warp, _A_WARPS)):
+        for i, (r, c) in enumerate(bases):
+            if bits >> i & 1:
+                row, col = row ^ r, col ^ c
+    return row, col
+
+
+@pytest.mark.parametrize("m, k", [(64, 64), (128, 192), (70, 100)])
+def test_mma_tiles_round_trip_and_pad_with_zero_codes(m, k):
+    data = torch.randint(0, 256, (2, m, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(m + k))
+    tiles = layouts.pack_mma_tiles(data)
+    assert tiles.shape == (2, -(-m // 64), -(-k // 64), 2048) and tiles.dtype == torch.uint8
+    assert torch.equal(layouts.unpack_mma_tiles(tiles, m, k), data)
+    ones = layouts.pack_mma_tiles(torch.full((m, k // 2), 0x22, dtype=torch.uint8))  # every code 2 (+1.0)
+    values = layouts.unpack_mma_tiles(ones, -(-m // 64) * 64, -(-k // 64) * 64)
+    assert (values[:m, :k // 2] == 0x22).all() and (values[m:] == 0).all() and (values[:, k // 2:] == 0).all()
+
+
+def test_mma_tiles_unpack_names_the_expected_shape():
+    with pytest.raises(ValueError, match=r"tiles: expected shape \[\.\.\., 2, 1, 2048\] for 70x64 weights"):
+        layouts.unpack_mma_tiles(torch.zeros(1, 1, 2048, dtype=torch.uint8), 70, 64)
+
+
+def test_mma_tiles_decode_into_the_a_operand_registers():
+    """Each thread's 16 bytes of a tile (offset 16 (32 w + lane)), as a consumer reads them: word u, decoded by the
+    engine's native bf16 decode (``_mma_step.decode_native_bf16``, run by the PTX emulator with the multipliers a
+    launch passes), gives pair q as A register h8 + 2 p + 4 h + 8 t (u = h8 + 2 t, q = 2 h + p); that register's
+    two bf16 values times 2^126 are the e2m1 values at the coordinates Gluon's A layout gives it -- every code, on
+    every thread, register and half."""
+    from ptx_emulator import emulate_ptx
+
+    from fp4gemv.formats import decode_e2m1, unpack_e2m1
+    from fp4gemv.kernels import _mma_step
+
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (64, 32), dtype=torch.uint8, generator=gen)
+    data[0, :8] = torch.arange(0, 256, 32, dtype=torch.uint8) + torch.arange(8, dtype=torch.uint8)  # all 16 codes
+    values = decode_e2m1(unpack_e2m1(data)).float()  # [64, 64]
+    tile = layouts.pack_mma_tiles(data)[0, 0]
+    mul = _mma_step.multipliers("bf16", "native")
+    checked = 0
+    for warp in range(4):
+        for lane in range(32):
+            mine = tile[16 * (32 * warp + lane):16 * (32 * warp + lane + 1)].tolist()
+            for u in range(4):
+                regs = {"w": int.from_bytes(bytes(mine[4 * u:4 * u + 4]), "little"), **mul}
+                emulate_ptx(_mma_step.decode_native_bf16("w", ("p0", "p1", "p2", "p3"), "t", "v", {k: k for k in mul}),
+                            regs)
+                h8, t = u % 2, u // 2
+                for q in range(4):
+                    h, p = q // 2, q % 2
+                    register = h8 + 2 * p + 4 * h + 8 * t
+                    for half in range(2):  # element 2 register + half of the thread's A operand
+                        bits = (regs[f"p{q}"] >> (16 * half)) & 0xFFFF
+                        got = torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+                        row, col = _a_coordinates(warp, lane, 2 * register + half)
+                        assert got.item() * 2.0**126 == values[row, col].item(), (warp, lane, u, q, half)
+                        checked += 1
+    assert checked == 64 * 64

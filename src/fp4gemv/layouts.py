@@ -1,4 +1,5 @@
-"""Block-scale layouts: linear ``[rows, K/bs]`` and the 128x4 swizzle of cuBLAS/CUTLASS.
+"""Block-scale layouts: linear ``[rows, K/bs]`` and the 128x4 swizzle of cuBLAS/CUTLASS; and the packed weights'
+wgmma tiles (``pack_mma_tiles``), a kernel-native layout of the codes themselves.
 
 The swizzled ("blocked") layout tiles the scale matrix into atoms of 128 rows x 4 scale columns, 512 bytes
 each, atoms ordered row-tile-major.  Inside an atom, 16-byte line ``r % 32`` holds rows r, r+32, r+64,
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .formats import pack_e2m1, reorder_codes, unpack_e2m1
+
 __all__ = [
     "ROWS_PER_ATOM",
     "COLS_PER_ATOM",
@@ -24,6 +27,10 @@ __all__ = [
     "unswizzle_scales",
     "task_permuted_view",
     "swizzled_from_task_permuted",
+    "MMA_TILE_ROWS",
+    "MMA_TILE_K",
+    "pack_mma_tiles",
+    "unpack_mma_tiles",
 ]
 
 ROWS_PER_ATOM = 128
@@ -132,3 +139,58 @@ def swizzled_from_task_permuted(permuted: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"permuted: expected shape (32, 4, rows/128, 4, cols/4, L), got {tuple(permuted.shape)}")
     six = permuted.permute(5, 2, 4, 0, 1, 3)
     return six.reshape(six.shape[0], -1)
+
+
+# --- the wgmma tiles of the packed weights ------------------------------------------------------------------------
+#
+# A kernel-native layout for a consumer that decodes straight into ``wgmma``'s A registers (issue 27; docs/
+# performance.md, round 28, item 7: the decode's registers feed HGMMA with no data movement).  Not yet read by a
+# kernel.  A tile is 64 rows (a warp group's) by 64 K elements, 2048 bytes: thread (warp w, lane 4 g + c) holds the
+# 16 bytes at offset 16 (32 w + 4 g + c) -- one 16-byte shared load, a warp's 32 loads one contiguous 512 bytes --
+# as four 32-bit words u = h8 + 2 t: the codes of row 16 w + 8 h8 + g in the tile's K elements 32 t .. 32 t + 31
+# that the A operand gives lane c: pairs (2 c, 2 c + 1) and (2 c + 8, 2 c + 9) of k16 tiles 2 t and 2 t + 1.  In a
+# word, pair q = 2 h + p (k16 tile h of the two, p = 1 for the pair at + 8) is code slots q (its even K element) and
+# q + 4 (its odd one), slot s at bits 4 s, in the native code order (``formats.reorder_codes``: the engine's native
+# decode gives pair q as one bf16x2 register, low half the even element).  So the word's four decoded registers are
+# the A operand's registers h8 + 2 p + 4 h + 8 t of the tile's 16 (``DotOperandLayout(0, NVMMADistributedLayout v3,
+# k_width 2)``: registers k0, row + 8, k + 8, k16, k32; lanes c on k 2 and 4, g on rows 1, 2, 4; warps on rows 16,
+# 32), and a tile row-major over K: a step's tiles are one contiguous run.
+
+MMA_TILE_ROWS = 64
+MMA_TILE_K = 64
+# The codes [tiles T, w, h8, g, K tiles b, t, h, p, c, e] (row 64 T + 16 w + 8 h8 + g, K element 64 b + 32 t + 16 h
+# + 8 p + 2 c + e) in the tiles' byte order [T, b, w, g, c, t, h8 | e, h, p]: the last three the word's code slot
+# s = 4 e + 2 h + p.
+_MMA_TILE_ORDER = (0, 4, 1, 3, 8, 5, 2, 9, 6, 7)
+
+
+def pack_mma_tiles(data: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 bytes ``[..., M, K/2]`` (checkpoint order) as wgmma tiles ``[..., M_p / 64, K_p / 64, 2048]``
+    uint8 (layout above), rows padded to 64 and K to 64 with code 0 (+0.0).  A new contiguous tensor on data's
+    device."""
+    codes = unpack_e2m1(data)
+    *batch, m, k = codes.shape
+    m_p, k_p = _ceil_to(m, MMA_TILE_ROWS), _ceil_to(k, MMA_TILE_K)
+    if (m_p, k_p) != (m, k):
+        codes = torch.nn.functional.pad(codes, (0, k_p - k, 0, m_p - m))
+    nb = len(batch)
+    tiles = codes.reshape(*batch, m_p // 64, 4, 2, 8, k_p // 64, 2, 2, 2, 4, 2)
+    tiles = tiles.permute(*range(nb), *(nb + d for d in _MMA_TILE_ORDER))
+    words = pack_e2m1(tiles.reshape(*batch, m_p // 64, k_p // 64, 2048 * 2))
+    return reorder_codes(words, "checkpoint", "native")
+
+
+def unpack_mma_tiles(tiles: torch.Tensor, m: int, k: int) -> torch.Tensor:
+    """wgmma tiles ``[..., M_p / 64, K_p / 64, 2048]`` back to packed e2m1 bytes ``[..., m, k/2]`` in the
+    checkpoint order (padding dropped)."""
+    *batch, rt, kt, n = tiles.shape
+    m_p, k_p = _ceil_to(m, MMA_TILE_ROWS), _ceil_to(k, MMA_TILE_K)
+    if (rt * MMA_TILE_ROWS, kt * MMA_TILE_K, n) != (m_p, k_p, 2048):
+        raise ValueError(f"tiles: expected shape [..., {m_p // 64}, {k_p // 64}, 2048] for {m}x{k} weights, got "
+                         f"{tuple(tiles.shape)}")
+    codes = unpack_e2m1(reorder_codes(tiles, "native", "checkpoint"))
+    nb = len(batch)
+    shape = (rt, kt, 4, 8, 4, 2, 2, 2, 2, 2)  # [T, b, w, g, c, t, h8, e, h, p]
+    inverse = [_MMA_TILE_ORDER.index(d) for d in range(10)]
+    codes = codes.reshape(*batch, *shape).permute(*range(nb), *(nb + d for d in inverse))
+    return pack_e2m1(codes.reshape(*batch, m_p, k_p)[..., :m, :k])
