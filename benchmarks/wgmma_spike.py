@@ -9,9 +9,14 @@ in shared memory as B.  The SASS shows the decode's registers going straight int
 loads here (the activation's scattered 16-bit loads and their ``PRMT``s are the spike's, not the design's: an engine
 copies it by TMA).  Numerics are not checked (the code order is whatever the registers take).
 
-    python benchmarks/wgmma_spike.py [KSUB] [N]     (CPU; Triton's bundled ptxas; KSUB 128 or 256, N 16)
+    python benchmarks/wgmma_spike.py [KSUB] [N] [bytes]   (CPU; Triton's bundled ptxas; KSUB 128 or 256, N 16)
+
+``bytes``: each lane converts its words' two e4m3 scale bytes itself (as the mma.sync step does); without it the
+scales come as ready bf16x2 pairs (converted once a block elsewhere).  In the A operand's layout a 16-element NVFP4
+block of a row is spread over the four lanes c (each holds 4 of its codes), so a lane converts a scale every 4
+codes, where the mma.sync step's fold ownership converts one every 16.
 """
-import sys, collections, os
+import collections, os, struct, sys
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -21,18 +26,31 @@ from triton.experimental.gluon._runtime import GluonASTSource
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, os.path.join(ROOT, "src"))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from fp4gemv.kernels._mma_step import decode_native_bf16, NATIVE_PAIR_MULTIPLIERS
+from fp4gemv.kernels._mma_step import BF16_SCALE_BIAS, decode_native_bf16
 from aot import sass_listing, registers, local_memory
 
-def step_asm():
+def step_asm(scale_bytes: bool):
+    """The word's decode and scale multiply: ``scale_bytes`` False, the four pairs' bf16x2 scales given ready
+    (converted elsewhere, once a block); True, the word's two e4m3 scale bytes (k16 tiles h = 0, 1 of the word's
+    row, the low 16 bits of the scale operand) converted here as the engine's step converts them
+    (``_mma_step``'s ``scale_pairs_e4m3``: e4m3x2 -> f16x2 -> fp32 times 2^BF16_SCALE_BIAS -> bf16x2), which every
+    one of the four lanes c holding the block's codes does again."""
     mul = {"mp0": "$12", "mp1": "$16", "m29": "$20", "m24": "$24"}
-    lines = [".reg .b32 p<4>, t, u;"]
+    lines = [".reg .b32 p<4>, t, u, h, s<2>;", ".reg .b16 raw, lo, hi;", ".reg .f32 f<2>;"]
     lines += decode_native_bf16("$4", ("p0", "p1", "p2", "p3"), "t", "u", mul)
+    if scale_bytes:
+        lines += ["cvt.u16.u32 raw, $8;", "cvt.rn.f16x2.e4m3x2 h, raw;", "mov.b32 {lo, hi}, h;",
+                  "cvt.f32.f16 f0, lo;", "cvt.f32.f16 f1, hi;",
+                  f"mul.f32 f0, f0, 0f{struct.pack('>f', 2.0 ** BF16_SCALE_BIAS).hex().upper()};",
+                  f"mul.f32 f1, f1, 0f{struct.pack('>f', 2.0 ** BF16_SCALE_BIAS).hex().upper()};",
+                  "cvt.rn.bf16x2.f32 s0, f0, f0;", "cvt.rn.bf16x2.f32 s1, f1, f1;"]
+        scales = ["s0", "s0", "s1", "s1"]  # pair q = 2 h + p: k16 tile h's scale
+    else:
+        scales = [f"${8 + q}" for q in range(4)]
     for q in range(4):
-        lines.append(f"mul.rn.bf16x2 ${q}, p{q}, ${8 + q};")
+        lines.append(f"mul.rn.bf16x2 ${q}, p{q}, {scales[q]};")
     return "{\n" + "\n".join(lines) + "\n}", ",".join(["=r"] * 4 + ["r"] * 24)
 
-ASM, CONS = step_asm()
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 16, 16]))
 DOT = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 
@@ -82,6 +100,8 @@ def layouts(ksub):
 
 ksub = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 n = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+scale_bytes = len(sys.argv) > 3 and sys.argv[3] == "bytes"
+ASM, CONS = step_asm(scale_bytes)
 lw, l3 = layouts(ksub)
 sig = {"w_ptr": "*i32", "s_ptr": "*i32", "x_ptr": "*bf16", "out_ptr": "*fp32", "K": "i32", "mp0": "i32", "mp1": "i32", "m29": "i32", "m24": "i32"}
 const = {"KSUB": ksub, "ASM": ASM, "CONS": CONS, "LW": lw, "L3": l3, "N": n}
