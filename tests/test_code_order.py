@@ -11,10 +11,12 @@ import torch
 
 import fp4gemv
 from fp4gemv import FP4Tensor, formats, gemv, ops
-from fp4gemv.kernels import GEMV_KERNELS, MOE_KERNELS, choose_kernel
+from fp4gemv.kernels import GEMV_KERNELS, MOE_KERNELS, choose_kernel, engine
+from fp4gemv.kernels.engine import EngineConfig
 from fp4gemv.kernels.moe_engine import MoeEngineConfig
 from fp4gemv.kernels.weight_only import WeightOnlyConfig
 from fp4gemv.target import SM90
+import operands as O
 from operands import DEVICE, random_activation, random_fp4
 from test_moe import random_ids
 
@@ -98,6 +100,65 @@ def test_kernels_without_the_native_decode_refuse_it_by_name():
         assert (reason is None or "code order" not in reason) == (spec.name in NATIVE_KERNELS), (spec.name, reason)
 
 
+def test_the_paired_order_round_trips_and_its_pairs_are_consecutive_elements():
+    """``formats.reorder_codes`` between every two orders gives the checkpoint bytes back; in the paired order the
+    native decode (``_mma_step.decode_native_bf16``, run by the PTX emulator with the native multipliers) gives a
+    word's pair i as K elements 2i and 2i + 1, every code in every position; K / 2 must be whole 32-bit words."""
+    from ptx_emulator import emulate_ptx
+    from fp4gemv.kernels import _mma_step
+
+    g = torch.Generator().manual_seed(24)
+    words = [int(w) & 0xFFFFFFFF for w in torch.randint(-2**31, 2**31, (200,), generator=g)]
+    words += [sum(c << (4 * i) for i in range(8)) for c in range(16)] + [0x76543210, 0xFEDCBA98]
+    packed = torch.tensor([[(w >> (8 * j)) & 0xFF for j in range(4)] for w in words], dtype=torch.uint8)
+    for source in formats.CODE_ORDERS:
+        for target in formats.CODE_ORDERS:
+            there = formats.reorder_codes(formats.reorder_codes(packed, "checkpoint", source), source, target)
+            assert torch.equal(formats.reorder_codes(there, target, "checkpoint"), packed), (source, target)
+    paired = formats.reorder_codes(packed, "checkpoint", "paired")
+    mul = _mma_step.multipliers("bf16", "paired")
+    for w, pw in zip(words, paired.tolist()):
+        regs = {"w": int.from_bytes(bytes(pw), "little"), **mul}
+        emulate_ptx(_mma_step.decode_native_bf16("w", ("p0", "p1", "p2", "p3"), "t", "u", {m: m for m in mul}),
+                    regs)
+        for i in range(4):
+            halves = torch.tensor([regs[f"p{i}"] & 0xFFFF, regs[f"p{i}"] >> 16], dtype=torch.int32).to(torch.int16)
+            codes = torch.tensor([(w >> (8 * i)) & 15, (w >> (8 * i + 4)) & 15])  # elements 2i, 2i + 1
+            assert torch.equal(halves.view(torch.bfloat16).double() * 2.0**126,
+                               formats.decode_e2m1(codes).double()), (hex(w), i)
+    with pytest.raises(ValueError, match="K/2 a multiple of 4 .* for the paired order, got shape \\(3, 6\\)"):
+        formats.reorder_codes(torch.zeros(3, 6, dtype=torch.uint8), "checkpoint", "paired")
+
+
+def test_only_the_engine_and_the_references_take_the_paired_order():
+    """The paired order's pairing is written in the decode engine's step only: on the H200's target every other
+    GEMV and routed kernel refuses it by name (the references read any order, when asked): the engine takes the
+    GEMV cases it would leave to weight_only, and a routed case is an error naming each kernel's reason, not a
+    slower kernel; the reference's product on it is the checkpoint's."""
+    a = random_fp4((64, 2048), "nvfp4", "linear", seed=25, device="cpu")
+    x = random_activation((16, 2048), torch.bfloat16, seed=26, device="cpu")
+    paired = a.with_code_order("paired")
+    assert paired.code_order == "paired" and torch.equal(paired.with_code_order("checkpoint").data, a.data)
+    assert torch.equal(gemv(paired, x, backend="reference"), gemv(a, x, backend="reference"))
+    case = ops.gemv_operands(paired, x, torch.empty(64, 16, dtype=torch.bfloat16)).case
+    for spec in GEMV_KERNELS:
+        reason = spec.refusal(case, SM90)
+        if spec.name in ("engine", "reference"):
+            assert reason is None or "code order" not in reason, (spec.name, reason)
+        else:
+            assert reason is not None and reason.startswith("a in code order 'paired' (it decodes checkpoint"), \
+                (spec.name, reason)
+    assert choose_kernel(case, SM90).name == "engine"
+    small = ops.gemv_operands(paired, x[:1], torch.empty(64, 1, dtype=torch.bfloat16)).case
+    assert choose_kernel(small, SM90).name == "engine"  # N = 1: weight_only refuses the order, so no deferral
+    w = random_fp4((8, 64, 2048), "mxfp4", "linear", seed=27, device="cpu")
+    ids = torch.zeros((4, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match="no kernel runs .*\\(moe_engine: w in code order 'paired' "
+                                         "\\(it decodes checkpoint and native\\)"):
+        fp4gemv.moe.plan_moe(w.with_code_order("paired"), x[:4], ids, None, None,
+                             torch.empty(4, 2, 64, dtype=torch.bfloat16), torch.bfloat16, SM90, None, None)
+
+
 # (fmt, activation, config, N): fold, k32 and split, float and FP4 activations, tails in M and K.
 WEIGHT_ONLY_CASES = [
     ("nvfp4", torch.bfloat16, WeightOnlyConfig(2, 2, 1), 3),
@@ -161,6 +222,24 @@ def test_engine_gives_the_checkpoint_orders_bits(n):
     want = gemv(a, x, kernel="engine", out_dtype=torch.float32)
     assert torch.isfinite(want).all() and torch.equal(gemv(_native(a), x, kernel="engine", out_dtype=torch.float32),
                                                       want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("layout", ["linear", "swizzled"])
+@pytest.mark.parametrize("n, config", [(4, None), (9, None), (16, None), (16, EngineConfig(1, 3, 128, 3)),
+                                       (16, EngineConfig(4, 3, 168, 0, 2))])
+def test_engine_on_the_paired_order_is_exact(fmt, layout, n, config):
+    """The engine's step on paired weights takes the activation's registers as loaded (no pairing ``PRMT``):
+    exact within the tensor-core bound at N = 4, 9, 16, K past a multiple of 1024, a persistent split grid and
+    the 64-row programs (linear scales)."""
+    if config is not None and config.groups > 1 and layout == "swizzled":
+        pytest.skip("64-row programs take linear scales")
+    a = random_fp4((300, 4096 + 1024 + 256), fmt, layout, seed=28, device="cuda").with_code_order("paired")
+    x = random_activation((n, a.shape[1]), torch.bfloat16, seed=29, device="cuda")
+    out = O.poisoned((300, n), torch.float32, device="cuda")
+    gemv(a, x, out=out, out_dtype=torch.float32, kernel="engine", config=config)
+    O.assert_matches_exact(out, a, x, torch.float32, tensor_cores=True, fold=engine.step_fold_exponent(fmt))
 
 
 def _padded(w: FP4Tensor, pad: int) -> FP4Tensor:

@@ -374,6 +374,45 @@ def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compil
         assert local == "[]", line
 
 
+_COMPILE_ORDERS = textwrap.dedent("""
+    import collections, torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from aot import jit_specialization, sass_listing, registers, local_memory, mma_loop
+    import operands as O
+    from fp4gemv.ops import gemv_operands
+    from fp4gemv.kernels.engine import EngineConfig, engine_launch
+    for fmt, layout in (("nvfp4", "linear"), ("mxfp4", "swizzled")):
+        for order in ("native", "paired"):
+            a = O.random_fp4((4096, 4096), fmt, layout, seed=1, device="cpu").with_code_order(order)
+            b = O.random_activation((16, 4096), torch.bfloat16, seed=2, device="cpu")
+            ops = gemv_operands(a, b, torch.empty((1, 4096, 16), dtype=torch.bfloat16))
+            kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
+            kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
+            sig, const, attrs, _ = jit_specialization(kernel, args, kw)
+            c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                               options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+            loop = mma_loop(sass_listing(c))
+            mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
+            print(fmt, order, len(loop), mix["PRMT"], mix["HMMA"], registers(c), local_memory(c))
+""")
+
+
+def test_the_paired_order_drops_the_activations_pairing_from_the_step(compile_for_sm90):
+    """sm_90, N = 16, (2, 2, 128): on paired weights the step takes the activation's registers as loaded, so its
+    loop loses the pairing ``PRMT``s (64 a warp-step: docs/performance.md, round 28, item 8) and nothing else
+    changes -- the same tensor-core instructions, registers within the launch's, no local memory."""
+    rows = [line.split(" ", 6) for line in compile_for_sm90(_COMPILE_ORDERS).strip().splitlines()]
+    assert len(rows) == 4
+    got = {(fmt, order): (int(n), int(prmt), int(mma), int(regs), local)
+           for fmt, order, n, prmt, mma, regs, local in rows}
+    for fmt in ("nvfp4", "mxfp4"):
+        native, paired = got[fmt, "native"], got[fmt, "paired"]
+        assert paired[1] <= 8 and native[1] - paired[1] == 64, (fmt, native, paired)
+        assert native[0] - paired[0] >= 56 and paired[2] == native[2] == 64, (fmt, native, paired)
+        assert paired[3] <= 128 and paired[4] == "[]", (fmt, paired)
+
+
 # --- GPU ------------------------------------------------------------------------------------------------
 
 

@@ -171,6 +171,10 @@ def test_gpt_oss_checkpoint_loads_with_one_copy_of_the_data():
     ids, weights = routing(2, 8, 2, seed=9)
     assert torch.equal(loaded(x, ids, weights), fp4(x, ids, weights))
     assert torch.equal(views(x, ids, weights), fp4(x, ids, weights))
+    with pytest.raises(ValueError, match=r"code_order: expected one of \('checkpoint', 'native'\) \(the routed "
+                                         r"kernels' orders\), got 'paired'"):
+        FP4Experts(_gpt_oss_projection(tensors, prefix, "gate_up_proj", None),
+                   _gpt_oss_projection(tensors, prefix, "down_proj", None), code_order="paired")
     # The state dict holds the checkpoint order whatever the module keeps, and load_state_dict takes it.
     state = loaded.state_dict()
     for key in ("gate_up", "down"):

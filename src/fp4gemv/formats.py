@@ -26,6 +26,7 @@ __all__ = [
     "unpack_e2m1",
     "CODE_ORDERS",
     "NATIVE_CODE_FIELDS",
+    "PAIRED_SLOTS",
     "reorder_codes",
     "decode_e4m3",
     "encode_e4m3",
@@ -142,8 +143,14 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # low byte first) permuted so that the tensor-core kernels' bf16 decode takes 10 instructions a 32-bit word where
 # the checkpoint's takes 13 (``kernels._mma_step.decode_native_bf16``; docs/performance.md, round 18): code j of
 # a half-word keeps its magnitude (3 bits) and sign at the bits ``NATIVE_CODE_FIELDS[j]``.  Codes stay in their
-# half-word, so K order, blocks and scales are the checkpoint's.
-CODE_ORDERS = ("checkpoint", "native")
+# half-word, so K order, blocks and scales are the checkpoint's.  "paired": the native bit fields with each 32-bit
+# word's 8 codes (K elements 8w .. 8w + 7) moved first so that its low half-word holds the even elements and its
+# high half-word the odd ones (``PAIRED_SLOTS``): the decode's pair i (code i of each half, one bf16x2 register) is
+# then K elements 2i and 2i + 1, the pairing of the activation's registers as loaded (the mma.sync step needs no
+# ``PRMT`` to pair them: docs/performance.md, round 28, item 8).  Words stay in place: blocks and scales are the
+# checkpoint's; K / 2 a multiple of 4.
+CODE_ORDERS = ("checkpoint", "native", "paired")
+PAIRED_SLOTS = (0, 2, 4, 6, 1, 3, 5, 7)  # slot s of a "paired" word holds the word's K element PAIRED_SLOTS[s]
 NATIVE_CODE_FIELDS = ((6, 15), (3, 12), (0, 14), (9, 13))  # code j: (lowest magnitude bit, sign bit)
 
 
@@ -180,6 +187,15 @@ def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
     if d.dim() < 1 or d.shape[-1] % 2:
         raise ValueError(f"data: expected [..., K/2] bytes with K/2 even (whole 16-bit half-words), got shape "
                          f"{tuple(d.shape)}")
+    if "paired" in (source, target):
+        if d.shape[-1] % 4:
+            raise ValueError(f"data: expected [..., K/2] bytes with K/2 a multiple of 4 (whole 32-bit words) for the "
+                             f"paired order, got shape {tuple(d.shape)}")
+        if source == "paired":  # its half-words back to the checkpoint fields, then the slots back to K order
+            return _permute_word_slots(reorder_codes(d, "native", "checkpoint"), PAIRED_SLOTS, inverse=True,
+                                       target=target)
+        return reorder_codes(_permute_word_slots(reorder_codes(d, source, "checkpoint"), PAIRED_SLOTS), "checkpoint",
+                             "native")
     to_native = target == "native"
     if to_native not in _HALF_WORD_TABLES:
         _HALF_WORD_TABLES[to_native] = _half_word_table(to_native).to(torch.int16)  # wraps to the same 16 bits
@@ -191,6 +207,19 @@ def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
     for r in range(0, halves.numel(), step):
         torch.index_select(table, 0, halves[r:r + step].to(torch.int32) & 0xFFFF, out=out[r:r + step])
     return out.view(torch.uint8).view(d.shape)
+
+
+def _permute_word_slots(d: torch.Tensor, slots: tuple[int, ...], inverse: bool = False,
+                        target: str = "checkpoint") -> torch.Tensor:
+    """Checkpoint-field bytes ``[..., K/2]`` with each 32-bit word's code slot s given K element ``slots[s]`` (or,
+    ``inverse``, back), then in code order ``target`` (checkpoint or native)."""
+    codes = unpack_e2m1(d)
+    words = codes.reshape(*codes.shape[:-1], -1, 8)
+    index = torch.tensor(slots, device=d.device)
+    if inverse:
+        index = torch.argsort(index)
+    out = pack_e2m1(words.index_select(-1, index).reshape(codes.shape))
+    return out if target == "checkpoint" else reorder_codes(out, "checkpoint", target)
 
 
 def decode_e4m3(raw: torch.Tensor) -> torch.Tensor:

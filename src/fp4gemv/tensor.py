@@ -8,9 +8,12 @@ tensor built from another library's buffers, or from the GPU MODE task's operand
   in one of two layouts (``fp4gemv.layouts``): ``"linear"`` ``[L?, R, K/bs]``, or ``"swizzled"``
   ``[L?, R_p * C_p]``, the 128x4 cuBLAS/CUTLASS swizzle with rows padded to 128 and scale columns to 4.
 * ``global_scale``: an optional fp32 scalar that multiplies every value (NVFP4's per-tensor scale).
-* ``code_order``: how the codes sit in the bytes (``formats.CODE_ORDERS``): ``"checkpoint"`` as above, or
-  ``"native"``, the bits of each 16-bit half-word permuted for the tensor-core kernels' shorter decode
-  (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode it refuse it by name.
+* ``code_order``: how the codes sit in the bytes (``formats.CODE_ORDERS``): ``"checkpoint"`` as above;
+  ``"native"``, the bits of each 16-bit half-word permuted for the tensor-core kernels' shorter decode; or
+  ``"paired"``, the native bits with each 32-bit word's even K elements in its low half-word and odd ones in its
+  high half-word (the decode engine's step then pairs the activation as loaded; only the engine and the
+  references read it) (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode an
+  order refuse it by name.
 
 Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.  The container calls
 no op: ``fp4gemv.quantize`` makes one from floats, ``fp4gemv.dequantize`` turns one back into floats.

@@ -244,7 +244,7 @@ class _Step(PtxBlock):
         activation word (``weights`` False) in the checkpoint's."""
         pairs = tuple(self.reg("b32", f"{prefix}_{i}") for i in range(4))
         t, u = self.reg("b32", f"{prefix}_t"), self.reg("b32", f"{prefix}_u")
-        native = weights and self.spec.order == "native"
+        native = weights and self.spec.order in ("native", "paired")  # paired: the native fields, slots moved
         if self.mma_type == "bf16":
             decode = decode_native_bf16 if native else decode_word_bf16
             self.emit(*decode(word, pairs, t, u, self.mul))

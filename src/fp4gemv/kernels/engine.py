@@ -48,6 +48,11 @@ itself, one step ahead of their use, each warp its own atoms in the linear pairs
 scale bytes and, at N = 16, grew the ring past two programs an SM; words loaded with warps on other warps' atoms
 cost a barrier a step to rearrange (docs/performance.md, round 24).
 
+Code orders: the checkpoint's and the native one pair a word's codes i and i + 4 (the decode's bf16x2 registers), so
+the activation's registers are paired to match (``float_pairs``, a ``PRMT`` a pair: 64 of the step's 791 SASS at N =
+16); in the paired order (``formats.PAIRED_SLOTS``) the decode's pair i is K elements 2i and 2i + 1 and the
+activation's registers are taken as loaded (docs/performance.md, round 28, item 8).
+
 Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): every product exact in fp32, one
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
@@ -193,7 +198,9 @@ class _RegisterFold(_Step):
                         lo, hi = self.reg("b32", f"y{nt}_{u}_{b}_{z}l"), self.reg("b32", f"y{nt}_{u}_{b}_{z}h")
                         self.emit(f"mov.b64 {{{lo}, {hi}}}, {op(f'x{z}', register(b, u, nt, 0))};")
                         raw += [lo, hi]
-                b_pairs[u, nt] = self.float_pairs(raw, f"b{nt}_{u}_")
+                # pairs (x_i, x_{i+4}) of each 8 elements, as the decode pairs a word's codes; in the paired order
+                # the decode's pairs are K elements (2i, 2i + 1), the activation's registers as loaded
+                b_pairs[u, nt] = raw if order == "paired" else self.float_pairs(raw, f"b{nt}_{u}_")
         for t in range(tiles):
             for u in range(2):
                 words, scales = {}, []
@@ -280,7 +287,7 @@ class _RegisterK32(_Step):
                         for z in range(2):
                             self.emit(f"mov.b64 {{{raw[2 * z]}, {raw[2 * z + 1]}}}, "
                                       f"{op(f'x{2 * half + z}', register(b, u, nt, 0))};")
-                        pairs[nt] = self.float_pairs(raw, f"b{nt}_{block}_")
+                        pairs[nt] = raw if order == "paired" else self.float_pairs(raw, f"b{nt}_{block}_")
                         self.bias_bf16(pairs[nt])
                     for t in range(tiles):
                         word = "wh" if half else "wl"

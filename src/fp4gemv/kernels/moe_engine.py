@@ -55,7 +55,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
 from ._mma_step import multipliers
@@ -63,8 +62,8 @@ from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64,
                      check_ring_config, copy_layout, k32_scale_layout as _k32_scale_layout, k32_scales, k32_step,
                      k32_weight_layouts, step_asm, step_fold_exponent, target_reason)
 from .moe_weight_only import ACTIVATION_CODES
-from .spec import (DIRECT_LAUNCH, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
-                   bound_arguments, fill_sources, run_compiled)
+from .spec import (DIRECT_LAUNCH, NATIVE_FIELD_ORDERS, ErrorModel, MoeCase, MoeOperands, Src, TritonKernelSpec,
+                   TritonLaunch, bound_arguments, fill_sources, run_compiled)
 
 __all__ = ["MoeEngine", "MoeEngineConfig", "MIN_TOKENS", "MXFP4_MIN_PAIRS", "scale_copy_reason", "one_box_reason",
            "moe_engine_deferred", "moe_engine_config", "plan_layout", "moe_chunks_kernel",
@@ -536,7 +535,7 @@ class MoeEngine(TritonKernelSpec):
 
     name = "moe_engine"
     config_type = MoeEngineConfig
-    code_orders = CODE_ORDERS
+    code_orders = NATIVE_FIELD_ORDERS
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         d = case.dense

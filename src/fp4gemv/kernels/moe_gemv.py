@@ -31,12 +31,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import CODE_ORDERS
 from ..reference import routed_epilogue
 from ..target import Target
 from ._common import decode_scale, load_k, pow2_at_most, scale_col_offset, scale_row_offset, store_rounded
 from ._decode import doubled_e2m1, unpack_block
-from .spec import MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
+from .spec import (NATIVE_FIELD_ORDERS, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
+                   check_powers_of_two)
 
 __all__ = ["MoeGemvConfig", "moe_gemv_config", "moe_gemv_kernel", "expert_tile_dot", "MAX_PAIRS", "MAX_COLS",
            "MoeGeneral"]
@@ -75,7 +75,7 @@ class MoeGeneral(TritonKernelSpec):
 
     name = "moe_general"
     config_type = MoeGemvConfig
-    code_orders = CODE_ORDERS
+    code_orders = NATIVE_FIELD_ORDERS
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         if not target.runs_triton:

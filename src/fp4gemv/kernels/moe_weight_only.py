@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._common import store_rounded
 from ._mma_step import fold_exponent, multipliers, step_asm
-from .spec import ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
+from .spec import NATIVE_FIELD_ORDERS, ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
 from .weight_only import (MAX_SPLIT_N, PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES,
                           twin_column_row, column_result, fragment_rows, k_loop, program_lanes, step_spec, tile_rows,
                           weight_only_config, weight_pointers)
@@ -84,7 +83,7 @@ class MoeWeightOnly(TritonKernelSpec):
 
     name = "moe_weight_only"
     config_type = WeightOnlyConfig
-    code_orders = CODE_ORDERS
+    code_orders = NATIVE_FIELD_ORDERS
 
     def why_not(self, case: MoeCase, target: Target) -> str | None:
         if case.pairs > MAX_PAIRS:

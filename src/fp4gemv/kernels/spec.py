@@ -337,6 +337,11 @@ def _fp4_operands(case, spec: KernelSpec) -> list[tuple[str, FP4Meta, tuple[str,
     return operands
 
 
+# The code orders of the kernels whose decode reads the native bit fields with the checkpoint's pairing (weight_only,
+# the routed kernels); the "paired" order's pairing is written in the decode engine's step only.
+NATIVE_FIELD_ORDERS = ("checkpoint", "native")
+
+
 class KernelSpec:
     """One GEMV implementation as the dispatcher sees it.  Subclasses set ``name`` and ``config_type`` and
     implement :meth:`why_not`, :meth:`default_config` and :meth:`launch`."""
@@ -344,7 +349,8 @@ class KernelSpec:
     name: ClassVar[str]
     config_type: ClassVar[type | None] = None
     # The code orders (``formats.CODE_ORDERS``) this kernel decodes, of the weights (a, the experts) and of FP4
-    # activations (b): the native order only where its decode is written and tested (``refusal`` checks them).
+    # activations (b): the native and paired orders only where their decode is written and tested (``refusal``
+    # checks them).
     code_orders: ClassVar[tuple[str, ...]] = ("checkpoint",)
     activation_code_orders: ClassVar[tuple[str, ...]] = ("checkpoint",)
 

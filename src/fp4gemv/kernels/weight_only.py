@@ -47,13 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
 from ._decode import e2m1_word_values
 from ._mma_step import StepSpec, fold_exponent, multipliers, step_asm
-from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec, TritonLaunch,
-                   global_scale_sources, too_many_rows)
+from .spec import (NATIVE_FIELD_ORDERS, ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec,
+                   TritonLaunch, global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
            "MAX_SPLIT_N", "MAX_WARPS", "MAX_FLOAT_N_OVER_HMMA", "PTXAS_LOADS_FIRST", "ACT_CODES", "MODE_CODES",
@@ -171,7 +170,7 @@ class WeightOnly(TritonKernelSpec):
 
     name = "weight_only"
     config_type = WeightOnlyConfig
-    code_orders = CODE_ORDERS
+    code_orders = NATIVE_FIELD_ORDERS
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:

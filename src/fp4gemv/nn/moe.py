@@ -47,7 +47,8 @@ import torch
 from torch import nn
 
 from .. import layouts, library
-from ..formats import CODE_ORDERS, check_global_scales, reorder_codes
+from ..formats import check_global_scales, reorder_codes
+from ..kernels.spec import NATIVE_FIELD_ORDERS
 from ..reference import GPT_OSS_ALPHA, GPT_OSS_LIMIT
 from ..tensor import FP4Tensor
 from .linear import FP4Linear, per_tensor_scale
@@ -143,8 +144,9 @@ class FP4Experts(nn.Module):
         super().__init__()
         if activation not in ("gpt-oss", "silu"):
             raise ValueError(f"activation: expected 'gpt-oss' or 'silu', got {activation!r}")
-        if code_order not in CODE_ORDERS:
-            raise ValueError(f"code_order: expected one of {CODE_ORDERS}, got {code_order!r}")
+        if code_order not in NATIVE_FIELD_ORDERS:  # the routed kernels' ("paired" is the dense engine's only)
+            raise ValueError(f"code_order: expected one of {NATIVE_FIELD_ORDERS} (the routed kernels' orders), got "
+                             f"{code_order!r}")
         projections = list(gate_up) if isinstance(gate_up, tuple) and not isinstance(gate_up, ExpertWeights) \
             else [gate_up]
         if len(projections) not in (1, 2):
