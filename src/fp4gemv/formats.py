@@ -144,8 +144,8 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 # the checkpoint's takes 13 (``kernels._mma_step.decode_native_bf16``; docs/performance.md, round 18): code j of
 # a half-word keeps its magnitude (3 bits) and sign at the bits ``NATIVE_CODE_FIELDS[j]``.  Codes stay in their
 # half-word, so K order, blocks and scales are the checkpoint's.  "paired": the native bit fields with each 32-bit
-# word's 8 codes (K elements 8w .. 8w + 7) moved first so that its low half-word holds the even elements and its
-# high half-word the odd ones (``PAIRED_SLOTS``): the decode's pair i (code i of each half, one bf16x2 register) is
+# word's 8 codes (K elements 8w .. 8w + 7) placed so that its low half-word holds the even elements and its high
+# half-word the odd ones (``PAIRED_SLOTS``): the decode's pair i (code i of each half, one bf16x2 register) is
 # then K elements 2i and 2i + 1, the pairing of the activation's registers as loaded (the mma.sync step needs no
 # ``PRMT`` to pair them: docs/performance.md, round 28, item 8).  Words stay in place: blocks and scales are the
 # checkpoint's; K / 2 a multiple of 4.
@@ -177,7 +177,7 @@ def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
     ``target`` (``CODE_ORDERS``), on data's device; ``data`` itself (as uint8) when the orders agree.  One table
     lookup per 16-bit half-word (the bytes viewed as little-endian int16, as x86, Arm and NVIDIA GPUs store them),
     in slices of 16 M half-words so that the int32 indices stay small beside the result (about 0.4 GB/s on one
-    CPU core)."""
+    CPU core); to or from the paired order also a permutation of each 32-bit word's codes (K/2 a multiple of 4)."""
     for name, order in (("source", source), ("target", target)):
         if order not in CODE_ORDERS:
             raise ValueError(f"{name}: expected one of {CODE_ORDERS}, got {order!r}")
