@@ -192,10 +192,10 @@ def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
             raise ValueError(f"data: expected [..., K/2] bytes with K/2 a multiple of 4 (whole 32-bit words) for the "
                              f"paired order, got shape {tuple(d.shape)}")
         if source == "paired":  # its half-words back to the checkpoint fields, then the slots back to K order
-            return _permute_word_slots(reorder_codes(d, "native", "checkpoint"), PAIRED_SLOTS, inverse=True,
-                                       target=target)
-        return reorder_codes(_permute_word_slots(reorder_codes(d, source, "checkpoint"), PAIRED_SLOTS), "checkpoint",
-                             "native")
+            checkpoint = _permute_word_slots(reorder_codes(d, "native", "checkpoint"), PAIRED_SLOTS, inverse=True)
+            return reorder_codes(checkpoint, "checkpoint", target)
+        moved = _permute_word_slots(reorder_codes(d, source, "checkpoint"), PAIRED_SLOTS)
+        return reorder_codes(moved, "checkpoint", "native")
     to_native = target == "native"
     if to_native not in _HALF_WORD_TABLES:
         _HALF_WORD_TABLES[to_native] = _half_word_table(to_native).to(torch.int16)  # wraps to the same 16 bits
@@ -209,17 +209,15 @@ def reorder_codes(data: torch.Tensor, source: str, target: str) -> torch.Tensor:
     return out.view(torch.uint8).view(d.shape)
 
 
-def _permute_word_slots(d: torch.Tensor, slots: tuple[int, ...], inverse: bool = False,
-                        target: str = "checkpoint") -> torch.Tensor:
+def _permute_word_slots(d: torch.Tensor, slots: tuple[int, ...], inverse: bool = False) -> torch.Tensor:
     """Checkpoint-field bytes ``[..., K/2]`` with each 32-bit word's code slot s given K element ``slots[s]`` (or,
-    ``inverse``, back), then in code order ``target`` (checkpoint or native)."""
+    ``inverse``, back)."""
     codes = unpack_e2m1(d)
     words = codes.reshape(*codes.shape[:-1], -1, 8)
     index = torch.tensor(slots, device=d.device)
     if inverse:
         index = torch.argsort(index)
-    out = pack_e2m1(words.index_select(-1, index).reshape(codes.shape))
-    return out if target == "checkpoint" else reorder_codes(out, "checkpoint", target)
+    return pack_e2m1(words.index_select(-1, index).reshape(codes.shape))
 
 
 def decode_e4m3(raw: torch.Tensor) -> torch.Tensor:

@@ -233,6 +233,12 @@ class _Step(PtxBlock):
                 out.append(b)
         return out
 
+    def matched_pairs(self, raw: list[str], prefix: str) -> list[str]:
+        """The activation's pairs matching :meth:`decode`'s pairing of a weight word: (x_i, x_{i+4}) of each 8
+        values (``float_pairs``), or, for weights in the paired order (pair i = K elements 2i, 2i + 1), the
+        registers as loaded."""
+        return raw if self.spec.order == "paired" else self.float_pairs(raw, prefix)
+
     def bias_bf16(self, pairs: list[str]) -> None:
         """bf16 activation pairs times 2^64 (``BF16_ACTIVATION_BIAS``), for the unscaled bf16 weights."""
         bias = self.reg("b32", "xbias")
@@ -352,7 +358,7 @@ class _FoldStep(_Step):
                             self.emit(f"mul.rn.f16x2 {p}, {p}, {xs[q // 2]};")
                             b[nt].append(p)
                 else:
-                    b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+                    b[nt] = self.matched_pairs(xraw[nt, u], f"b{nt}_{u}_")
             for t in range(s.tiles):
                 scales = [self.scale_pairs_e4m3(sraw[2 * t + h, u], f"sc{t}_{h}_{u}", bias=s.act == "bf16")
                           for h in range(2)]
@@ -435,7 +441,7 @@ class _SplitStep(_Step):
                 if self.mx:
                     xscale[nt] = [self.e8m0(xsraw[nt, u, j], f"xsf{nt}_{u}_{j}") for j in range(2)]
             else:
-                b[nt] = self.float_pairs(xraw[nt, u], f"b{nt}_{u}_")
+                b[nt] = self.matched_pairs(xraw[nt, u], f"b{nt}_{u}_")
                 if self.spec.act == "bf16":
                     self.bias_bf16(b[nt])
         return b, xscale
@@ -515,7 +521,7 @@ class _K32Step(_Step):
                     b[nt] = self.decode(xraw[nt, j][0], f"xd{nt}_{j}", weights=False)
                     xscale[nt] = [self.e8m0(xsraw[nt, j, jj], f"xsf{nt}_{j}_{jj}") for jj in range(2)]
                 else:
-                    b[nt] = self.float_pairs(xraw[nt, j], f"b{nt}_{j}_")
+                    b[nt] = self.matched_pairs(xraw[nt, j], f"b{nt}_{j}_")
                     if s.act == "bf16":
                         self.bias_bf16(b[nt])
             for t in range(s.tiles):

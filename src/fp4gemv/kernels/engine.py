@@ -34,12 +34,13 @@ The grid.  One program per row tile by default.  ``EngineConfig.per_sm`` > 0 mak
 programs per multiprocessor share the (row tile, step) units evenly, tile-major (``persistent_ranges``), the ring
 never drained between a program's tiles.  A tile split over programs (``tile_contributors``) is finished by the
 program holding its first steps, at the end of its range; the others (for each, the first tile of its range)
-store their fp32 partial (two slots a program: one a contributor's, one a finisher's) and arrive on the tile's counter as soon as their segment is done.
-The finisher, where all have arrived, adds their partials to its own in program order; else it stores its own and
-arrives, and the last to arrive sums them (the same bits either way), rounds once and resets the counter
-(``fixup_counters``: kept zero per device and stream).  2-3 µs faster than round 23's fix-up (every arrival at the
-range's end), yet slower than one program per tile on 7168 x 16384 and 4096 x 4096, faster on 28672 x 8192 and
-where the tiles are fewer than the SMs (docs/performance.md, round 28, H100): an option, not the default.
+store their fp32 partial (two slots a program: one a contributor's, one a finisher's) and arrive on the tile's
+counter as soon as their segment is done.  The finisher, where all have arrived, adds their partials to its own in
+program order; else it stores its own and arrives, and the last to arrive sums them (the same bits either way),
+rounds once and resets the counter (``fixup_counters``: kept zero per device and stream).  2-3 µs faster than
+round 23's fix-up (every arrival at the range's end), yet slower than one program per tile on 7168 x 16384 and
+4096 x 4096, faster on 28672 x 8192 and where the tiles are fewer than the SMs (docs/performance.md, round 28,
+H100): an option, not the default.
 
 Scales: linear (``[K/1024, M, 16]`` copies of the rows' 64 bytes a step) or swizzled (the 128 x 4 atoms, 16 bytes
 a row r % 32 -- four 32-row groups of 4 bytes: the consumer loads its group's 4-byte words of the step's atoms
@@ -198,9 +199,7 @@ class _RegisterFold(_Step):
                         lo, hi = self.reg("b32", f"y{nt}_{u}_{b}_{z}l"), self.reg("b32", f"y{nt}_{u}_{b}_{z}h")
                         self.emit(f"mov.b64 {{{lo}, {hi}}}, {op(f'x{z}', register(b, u, nt, 0))};")
                         raw += [lo, hi]
-                # pairs (x_i, x_{i+4}) of each 8 elements, as the decode pairs a word's codes; in the paired order
-                # the decode's pairs are K elements (2i, 2i + 1), the activation's registers as loaded
-                b_pairs[u, nt] = raw if order == "paired" else self.float_pairs(raw, f"b{nt}_{u}_")
+                b_pairs[u, nt] = self.matched_pairs(raw, f"b{nt}_{u}_")
         for t in range(tiles):
             for u in range(2):
                 words, scales = {}, []
@@ -287,7 +286,7 @@ class _RegisterK32(_Step):
                         for z in range(2):
                             self.emit(f"mov.b64 {{{raw[2 * z]}, {raw[2 * z + 1]}}}, "
                                       f"{op(f'x{2 * half + z}', register(b, u, nt, 0))};")
-                        pairs[nt] = raw if order == "paired" else self.float_pairs(raw, f"b{nt}_{block}_")
+                        pairs[nt] = self.matched_pairs(raw, f"b{nt}_{block}_")
                         self.bias_bf16(pairs[nt])
                     for t in range(tiles):
                         word = "wh" if half else "wl"
@@ -760,8 +759,7 @@ def _finish(out_ptr, gsa_ptr, ws_ptr, count_ptr, total, tile, units, programs, M
     if gl.atomic_add(count_ptr + tile, 0, sem="acquire", scope="gpu") == others:
         # 0 + its own partial: the bits the other path's sum from zero gives (a -0.0 partial included)
         _sum_partials(out_ptr, gsa_ptr, ws_ptr, count_ptr, gl.zeros_like(total) + total, tile, p_first + 1,
-                      p_first, p_last, M, N, out_stride_m,
-                      out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
+                      p_first, p_last, M, N, out_stride_m, out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
     else:
         gl.store(ws_ptr + (2 * gl.program_id(0) + 1) * (256 * TILES) + part, total)
         thread_barrier()
