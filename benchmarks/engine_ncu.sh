@@ -2,8 +2,9 @@
 # ncu's view of the decode engine (issue 27, round 27 of docs/performance.md): one launch of NVFP4 x bf16, N = 16,
 # on 7168 x 16384 per variant -- issue, pipes, warp stalls, shared-memory wavefronts and bank conflicts.  GPU
 # machine, repo root:
-#   bash benchmarks/engine_ncu.sh ["CONFIG LAYOUT" ...]    e.g. "default swizzled" "2,2,128 linear"
-# CONFIG: ``default`` (the engine's own choice) or EngineConfig fields joined by commas.  Clocks as found.
+#   bash benchmarks/engine_ncu.sh ["CONFIG LAYOUT [ORDER]" ...]    e.g. "default swizzled" "2,2,128 linear paired"
+# CONFIG: ``default`` (the engine's own choice) or EngineConfig fields joined by commas; ORDER a code order of
+# ``formats.CODE_ORDERS`` (default checkpoint).  Clocks as found.
 set -u
 export PYTHONPATH=$PWD/src
 if [ $# -eq 0 ]; then set -- "default swizzled"; fi
@@ -15,6 +16,7 @@ from fp4gemv import gemv
 from fp4gemv.kernels.engine import EngineConfig
 cfg = None if sys.argv[1] == "default" else EngineConfig(*(int(v) for v in sys.argv[1].split(",")))
 a = O.random_fp4((7168, 16384), "nvfp4", sys.argv[2], seed=1, device="cuda")
+a = a.with_code_order(sys.argv[3] if len(sys.argv) > 3 else "checkpoint")
 b = O.random_activation((16, 16384), torch.bfloat16, seed=2, device="cuda")
 out = torch.empty((7168, 16), dtype=torch.float16, device="cuda")
 for _ in range(4):

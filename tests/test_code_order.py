@@ -1,6 +1,7 @@
 """The native code order (``formats.CODE_ORDERS``, ``FP4Tensor.code_order``): the container keeps it through every
 conversion, the reference and dequantize read it, the kernels whose decode is written for it (weight_only,
-moe_weight_only, engine, moe_engine) give the checkpoint order's bits on the same values, and every other kernel
+moe_weight_only, engine, moe_engine; the paired order: engine and weight_only) give the checkpoint order's bits on the
+same values, and every other kernel
 refuses it by name.  The decode's PTX itself is emulated in tests/test_kernels_weight_only.py (every code in every
 position); here the interpreter runs the weight-only kernels' twin on CPU tensors, and the GPU runs the PTX."""
 
@@ -130,11 +131,12 @@ def test_the_paired_order_round_trips_and_its_pairs_are_consecutive_elements():
         formats.reorder_codes(torch.zeros(3, 6, dtype=torch.uint8), "checkpoint", "paired")
 
 
-def test_only_the_engine_and_the_references_take_the_paired_order():
-    """The paired order's pairing is written in the decode engine's step only: on the H200's target every other
-    GEMV and routed kernel refuses it by name (the references read any order, when asked): the engine takes the
-    GEMV cases it would leave to weight_only, and a routed case is an error naming each kernel's reason, not a
-    slower kernel; the reference's product on it is the checkpoint's."""
+def test_only_the_dense_step_kernels_and_the_references_take_the_paired_order():
+    """The paired order's pairing is written in the mma.sync step (``_Step.matched_pairs``), which the engine and
+    weight_only run: on the H200's target every other GEMV and routed kernel refuses it by name (the references
+    read any order, when asked), weight_only refuses it with FP4 activations (their decode pairs codes i and
+    i + 4), and a routed case is an error naming each kernel's reason, not a slower kernel; the reference's product
+    on it is the checkpoint's."""
     a = random_fp4((64, 2048), "nvfp4", "linear", seed=25, device="cpu")
     x = random_activation((16, 2048), torch.bfloat16, seed=26, device="cpu")
     paired = a.with_code_order("paired")
@@ -143,14 +145,20 @@ def test_only_the_engine_and_the_references_take_the_paired_order():
     case = ops.gemv_operands(paired, x, torch.empty(64, 16, dtype=torch.bfloat16)).case
     for spec in GEMV_KERNELS:
         reason = spec.refusal(case, SM90)
-        if spec.name in ("engine", "reference"):
+        if spec.name in ("engine", "weight_only", "reference"):
             assert reason is None or "code order" not in reason, (spec.name, reason)
         else:
             assert reason is not None and reason.startswith("a in code order 'paired' (it decodes checkpoint"), \
                 (spec.name, reason)
     assert choose_kernel(case, SM90).name == "engine"
     small = ops.gemv_operands(paired, x[:1], torch.empty(64, 1, dtype=torch.bfloat16)).case
-    assert choose_kernel(small, SM90).name == "engine"  # N = 1: weight_only refuses the order, so no deferral
+    assert choose_kernel(small, SM90).name == "weight_only"  # N = 1: the choice the checkpoint order gets
+    assert choose_kernel(ops.gemv_operands(a, x[:1], torch.empty(64, 1, dtype=torch.bfloat16)).case,
+                         SM90).name == "weight_only"
+    b4 = random_fp4((4, 2048), "nvfp4", "linear", seed=30, device="cpu")
+    fp4_case = ops.gemv_operands(paired, b4, torch.empty(64, 4, dtype=torch.bfloat16)).case
+    weight_only = GEMV_KERNELS[[s.name for s in GEMV_KERNELS].index("weight_only")]
+    assert weight_only.refusal(fp4_case, SM90).startswith("w: paired-order weights need fp16 or bf16 activations")
     w = random_fp4((8, 64, 2048), "mxfp4", "linear", seed=27, device="cpu")
     ids = torch.zeros((4, 2), dtype=torch.int32)
     with pytest.raises(ValueError, match="no kernel runs .*\\(moe_engine: w in code order 'paired' "
@@ -172,17 +180,22 @@ WEIGHT_ONLY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("order", ["native", "paired"])
 @pytest.mark.parametrize("fmt,act,config,n", WEIGHT_ONLY_CASES, ids=str)
-def test_weight_only_gives_the_checkpoint_orders_bits(fmt, act, config, n):
-    """weight_only on native weights: the same bits as on the checkpoint's (the same values in the same sums),
-    in the interpreter's twin on a CPU and in the PTX on a GPU."""
+def test_weight_only_gives_the_checkpoint_orders_bits(fmt, act, config, n, order):
+    """weight_only on native and paired weights: the same bits as on the checkpoint's (the same values in the same
+    sums), in the interpreter's twin on a CPU and in the PTX on a GPU (paired: fp16 and bf16 activations)."""
+    if order == "paired" and act == "fp4":
+        pytest.skip("paired weights take fp16 and bf16 activations (refused above)")
     a = random_fp4((40, 320), fmt, "linear", seed=11, device=DEVICE)
     if act == "fp4":
         b = random_fp4((n, 320), fmt, "swizzled", seed=12, device=DEVICE)
     else:
         b = random_activation((n, 320), act, seed=12, device=DEVICE)
     want = gemv(a, b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
-    got = gemv(_native(a), b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
+    reordered = a.with_code_order(order)
+    assert not torch.equal(reordered.data, a.data)
+    got = gemv(reordered, b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
     assert torch.isfinite(want).all() and torch.equal(got, want)
 
 

@@ -11,8 +11,8 @@ tensor built from another library's buffers, or from the GPU MODE task's operand
 * ``code_order``: how the codes sit in the bytes (``formats.CODE_ORDERS``): ``"checkpoint"`` as above;
   ``"native"``, the bits of each 16-bit half-word permuted for the tensor-core kernels' shorter decode; or
   ``"paired"``, the native bits with each 32-bit word's even K elements in its low half-word and odd ones in its
-  high half-word (the decode engine's step then pairs the activation as loaded; only the engine and the
-  references read it) (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode an
+  high half-word (the mma.sync step then pairs the activation as loaded; the dense kernels of that step,
+  engine and weight_only, and the references read it) (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode an
   order refuse it by name.
 
 Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.  The container calls

@@ -11,6 +11,8 @@ A 16-element block is one int64: packed byte i holds elements 2i (low nibble) an
 import triton
 import triton.language as tl
 
+from ..formats import CODE_ORDERS
+
 # Doubled e2m1 magnitudes 0,1,2,3,4,6,8,12 as the byte table prmt indexes: bytes 0..3 and 4..7.  Kernels
 # take the two words as runtime arguments and pass them to the PTX below as register operands: written as
 # constants inside each asm block, ptxas copied the low word into a fresh register before every prmt (one
@@ -103,26 +105,37 @@ def native_codes(bits, i):
 
 
 @triton.jit
-def e2m1_word_values(words, NATIVE: tl.constexpr = False):
-    """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (element order: code i in
-    bits 4i..4i+3; with ``NATIVE`` the native order's fields, ``formats.NATIVE_CODE_FIELDS`` in each half-word)."""
-    w = tl.expand_dims(words, len(words.shape))
-    if NATIVE:
-        codes = native_codes(w, tl.arange(0, 8))
-    else:
-        codes = (w >> (tl.arange(0, 8) * 4)) & 15
-    return doubled_e2m1(codes).to(tl.float32) * 0.5
+def ordered_codes(bits, i, ORDER: tl.constexpr):
+    """Codes ``i`` (K order) of ``bits`` (a word or block, broadcast against ``i``) in code order ``ORDER``
+    (``code_order_index``: 0 the checkpoint's, code i at bits 4i; 1 the native bit fields; 2 the paired order,
+    the native fields with K element k of each 32-bit word in its slot 4 (k % 2) + (k % 8) // 2,
+    ``formats.PAIRED_SLOTS``)."""
+    if ORDER == 0:
+        return (bits >> (4 * i)) & 15
+    if ORDER == 1:
+        return native_codes(bits, i)
+    return native_codes(bits, 8 * (i // 8) + 4 * (i % 2) + (i % 8) // 2)
+
+
+def code_order_index(order: str) -> int:
+    """The ``ORDER`` constexpr of ``ordered_codes`` for a ``formats.CODE_ORDERS`` name."""
+    return CODE_ORDERS.index(order)
 
 
 @triton.jit
-def unpack_block(packed, NATIVE: tl.constexpr = False):
-    """One int64 block ``[...]`` to its 16 e2m1 codes ``[..., 16]`` (element order; with ``NATIVE`` from the native
-    order's fields, ``formats.NATIVE_CODE_FIELDS`` in each of the four half-words)."""
+def e2m1_word_values(words, ORDER: tl.constexpr = 0):
+    """int32 words of 8 e2m1 codes ``[...]`` to their values ``[..., 8]`` in float32 (K order; the codes in order
+    ``ORDER``, ``ordered_codes``)."""
+    w = tl.expand_dims(words, len(words.shape))
+    return doubled_e2m1(ordered_codes(w, tl.arange(0, 8), ORDER)).to(tl.float32) * 0.5
+
+
+@triton.jit
+def unpack_block(packed, ORDER: tl.constexpr = 0):
+    """One int64 block ``[...]`` to its 16 e2m1 codes ``[..., 16]`` (K order; the codes in order ``ORDER``,
+    ``ordered_codes``)."""
     p = tl.expand_dims(packed, len(packed.shape))
-    if NATIVE:
-        return native_codes(p, tl.arange(0, 16).to(tl.int64))
-    shifts = tl.arange(0, 16).to(tl.int64) * 4
-    return (p >> shifts) & 15
+    return ordered_codes(p, tl.arange(0, 16).to(tl.int64), ORDER)
 
 
 @triton.jit

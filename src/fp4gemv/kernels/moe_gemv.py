@@ -34,7 +34,7 @@ import triton.language as tl
 from ..reference import routed_epilogue
 from ..target import Target
 from ._common import decode_scale, load_k, pow2_at_most, scale_col_offset, scale_row_offset, store_rounded
-from ._decode import doubled_e2m1, unpack_block
+from ._decode import code_order_index, doubled_e2m1, unpack_block
 from .spec import (NATIVE_FIELD_ORDERS, MoeCase, MoeOperands, Src, TritonKernelSpec, TritonLaunch,
                    check_powers_of_two)
 
@@ -140,7 +140,7 @@ class MoeGeneral(TritonKernelSpec):
             out_stride_t=case.out_strides[0], out_stride_j=case.out_strides[1], out_stride_m=case.out_strides[2],
             P_PAD=triton.next_power_of_2(case.pairs), ROWS=config.rows, COLS=config.cols, BLOCKS=config.blocks,
             FORMAT=dense.fmt.name, HAS_GS=case.global_scales is not None, HAS_BIAS=case.bias_dtype is not None,
-            EVEN_K=nb % config.blocks == 0, NATIVE=a.code_order == "native",
+            EVEN_K=nb % config.blocks == 0, ORDER=code_order_index(a.code_order),
         )
         grid = (triton.cdiv(dense.m, config.rows), case.pairs, triton.cdiv(case.pairs, config.cols))
         return TritonLaunch(moe_gemv_kernel, grid, args, dict(num_warps=config.num_warps))
@@ -149,12 +149,12 @@ class MoeGeneral(TritonKernelSpec):
 @triton.jit
 def expert_tile_dot(w_rows, sfw_rows, x_cols, x_stride_k, NB, sfw_stride_col_tile,
                     ROWS: tl.constexpr, COLS: tl.constexpr, BLOCKS: tl.constexpr, FORMAT: tl.constexpr,
-                    EVEN_K: tl.constexpr, NATIVE: tl.constexpr = False):
+                    EVEN_K: tl.constexpr, ORDER: tl.constexpr = 0):
     """``[ROWS, COLS]`` fp32 sums of weight rows times activation columns (before global scales).
 
     w_rows: ``[ROWS, 1]`` pointers (int64 blocks of 16 codes) to the rows' data; sfw_rows: ``[ROWS]`` pointers to
     their scale rows (``scale_row_offset`` applied); x_cols: ``[COLS, 1, 1]`` pointers to each column's
-    activation row; NB: 16-element blocks in K; NATIVE: the codes in the native order.
+    activation row; NB: 16-element blocks in K; ORDER: the codes' order (``_decode.code_order_index``).
     """
     cols = tl.arange(0, BLOCKS)
     acc = tl.zeros([ROWS, COLS, BLOCKS], dtype=tl.float32)
@@ -166,7 +166,7 @@ def expert_tile_dot(w_rows, sfw_rows, x_cols, x_stride_k, NB, sfw_stride_col_til
         sfw = decode_scale(load_k(sfw_rows[:, None] + sfw_col[None, :], k_ok[None, :], EVEN_K), FORMAT)
         k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
         x = load_k(x_cols + k_idx[None, :, :] * x_stride_k, k_ok[None, :, None], EVEN_K)
-        w_dbl = doubled_e2m1(unpack_block(w, NATIVE)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
+        w_dbl = doubled_e2m1(unpack_block(w, ORDER)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
         block = tl.sum(w_dbl[:, None, :, :] * x.to(tl.float32)[None, :, :, :], axis=3)
         acc += block * sfw[:, None, :]
     return tl.sum(acc, axis=2) * 0.5  # the weights were doubled
@@ -191,7 +191,7 @@ def moe_gemv_kernel(
     HAS_GS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,
-    NATIVE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     leader = tl.program_id(1)
@@ -224,7 +224,7 @@ def moe_gemv_kernel(
                                                                       sfw_stride_r4)
         x_cols = x_ptr + token[:, None, None] * x_stride_t
         out = expert_tile_dot(w_rows, sfw_rows, x_cols, x_stride_k, NB, sfw_stride_col_tile, ROWS, COLS, BLOCKS,
-                              FORMAT, EVEN_K, NATIVE)
+                              FORMAT, EVEN_K, ORDER)
         if HAS_GS:
             out = out * tl.load(gs_ptr + expert * gs_stride_e)
         if HAS_BIAS:

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..target import SM90, Target
 from ._common import store_rounded
+from ._decode import code_order_index
 from ._mma_step import fold_exponent, multipliers, step_asm
 from .spec import NATIVE_FIELD_ORDERS, ErrorModel, MoeCase, Src, TritonKernelSpec, TritonLaunch
 from .weight_only import (MAX_SPLIT_N, PTXAS_LOADS_FIRST, WeightOnly, WeightOnlyConfig, ACT_CODES, MODE_CODES,
@@ -144,7 +145,7 @@ class MoeWeightOnly(TritonKernelSpec):
             HAS_BIAS=case.bias_dtype is not None, HAS_PW=case.pair_weights_dtype is not None,
             ACTIVATION=ACTIVATION_CODES[case.activation], FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode),
             USE_PTX=target.mode == "ptx", PDL=pdl, ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full,
-            ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
+            ASM_TAIL=asm_tail, CONSTRAINTS_TAIL=constraints_tail, ORDER=code_order_index(spec.order),
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
@@ -268,7 +269,7 @@ def moe_weight_only_kernel(
     CONSTRAINTS_FULL: tl.constexpr,
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
-    NATIVE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     group = tl.program_id(1)
@@ -312,7 +313,7 @@ def moe_weight_only_kernel(
             # Float activations: the step reads no activation scales (pxs, col_scale_ptrs: placeholders).
             a0, a1, a2, a3 = k_loop(pa, ps, px, px, px, px, xon, muls, col_ptrs, col_ptrs, k_first, c, zero, K,
                                     MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, 4, USE_PTX, False,
-                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE)
+                                    ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, ORDER)
             accumulators = (a0, a1, a2, a3)
             # The pairs (int32) rather than their int64 offsets stay live across the K loop: fewer registers.
             out_offsets = ()

@@ -338,7 +338,8 @@ def _fp4_operands(case, spec: KernelSpec) -> list[tuple[str, FP4Meta, tuple[str,
 
 
 # The code orders of the kernels whose decode reads the native bit fields with the checkpoint's pairing (weight_only,
-# the routed kernels); the "paired" order's pairing is written in the decode engine's step only.
+# the routed kernels); the "paired" order's pairing is the mma.sync step's (``_Step.matched_pairs``), which only the
+# dense kernels declare (engine, weight_only with fp16 / bf16 activations).
 NATIVE_FIELD_ORDERS = ("checkpoint", "native")
 
 

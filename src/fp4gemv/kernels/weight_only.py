@@ -47,11 +47,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import CODE_ORDERS
 from ..target import SM90, Target
 from ._common import apply_global_scales, decode_scale, pow2_at_most, scale_row_offset, store_rounded
-from ._decode import e2m1_word_values
+from ._decode import code_order_index, e2m1_word_values
 from ._mma_step import StepSpec, fold_exponent, multipliers, step_asm
-from .spec import (NATIVE_FIELD_ORDERS, ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec,
+from .spec import (ErrorModel, FP4Meta, GemvCase, ScaleAddressing, Src, TritonKernelSpec,
                    TritonLaunch, global_scale_sources, too_many_rows)
 
 __all__ = ["WeightOnlyConfig", "WeightOnly", "weight_only_config", "mode", "step_spec", "weight_only_gemv_kernel",
@@ -170,11 +171,14 @@ class WeightOnly(TritonKernelSpec):
 
     name = "weight_only"
     config_type = WeightOnlyConfig
-    code_orders = NATIVE_FIELD_ORDERS
+    code_orders = CODE_ORDERS
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if case.a.code_order == "paired" and case.fp4_activation:
+            return ("w: paired-order weights need fp16 or bf16 activations (an FP4 activation's decode pairs its "
+                    "codes i and i + 4, the checkpoint order's pairing)")
         if too_many_rows(case) is not None:
             return too_many_rows(case)
         if case.k % 32:
@@ -253,7 +257,7 @@ class WeightOnly(TritonKernelSpec):
             SFB_COL_TILE=spec.sfb_col_tile, HAS_GSA=gsa, HAS_GSB=gsb,
             FOLD=2.0 ** fold_exponent(spec.fmt, spec.act, spec.mode), USE_PTX=target.mode == "ptx", PDL=pdl,
             ASM_FULL=asm_full, CONSTRAINTS_FULL=constraints_full, ASM_TAIL=asm_tail,
-            CONSTRAINTS_TAIL=constraints_tail, NATIVE=spec.order == "native",
+            CONSTRAINTS_TAIL=constraints_tail, ORDER=code_order_index(spec.order),
         )
         options = dict(num_warps=config.warps, num_stages=1, launch_pdl=pdl)
         if config.loads_first:
@@ -314,7 +318,7 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
           zero, MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
           N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr, USE_PTX: tl.constexpr,
           TAIL: tl.constexpr, P: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr,
-          NATIVE: tl.constexpr):
+          ORDER: tl.constexpr):
     """The step at element k0 of every warp's chunks: its byte offsets (the same for every thread), then the
     PTX step or its twin."""
     BLOCK: tl.constexpr = 32 if MX else 16
@@ -333,7 +337,7 @@ def _step(a0, a1, a2, a3, k0, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptr
                                    kleft + zero, ASM, CONSTRAINTS, MX, ACT, N_TILES, TAIL, P)
     else:
         a0, a1, a2, a3 = _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, c,
-                                      MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, TWIN_PIECE, NATIVE)
+                                      MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, TWIN_PIECE, ORDER)
     return a0, a1, a2, a3
 
 
@@ -382,12 +386,12 @@ def _piece_scales(sf_ptr, piece, in_k, MX: tl.constexpr, COL_TILE: tl.constexpr,
 
 
 @triton.jit
-def _piece_values(byte_ptr, piece, in_k, PIECE: tl.constexpr, NATIVE: tl.constexpr = False):
+def _piece_values(byte_ptr, piece, in_k, PIECE: tl.constexpr, ORDER: tl.constexpr = 0):
     """The e2m1 values of the ``PIECE`` elements ``piece`` from byte pointers ``byte_ptr`` ``[A, B]`` (codes in
-    the native order when ``NATIVE``), zero where not ``in_k``: float32 ``[A, B, PIECE]``."""
+    code order ``ORDER``, ``_decode.ordered_codes``), zero where not ``in_k``: float32 ``[A, B, PIECE]``."""
     words = tl.load((byte_ptr + (PIECE // 2) * piece).to(tl.pointer_type(tl.int32))[:, :, None]
                     + tl.arange(0, PIECE // 8), mask=in_k[:, :, None], other=0)
-    v = e2m1_word_values(words, NATIVE)
+    v = e2m1_word_values(words, ORDER)
     return tl.reshape(v, [v.shape[0], v.shape[1], PIECE])
 
 
@@ -428,7 +432,7 @@ def _piece_column_sum(w, sw, x_ptr, sx_ptr, piece, in_k, MX: tl.constexpr, ACT: 
 def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, kxs, kleft, lane_c,
                  MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, CHUNKS: tl.constexpr,
                  N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr,
-                 PIECE: tl.constexpr, NATIVE: tl.constexpr):
+                 PIECE: tl.constexpr, ORDER: tl.constexpr):
     """``_step_ptx`` in plain Triton: the same accumulator elements from the same weight pointers.
 
     Each element e of thread (g, c) is its row against the activation row of its C column (``col_ptrs[o]``,
@@ -455,7 +459,7 @@ def _step_triton(a0, a1, a2, a3, pa, ps, col_ptrs, col_scale_ptrs, ka, ks, kx, k
         in_k = PIECE * piece < k_ok  # K is a multiple of 32: a piece is wholly in K or wholly past it
         if MODE == 2:
             in_k = in_k & ((PIECE * piece // 32) % 4 == lane_c)
-        w = _piece_values(wa, piece, in_k, PIECE, NATIVE)  # [P, T, PIECE]
+        w = _piece_values(wa, piece, in_k, PIECE, ORDER)  # [P, T, PIECE]
         sw = _piece_scales(wsf, piece, in_k, MX, SFA_COL_TILE, PIECE)
         if not MX:
             w = _scaled_nvfp4(w, sw, PIECE)
@@ -519,9 +523,10 @@ def k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_f
            MODE: tl.constexpr, MX: tl.constexpr, ACT: tl.constexpr, TILES: tl.constexpr, WARPS: tl.constexpr,
            CHUNKS: tl.constexpr, N_TILES: tl.constexpr, SFA_COL_TILE: tl.constexpr, SFB_COL_TILE: tl.constexpr,
            USE_PTX: tl.constexpr, PDL: tl.constexpr, ASM_FULL: tl.constexpr, CONSTRAINTS_FULL: tl.constexpr,
-           ASM_TAIL: tl.constexpr, CONSTRAINTS_TAIL: tl.constexpr, NATIVE: tl.constexpr):
+           ASM_TAIL: tl.constexpr, CONSTRAINTS_TAIL: tl.constexpr, ORDER: tl.constexpr):
     """Every step over K from zeroed accumulators: the four accumulators ``[P, T]`` (``_mma_step``'s layout);
-    ``NATIVE``: the weights' codes in the native order (the PTX's decode is the asm's; the twin's, this flag)."""
+    ``ORDER``: the weights' code order (``_decode.code_order_index``; the PTX's decode is the asm's, the twin's
+    follows this)."""
     P: tl.constexpr = 2 * TILES
     STEP: tl.constexpr = WARPS * 128 * CHUNKS
     a0 = tl.zeros([P, 32 * WARPS], dtype=tl.float32)
@@ -536,13 +541,13 @@ def k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_f
     for s in range(0, n_full):
         a0, a1, a2, a3 = _step(a0, a1, a2, a3, s * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs,
                                col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES, SFA_COL_TILE,
-                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL, NATIVE)
+                               SFB_COL_TILE, USE_PTX, False, P, ASM_FULL, CONSTRAINTS_FULL, ORDER)
     if USE_PTX:
         if n_full * STEP < K:
             a0, a1, a2, a3 = _step(a0, a1, a2, a3, n_full * STEP, K, pa, ps, px, pxs, pxs0, pxs1, xon, muls,
                                    col_ptrs, col_scale_ptrs, k_first, c, zero, MODE, MX, ACT, CHUNKS, N_TILES,
                                    SFA_COL_TILE, SFB_COL_TILE, USE_PTX, True, P, ASM_TAIL, CONSTRAINTS_TAIL,
-                                   NATIVE)
+                                   ORDER)
     return a0, a1, a2, a3
 
 
@@ -614,7 +619,7 @@ def weight_only_gemv_kernel(
     CONSTRAINTS_FULL: tl.constexpr,
     ASM_TAIL: tl.constexpr,
     CONSTRAINTS_TAIL: tl.constexpr,
-    NATIVE: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     # Byte pointers throughout (a, b, scales: uint8); strides in bytes.  mp0 .. m29: _mma_step.multipliers.
     pid_m = tl.program_id(0)
@@ -657,7 +662,7 @@ def weight_only_gemv_kernel(
                        k_warp // BLOCK, SFB_COL_TILE),)
     a0, a1, a2, a3 = k_loop(pa, ps, px, pxs, pxs0, pxs1, xon, muls, col_ptrs, col_scale_ptrs, k_first, c, zero, K,
                             MODE, MX, ACT, TILES, WARPS, CHUNKS, N_TILES, SFA_COL_TILE, SFB_COL_TILE, USE_PTX, PDL,
-                            ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, NATIVE)
+                            ASM_FULL, CONSTRAINTS_FULL, ASM_TAIL, CONSTRAINTS_TAIL, ORDER)
     accumulators = (a0, a1, a2, a3)
     for o in tl.static_range(2 * N_TILES):
         _store_column(accumulators[o], o, pid_m, pid_l, gsa_ptr, gsb_ptr, c_ptr, M, N, c_stride_l, c_stride_m,

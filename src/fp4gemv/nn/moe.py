@@ -144,7 +144,7 @@ class FP4Experts(nn.Module):
         super().__init__()
         if activation not in ("gpt-oss", "silu"):
             raise ValueError(f"activation: expected 'gpt-oss' or 'silu', got {activation!r}")
-        if code_order not in NATIVE_FIELD_ORDERS:  # the routed kernels' ("paired" is the dense engine's only)
+        if code_order not in NATIVE_FIELD_ORDERS:  # the routed kernels' ("paired" is the dense kernels' only)
             raise ValueError(f"code_order: expected one of {NATIVE_FIELD_ORDERS} (the routed kernels' orders), got "
                              f"{code_order!r}")
         projections = list(gate_up) if isinstance(gate_up, tuple) and not isinstance(gate_up, ExpertWeights) \
