@@ -7,12 +7,13 @@ of the same bytes, in one process.
 ``NS`` (default 1,8,16) and ``SHAPES`` (default the six below, e.g. ``SHAPES=4096x14336,4096x4096``) choose the rows;
 ``WARM=1`` times one L2-resident copy instead (the kernels' own rate, not the memory's).
 
-A variant is ``FMT[/fp16]:LAYOUT:ORDER:KERNEL[:CONFIG]`` (``/fp16``: fp16 activations, else bf16; KERNEL ``auto`` = the library's choice; CONFIG the engine's
-``tiles,stages,maxnreg,per_sm``, stages 0 for the default ring at N), e.g. ``nvfp4:swizzled:checkpoint:auto`` (what ``FP4Linear`` runs today) or
+A variant is ``FMT[/fp16]:LAYOUT:ORDER:KERNEL[:CONFIG]`` (``/fp16``: fp16 activations, else bf16; KERNEL
+``auto`` = the library's choice; CONFIG the engine's ``tiles,stages,maxnreg,per_sm``, stages 0 for the default
+ring at N), e.g. ``nvfp4:swizzled:checkpoint:auto`` (what ``FP4Linear`` runs today) or
 ``nvfp4:linear:native:engine:2,3,128,2``.  Timing: ``bench.timing.device_time_us`` (one CUDA
 graph over >= 20 distinct weight copies and 300 MB, L2 flushed before each replay, median of 15); bf16
-activations; fp16 output.  Every variant's output on the first copy is compared with the first variant's of the
-same format (bit for bit where both kernels fold the same way; the largest difference is printed otherwise).
+activations unless ``/fp16``; fp16 output.  Every variant's output on the first copy is compared with the first
+variant's of the same format and activation (bit for bit where both kernels fold the same way; the largest difference is printed otherwise).
 """
 import json
 import os

@@ -158,7 +158,7 @@ def test_only_the_dense_step_kernels_and_the_references_take_the_paired_order():
     b4 = random_fp4((4, 2048), "nvfp4", "linear", seed=30, device="cpu")
     fp4_case = ops.gemv_operands(paired, b4, torch.empty(64, 4, dtype=torch.bfloat16)).case
     weight_only = GEMV_KERNELS[[s.name for s in GEMV_KERNELS].index("weight_only")]
-    assert weight_only.refusal(fp4_case, SM90).startswith("w: paired-order weights need fp16 or bf16 activations")
+    assert weight_only.refusal(fp4_case, SM90).startswith("a: paired-order weights need fp16 or bf16 activations")
     w = random_fp4((8, 64, 2048), "mxfp4", "linear", seed=27, device="cpu")
     ids = torch.zeros((4, 2), dtype=torch.int32)
     with pytest.raises(ValueError, match="no kernel runs .*\\(moe_engine: w in code order 'paired' "

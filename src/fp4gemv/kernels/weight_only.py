@@ -177,7 +177,7 @@ class WeightOnly(TritonKernelSpec):
         if not target.runs_triton:
             return "runs Triton kernels only"
         if case.a.code_order == "paired" and case.fp4_activation:
-            return ("w: paired-order weights need fp16 or bf16 activations (an FP4 activation's decode pairs its "
+            return ("a: paired-order weights need fp16 or bf16 activations (an FP4 activation's decode pairs its "
                     "codes i and i + 4, the checkpoint order's pairing)")
         if too_many_rows(case) is not None:
             return too_many_rows(case)
