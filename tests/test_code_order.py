@@ -1,8 +1,7 @@
 """The native code order (``formats.CODE_ORDERS``, ``FP4Tensor.code_order``): the container keeps it through every
 conversion, the reference and dequantize read it, the kernels whose decode is written for it (weight_only,
-moe_weight_only, engine, moe_engine; the paired order: engine and weight_only) give the checkpoint order's bits on the
-same values, and every other kernel
-refuses it by name.  The decode's PTX itself is emulated in tests/test_kernels_weight_only.py (every code in every
+moe_weight_only, engine, moe_engine, general with float activations; the paired order: engine, weight_only and
+general) give the checkpoint order's bits on the same values, and every other kernel refuses it by name.  The decode's PTX itself is emulated in tests/test_kernels_weight_only.py (every code in every
 position); here the interpreter runs the weight-only kernels' twin on CPU tensors, and the GPU runs the PTX."""
 
 import io
@@ -22,8 +21,10 @@ from operands import DEVICE, random_activation, random_fp4
 from test_moe import random_ids
 
 # The kernels that decode the native order; every other one must refuse it.
-NATIVE_KERNELS = {"weight_only", "engine", "reference", "moe_weight_only", "moe_engine", "moe_general",
+NATIVE_KERNELS = {"weight_only", "engine", "general", "reference", "moe_weight_only", "moe_engine", "moe_general",
                   "moe_reference"}
+# The dense kernels that read every order (general: with fp16, bf16 or fp32 activations).
+PAIRED_KERNELS = ("engine", "weight_only", "general", "reference")
 
 
 def _native(t: FP4Tensor) -> FP4Tensor:
@@ -85,13 +86,17 @@ def test_kernels_without_the_native_decode_refuse_it_by_name():
         else:
             assert reason == "a in code order 'native' (it decodes checkpoint)", (spec.name, reason)
     assert choose_kernel(case, SM90).name == "engine"  # N = 4, one wave: the engine (round 26)
-    with pytest.raises(ValueError, match="'general' cannot run .* a in code order 'native'"):
-        choose_kernel(case, SM90, "general")
+    with pytest.raises(ValueError, match="'hmma' cannot run .* a in code order 'native'"):
+        choose_kernel(case, SM90, "hmma")
     b = random_fp4((4, 2048), "nvfp4", "linear", seed=9, device="cpu")
     fp4_case = ops.gemv_operands(a, _native(b), torch.empty(64, 4)).case
     assert [s.name for s in GEMV_KERNELS if s.refusal(fp4_case, SM90) is None] == []
     assert "b in code order 'native'" in GEMV_KERNELS[[s.name for s in GEMV_KERNELS].index("weight_only")].refusal(
         fp4_case, SM90)
+    general = GEMV_KERNELS[[s.name for s in GEMV_KERNELS].index("general")]
+    assert general.refusal(fp4_case, SM90) == "b in code order 'native' (it decodes checkpoint)"
+    native_fp4 = ops.gemv_operands(native, b, torch.empty(64, 4)).case
+    assert general.refusal(native_fp4, SM90).startswith("a: native-order weights need fp16, bf16 or fp32 activations")
     w = random_fp4((8, 64, 2048), "mxfp4", "linear", seed=10, device="cpu")
     ids = torch.zeros((4, 2), dtype=torch.int32)
     moe_case = fp4gemv.moe.plan_moe(_native(w), x, ids, None, None, torch.empty(4, 2, 64, dtype=torch.bfloat16),
@@ -145,7 +150,7 @@ def test_only_the_dense_step_kernels_and_the_references_take_the_paired_order():
     case = ops.gemv_operands(paired, x, torch.empty(64, 16, dtype=torch.bfloat16)).case
     for spec in GEMV_KERNELS:
         reason = spec.refusal(case, SM90)
-        if spec.name in ("engine", "weight_only", "reference"):
+        if spec.name in PAIRED_KERNELS:
             assert reason is None or "code order" not in reason, (spec.name, reason)
         else:
             assert reason is not None and reason.startswith("a in code order 'paired' (it decodes checkpoint"), \
@@ -197,6 +202,29 @@ def test_weight_only_gives_the_checkpoint_orders_bits(fmt, act, config, n, order
     assert not torch.equal(reordered.data, a.data)
     got = gemv(reordered, b, backend="triton", kernel="weight_only", config=config, out_dtype=torch.float32)
     assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+# (fmt, activation dtype, N, K): K % 32 != 0 (no tensor-core kernel), fp32 activations, tails in M.
+GENERAL_CASES = [("nvfp4", torch.float32, 3, 336), ("nvfp4", torch.bfloat16, 16, 336), ("nvfp4", torch.float16, 1, 512),
+                 ("mxfp4", torch.float32, 5, 352), ("mxfp4", torch.bfloat16, 2, 352)]
+
+
+@pytest.mark.parametrize("order", ["native", "paired"])
+@pytest.mark.parametrize("fmt,dtype,n,k", GENERAL_CASES, ids=str)
+def test_general_gives_the_checkpoint_orders_bits(fmt, dtype, n, k, order):
+    """general on native and paired weights (fp16, bf16 and fp32 activations, K past a multiple of 32): the same
+    bits as on the checkpoint's, and the dispatcher's choice for such a case (none took it before: a module keeping
+    its weights paired must have a kernel for every activation dtype and K)."""
+    a = random_fp4((37, k), fmt, "swizzled", seed=31, device=DEVICE)
+    b = random_activation((n, k), dtype, seed=32, device=DEVICE)
+    reordered = a.with_code_order(order)
+    assert not torch.equal(reordered.data, a.data)
+    want = gemv(a, b, backend="triton", kernel="general", out_dtype=torch.float32)
+    got = gemv(reordered, b, backend="triton", kernel="general", out_dtype=torch.float32)
+    assert torch.isfinite(want).all() and torch.equal(got, want)
+    case = ops.gemv_operands(reordered, b, torch.empty(37, n, dtype=dtype)).case
+    if dtype == torch.float32 or k % 32:
+        assert choose_kernel(case, SM90).name == "general"
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

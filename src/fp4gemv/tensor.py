@@ -12,8 +12,9 @@ tensor built from another library's buffers, or from the GPU MODE task's operand
   ``"native"``, the bits of each 16-bit half-word permuted for the tensor-core kernels' shorter decode; or
   ``"paired"``, the native bits with each 32-bit word's even K elements in its low half-word and odd ones in its
   high half-word (the mma.sync step then pairs the activation as loaded; the dense kernels of that step,
-  engine and weight_only, and the references read it) (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode an
-  order refuse it by name.
+  engine and weight_only, the general kernel with fp16, bf16 or fp32 activations, and the references read it)
+  (``formats.reorder_codes``; ``with_code_order`` converts).  Kernels that do not decode an order refuse it by
+  name.
 
 Value of element ``(l, r, k)``: ``e2m1(code) * scale(l, r, k // bs) * global_scale``.  The container calls
 no op: ``fp4gemv.quantize`` makes one from floats, ``fp4gemv.dequantize`` turns one back into floats.

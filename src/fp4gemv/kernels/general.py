@@ -5,7 +5,9 @@ The general kernel: the dispatcher runs it where the faster ones (``w4a4.py``, `
 activations below sm_90).
 
 a is FP4 (NVFP4: e4m3 scale per 16 elements; MXFP4: e8m0 per 32).  b is either FP4 of the same format
-(W4A4) or a float16/bfloat16/float32 activation (W4A16), with N = 1..16 rows.
+(W4A4) or a float16/bfloat16/float32 activation (W4A16), with N = 1..16 rows.  W4A16 reads the weights' codes in
+any of ``formats.CODE_ORDERS`` (``ORDER``, ``_decode.ordered_codes``), so that every case the formats allow has a
+kernel whatever order a module keeps its weights in; W4A4 reads the checkpoint order.
 
 One program computes ``ROWS`` output rows of one batch for all N activation rows, walking K in steps of
 ``BLOCKS`` 16-element blocks (one int64 each; an MXFP4 32-element block is two of them sharing one scale).
@@ -32,10 +34,12 @@ import torch
 import triton
 import triton.language as tl
 
+from ..formats import CODE_ORDERS
 from ..target import Target
 from ._common import (apply_global_scales, decode_scale, load_k, pow2_at_most, scale_col_offset, scale_row_offset,
                       store_rounded)
-from ._decode import MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, doubled_e2m1, unpack_block
+from ._decode import (MAG_TABLE, activation_bytes, block_dot_ptx, block_dot_triton, code_order_index, doubled_e2m1,
+                      unpack_block)
 from .block_sum_tiles import w4a4_config
 from .spec import FP4Meta, GemvCase, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two, global_scale_sources
 from .spec import too_many_rows
@@ -63,6 +67,7 @@ def gemv_kernel(
     HAS_GSB: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PTX: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_l = tl.program_id(1).to(tl.int64)
@@ -108,7 +113,7 @@ def gemv_kernel(
         else:
             k_idx = j[:, None] * 16 + tl.arange(0, 16)[None, :]  # [BLOCKS, 16] element indices
             x = load_k(b_rows[:, :, None] + k_idx[None, :, :] * b_stride_k, k_ok[None, :, None], EVEN_K)
-            w = doubled_e2m1(unpack_block(a)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
+            w = doubled_e2m1(unpack_block(a, ORDER)).to(tl.float32)  # [ROWS, BLOCKS, 16], exact
             block = tl.sum(w[:, None, :, :] * x.to(tl.float32)[None, :, :, :], axis=3)
             acc += block * sfa[:, None, :]
     # Block sums carry a factor 4 (W4A4: both operands doubled) or 2 (W4A16: weights doubled).
@@ -174,10 +179,15 @@ class General(TritonKernelSpec):
 
     name = "general"
     config_type = GeneralConfig
+    code_orders = CODE_ORDERS
+
 
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
+        if case.a.code_order != "checkpoint" and case.fp4_activation:
+            return (f"a: {case.a.code_order}-order weights need fp16, bf16 or fp32 activations (the FP4 activation's "
+                    f"block products read both operands in the checkpoint order)")
         if too_many_rows(case) is not None:
             return too_many_rows(case)
         if case.fmt.name == "nvfp4" and not target.e4m3x2_cvt:
@@ -221,7 +231,7 @@ class General(TritonKernelSpec):
             mag_lo=MAG_TABLE[0], mag_hi=MAG_TABLE[1],
             N=case.n, N_PAD=triton.next_power_of_2(case.n), ROWS=config.rows, BLOCKS=config.blocks,
             FORMAT=case.fmt.name, FP4_ACTIVATION=fp4, HAS_GSA=a.has_global_scale, HAS_GSB=fp4 and b.has_global_scale,
-            EVEN_K=nb % config.blocks == 0, USE_PTX=target.mode == "ptx",
+            EVEN_K=nb % config.blocks == 0, USE_PTX=target.mode == "ptx", ORDER=code_order_index(a.code_order),
         )
         return TritonLaunch(gemv_kernel, (triton.cdiv(case.m, config.rows), case.batch), args,
                             dict(num_warps=config.num_warps))
