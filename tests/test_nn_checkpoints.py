@@ -168,7 +168,9 @@ def test_gpt_oss_mxfp4_is_exact():
     blocks = _pack(codes).reshape(N, K // 32, 16)
     module = FP4Linear.from_state_dict({"e.weight_blocks": blocks, "e.weight_scales": exponents}, "e")
     assert (module.fmt, module.weight_scale_kind()) == ("mxfp4", None)
-    assert module.weight.data_ptr() == blocks.data_ptr()  # a view: nothing repacked
+    assert torch.equal(module.checkpoint_weight(), blocks.reshape(N, K // 2))
+    w4a4 = FP4Linear.from_state_dict({"e.weight_blocks": blocks, "e.weight_scales": exponents}, "e", activations="w4a4")
+    assert w4a4.weight.data_ptr() == blocks.data_ptr()  # the checkpoint order: a view, nothing repacked
     values = torch.ldexp(E2M1[codes.long()], (exponents.long() - 127).repeat_interleave(32, dim=1))
     x = torch.randn(2, 3, K)
     expected = gemv_reference(values, x.reshape(-1, K), torch.float32).t().reshape(2, 3, N)

@@ -165,7 +165,8 @@ def test_from_linear_quantizes_with_a_power_of_two_per_tensor_scale():
     assert float(scale) >= float(amax) / 2688 > float(scale) / 2
     assert torch.frexp(scale).mantissa == 0.5
     expected = quantize(lin.weight.detach(), "nvfp4", "swizzled", scale)
-    assert torch.equal(module.weight, expected.data)
+    assert torch.equal(module.checkpoint_weight(), expected.data)
+    assert torch.equal(module.weight, expected.with_code_order("paired").data)  # LINEAR_CODE_ORDER
     assert torch.equal(module.weight_scale.view(torch.uint8), expected.scales)
     amax_module = FP4Linear.from_linear(lin, per_tensor="amax")
     assert float(amax_module.weight_multiplier()) == float(amax / 2688)
@@ -196,6 +197,50 @@ def test_state_dict_round_trip_recovers_format_and_layout(fmt, scale_layout):
     wrong = dict(sd, weight_scale=sd["weight_scale"].view(torch.uint8))
     with pytest.raises(RuntimeError, match="weight_scale: expected dtype float8"):
         fresh.load_state_dict(wrong)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_weight_only_modules_keep_the_paired_order_and_files_the_checkpoints(fmt):
+    """A weight-only module keeps its codes in the paired order (``LINEAR_CODE_ORDER``): built from a Linear, from
+    a state dict or loaded into, its products equal a checkpoint-order module's bit for bit (decode, fp32
+    activations, prefill), and its state dict, checkpoint tensors and shards hold the checkpoint order."""
+    from fp4gemv.nn import checkpoints
+    lin = _linear(seed=3)
+    module = FP4Linear.from_linear(lin, fmt)
+    kept = FP4Linear.from_linear(lin, fmt)
+    kept.code_order, kept.weight = "checkpoint", kept.checkpoint_weight()  # the same values, the checkpoint order
+    q = quantize(lin.weight.detach(), fmt, "swizzled", module.weight_multiplier())
+    assert module.code_order == "paired" and module.quantized_weight().code_order == "paired"
+    assert torch.equal(module.weight, q.with_code_order("paired").data) and not torch.equal(module.weight, q.data)
+    sd = module.state_dict()
+    assert torch.equal(sd["weight"], q.data)  # files never see another order
+    rebuilt = FP4Linear.from_state_dict(sd)
+    fresh = FP4Linear(128, 80, fmt=fmt, weight_scale="multiplier" if fmt == "nvfp4" else None)
+    fresh.load_state_dict(sd)
+    for other in (rebuilt, fresh):
+        assert other.code_order == "paired" and torch.equal(other.weight, module.weight)
+    for tokens, dtype in ((1, torch.bfloat16), (3, torch.float32), (DECODE_MAX_TOKENS + 1, torch.bfloat16)):
+        x = torch.randn(tokens, 128).to(dtype)
+        y = module.to(dtype)(x)
+        assert torch.isfinite(y).all() and torch.equal(y, kept.to(dtype)(x)) and torch.equal(y, rebuilt.to(dtype)(x))
+    conventions = ("modelopt", "compressed-tensors") if fmt == "nvfp4" else ("modelopt", "gpt-oss")
+    for convention in conventions:
+        tensors = checkpoints.layer_tensors(module, convention)
+        packed = next(v for k, v in tensors.items() if k in ("weight", "weight_packed", "weight_blocks"))
+        assert torch.equal(packed.reshape(q.data.shape), q.data), convention
+
+
+def test_w4a4_modules_keep_the_checkpoint_order_and_bad_orders_are_named():
+    module = FP4Linear.from_linear(_linear(), "nvfp4", activations="w4a4", input_scale=0.25)
+    assert module.code_order == "checkpoint" and torch.equal(module.weight, module.checkpoint_weight())
+    assert FP4Linear.from_state_dict(module.state_dict()).code_order == "checkpoint"
+    with pytest.raises(ValueError, match="code_order: W4A4 needs the checkpoint order .* got 'paired'"):
+        FP4Linear(128, 80, activations="w4a4", code_order="paired")
+    with pytest.raises(ValueError, match="code_order: expected one of 'checkpoint', 'native', 'paired', got 'nibble'"):
+        FP4Linear(128, 80, code_order="nibble")
+    native = FP4Linear(128, 80, code_order="native")
+    assert native.code_order == "native" and "code_order='native'" in repr(native)
+    assert "code_order" not in repr(FP4Linear(128, 80))
 
 
 def test_torch_save_load_weights_only():

@@ -320,10 +320,10 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
     if convention == "gpt-oss":
         if module.weight_scale_kind() is not None and float(module.weight_multiplier()) != 1.0:
             raise ValueError(f"{name}: gpt-oss MXFP4 has no per-tensor scale, got {float(module.weight_multiplier())}")
-        out["weight_blocks"] = module.weight.reshape(module.out_features, -1, 16)
+        out["weight_blocks"] = module.checkpoint_weight().reshape(module.out_features, -1, 16)
         out["weight_scales"] = scales.view(torch.uint8)
     elif convention == "modelopt":
-        out["weight"] = module.weight
+        out["weight"] = module.checkpoint_weight()
         out["weight_scale"] = scales.view(formats.FORMATS[module.fmt].scale_dtype)
         multiplier = module.weight_multiplier()
         if multiplier is not None or module.fmt == "nvfp4":
@@ -331,7 +331,7 @@ def layer_tensors(module, convention: str, prefix: str = "") -> dict[str, torch.
         if module.activations == "w4a4":
             out["input_scale"] = module.input_multiplier().reshape(())
     else:
-        out["weight_packed"] = module.weight
+        out["weight_packed"] = module.checkpoint_weight()
         out["weight_scale"] = scales.view(torch.float8_e4m3fn)
         kind = module.weight_scale_kind()
         if kind is None:

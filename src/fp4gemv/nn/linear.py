@@ -2,7 +2,9 @@
 
 State dict (everything a checkpoint needs, and the format and scale layout recoverable from it):
 
-* ``weight``: uint8 ``[out_features, in_features/2]``, two e2m1 codes per byte, element 2j in the low nibble;
+* ``weight``: uint8 ``[out_features, in_features/2]``, two e2m1 codes per byte, element 2j in the low nibble (the
+  checkpoint order; the module keeps the codes in ``code_order``, ``LINEAR_CODE_ORDER``, and converts them to and
+  from the checkpoint's in ``state_dict`` / ``load_state_dict``: files never see another order);
 * ``weight_scale``: ``float8_e4m3fn`` (NVFP4, one per 16 elements) or ``float8_e8m0fnu`` (MXFP4, one per 32)
   block scales, ``[out_features, in_features/bs]`` in the linear layout or ``[R_p * C_p]`` swizzled
   (``fp4gemv.layouts``): the dtype names the format, the number of dimensions the layout;
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import formats, layouts
+from ..formats import CODE_ORDERS, reorder_codes
 from ..formats import dtype_name as _dtype_name
 from .. import ops
 from ..library import gemv, quantize
@@ -38,7 +41,7 @@ from ..quantize import dequantize
 from ..tensor import FP4Tensor
 from .checkpoints import CheckpointLayer, read_layer
 
-__all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "per_tensor_scale"]
+__all__ = ["FP4Linear", "ACTIVATIONS", "DECODE_MAX_TOKENS", "LINEAR_CODE_ORDER", "per_tensor_scale"]
 
 Activations = Literal["weight-only", "w4a4"]
 ScaleKind = Literal["multiplier", "divisor"]
@@ -48,6 +51,14 @@ SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
 # GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured slower: not yet), else
 # dequantize the weight.
 DECODE_MAX_TOKENS = 16
+# The code order (``formats.CODE_ORDERS``) a module keeps its weight's codes in, by its activations.  Weight-only:
+# the paired order, repacked once when the module is built or loaded.  Every kernel that runs a weight-only
+# product reads it (engine, weight_only and general with fp16 / bf16 / fp32 activations, dequantize for prefill),
+# and the tensor-core step decodes it in 10 instructions a word against the checkpoint order's 13, with the
+# activation's registers paired as loaded (sm_90 main loop a warp-step, NVFP4: weight_only N = 1 154 SASS against
+# 194, the engine N = 16 631 against 791; docs/performance.md, rounds 28-29).  W4A4: the checkpoint order, the
+# only one the FP4 x FP4 kernels read.
+LINEAR_CODE_ORDER = {"weight-only": "paired", "w4a4": "checkpoint"}
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
@@ -100,6 +111,9 @@ class FP4Linear(nn.Module):
             (:func:`per_tensor_scale`, ``"pow2"``; the scale then depends on every token of the call), and
             MXFP4 activations get none (e8m0 block scales span 2^-127 .. 2^127).
         device: where the buffers live.
+        code_order: the order the module keeps the weight's codes in (``formats.CODE_ORDERS``); None:
+            ``LINEAR_CODE_ORDER[activations]``.  W4A4 needs the checkpoint order.  ``weight`` holds the codes
+            in this order; ``state_dict`` and ``load_state_dict`` use the checkpoint order whatever it is.
 
     The constructor makes placeholders (zeros, unit scales) for ``load_state_dict``; :meth:`from_linear`
     and :meth:`from_state_dict` build loaded modules.
@@ -111,6 +125,8 @@ class FP4Linear(nn.Module):
     :meth:`fused_prefill`) compute ``F.linear(x_q, fp4gemv.dequantize(W, x.dtype), bias)`` where ``x_q`` is x
     (weight-only) or its FP4 quantization dequantized to x's dtype (W4A4).
     """
+
+    code_order: str = "checkpoint"  # what a module pickled before the attribute existed holds
 
     def __init__(
         self,
@@ -125,6 +141,7 @@ class FP4Linear(nn.Module):
         input_scale: ScaleKind | None = None,
         device: torch.device | str | None = None,
         bias_dtype: torch.dtype = torch.float32,
+        code_order: str | None = None,
     ) -> None:
         super().__init__()
         if fmt not in formats.FORMATS:
@@ -144,11 +161,18 @@ class FP4Linear(nn.Module):
             if activations != "w4a4":
                 raise ValueError(f"input_scale: a static activation scale needs activations='w4a4', "
                                  f"got activations={activations!r}")
+        if code_order is None:
+            code_order = LINEAR_CODE_ORDER[activations]
+        _check_choice("code_order", code_order, CODE_ORDERS)
+        if activations == "w4a4" and code_order != "checkpoint":
+            raise ValueError(f"code_order: W4A4 needs the checkpoint order (the FP4 x FP4 kernels read only it), "
+                             f"got {code_order!r}")
         self.in_features = in_features
         self.out_features = out_features
         self.fmt = fmt
         self.scale_layout = scale_layout
         self.activations = activations
+        self.code_order = code_order
         cols = in_features // block
         if scale_layout == "linear":
             scale_shape: tuple[int, ...] = (out_features, cols)
@@ -211,7 +235,8 @@ class FP4Linear(nn.Module):
         ``load_state_dict`` of a new tensor) or the per-tensor scale changes in place (its version counter):
         the packed data and block scales are views, so in-place loads show through."""
         if torch.compiler.is_compiling():
-            return FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+            return FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier(),
+                             self.code_order)
         per_tensor = next((self._buffers[n] for n in _WEIGHT_SCALE_NAMES.values() if self._buffers.get(n) is not None),
                           None)
         version = None if per_tensor is None else per_tensor._version
@@ -221,9 +246,15 @@ class FP4Linear(nn.Module):
             if (weight is self.weight and scale is self.weight_scale and scale_2 is per_tensor
                     and scale_2_version == version):
                 return quantized
-        quantized = FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier())
+        quantized = FP4Tensor(self.weight, self.weight_scale, self.fmt, self.scale_layout, self.weight_multiplier(),
+                              self.code_order)
         self.__dict__["_quantized_weight"] = ((self.weight, self.weight_scale, per_tensor, version), quantized)
         return quantized
+
+    def checkpoint_weight(self) -> torch.Tensor:
+        """The packed weight ``[out_features, in_features/2]`` in the checkpoint order (``weight`` itself where the
+        module keeps that order, else a converted copy): what checkpoints and shards are written from."""
+        return reorder_codes(self.weight, self.code_order, "checkpoint")
 
     def _launch_tensors(self) -> tuple:
         """The tensors a kept decode launch reads (by address): weight, block scales, per-tensor scale, bias."""
@@ -246,6 +277,8 @@ class FP4Linear(nn.Module):
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
                  f"bias={self.bias is not None}", f"fmt={self.fmt!r}", f"scale_layout={self.scale_layout!r}",
                  f"activations={self.activations!r}"]
+        if self.code_order != LINEAR_CODE_ORDER[self.activations]:
+            parts.append(f"code_order={self.code_order!r}")
         if self.weight_scale_kind() is not None:
             parts.append(f"weight_scale={self.weight_scale_kind()!r}")
         if self.activations == "w4a4":
@@ -327,6 +360,11 @@ class FP4Linear(nn.Module):
         state.pop("_decode_launch", None)
         return state
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if prefix + "weight" in destination and self.code_order != "checkpoint":  # files hold the checkpoint order
+            destination[prefix + "weight"] = self.checkpoint_weight()
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):  # type: ignore[override]
         # load_state_dict would convert values across dtypes (uint8 byte 56 -> e4m3 56.0): bytes must match.
@@ -337,6 +375,10 @@ class FP4Linear(nn.Module):
                 error_msgs.append(f"{prefix}{name}: expected dtype {_dtype_name(expected)} ({self.fmt}), "
                                   f"got {_dtype_name(given.dtype)}")
                 return
+        given = state_dict.get(prefix + "weight")
+        if (self.code_order != "checkpoint" and isinstance(given, torch.Tensor)
+                and given.shape == self._buffers["weight"].shape):  # a wrong shape is load_state_dict's error
+            state_dict = {**state_dict, prefix + "weight": reorder_codes(given, "checkpoint", self.code_order)}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -389,7 +431,7 @@ class FP4Linear(nn.Module):
                      input_scale=None if input_scale is None else "multiplier",
                      device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype)
         q = quantize(weight, fmt, scale_layout, multiplier)
-        module.weight.copy_(q.data)
+        module.weight.copy_(reorder_codes(q.data, "checkpoint", module.code_order))
         module.weight_scale.view(torch.uint8).copy_(q.scales)
         if multiplier is not None:
             module.weight_scale_2.copy_(multiplier)
@@ -419,7 +461,8 @@ class FP4Linear(nn.Module):
         activations: None: W4A4 when the layer has a static input scale, else weight-only; ``"weight-only"``
             drops a stored input scale; ``"w4a4"`` without one picks the scale per call.
         scale_layout: None keeps the stored layout (no copy); "swizzled" / "linear" convert the scales.
-        device: where the module lives (tensors are moved as they are, never repacked).
+        device: where the module lives (tensors are moved as they are; the packed codes are repacked once into
+            ``LINEAR_CODE_ORDER[activations]``, on ``device``, where that is not the checkpoint order).
         Raises KeyError (a missing key), TypeError / ValueError naming the key, the expected and the actual.
         """
         if activations is not None and activations not in ACTIVATIONS:
@@ -459,8 +502,9 @@ class FP4Linear(nn.Module):
             input_scale=_kind(input_multiplier, input_divisor),
             device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype,
         )
-        # register_buffer replaces the meta placeholders with the loaded tensors themselves (no copy).
-        module.register_buffer("weight", tensor.data)
+        # register_buffer replaces the meta placeholders with the loaded tensors themselves (no copy; the codes
+        # in a new tensor where the module keeps another order than the checkpoint's).
+        module.register_buffer("weight", reorder_codes(tensor.data, "checkpoint", module.code_order))
         module.register_buffer("weight_scale", tensor.scales.view(tensor.fmt.scale_dtype))
         for name, value in (("weight_scale_2", layer.weight_multiplier), ("weight_global_scale", layer.weight_divisor),
                             ("input_scale", input_multiplier), ("input_global_scale", input_divisor)):

@@ -375,7 +375,8 @@ def _stacked_nvfp4(tensors, prefix: str, experts: int, name: str, device) -> Exp
     scales = torch.stack([w.scales for w in weights])
     biases = [layer.bias for layer in layers]
     bias = None if all(b is None for b in biases) else torch.stack([b.detach() for b in biases])
-    return ExpertWeights(FP4Tensor(data, scales, "nvfp4", "linear"), bias, global_scales)
+    return ExpertWeights(FP4Tensor(data, scales, "nvfp4", "linear", code_order=weights[0].code_order), bias,
+                         global_scales)
 
 
 def nvfp4_experts(tensors: Mapping[str, torch.Tensor], prefix: str, num_experts: int, *,

@@ -168,14 +168,14 @@ def _shard_of(layer: FP4Linear, split: str, rank: int, world_size: int) -> tuple
     if split == "rows":
         n = column_split(layer.out_features, world_size)
         r0, r1 = rank * n, (rank + 1) * n
-        tensors["weight"] = layer.weight[r0:r1].clone()
+        tensors["weight"] = layer.checkpoint_weight()[r0:r1].clone()
         tensors["weight_scale"] = _row_scales(layer, r0, r1)
         if layer.bias is not None:
             tensors["bias"] = layer.bias.detach()[r0:r1].clone()
     else:
         k = row_split(layer.in_features, world_size, layer.fmt, layer.scale_layout)
         k0, block = rank * k, layer.format.block_size
-        tensors["weight"] = layer.weight[:, k0 // 2: (k0 + k) // 2].contiguous()
+        tensors["weight"] = layer.checkpoint_weight()[:, k0 // 2: (k0 + k) // 2].contiguous()
         tensors["weight_scale"] = _k_scales(layer, k0 // block, (k0 + k) // block)
         if layer.bias is not None:
             whole_bias = layer.bias.detach().clone()
