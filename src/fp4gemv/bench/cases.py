@@ -3,7 +3,8 @@
 A case is a shape (M x K, L batches, N activation rows), a weight format and an activation (FP4 in the
 weights' format, or fp16 / bf16).  The task's own case (NVFP4 x NVFP4, N = 1) is timed through
 ``task.custom_kernel`` on the task's 7-tuples, exactly what the submission runs; every other case through
-``fp4gemv.gemv(a, b, out=...)``.  Each row carries the kernel :func:`fp4gemv.ops.plan_for` chose and its
+``fp4gemv.gemv(a, b, out=...)`` with the weights' codes in the order ``FP4Linear`` keeps for that activation
+(``nn.linear.LINEAR_CODE_ORDER``: paired for fp16 / bf16, the checkpoint's for FP4).  Each row carries the kernel :func:`fp4gemv.ops.plan_for` chose and its
 configuration, the device time (``timing.device_time_us``), the best read of the case's bytes
 (``stream.best_read``, the faster Triton read) and the kernel's fraction of it, the host time of one eager call, and optionally the
 same product with bf16 weights through ``torch.matmul`` (cuBLAS).
@@ -20,6 +21,7 @@ import torch
 
 from .. import formats, layouts, ops, task
 from ..library import gemv
+from ..nn.linear import LINEAR_CODE_ORDER
 from ..tensor import FP4Tensor
 from .stream import best_read
 from .timing import device_time_us, host_time_us, input_count, summarize
@@ -71,13 +73,18 @@ def _random_fp4(batch: int, rows: int, k: int, fmt: str, g: torch.Generator, dev
     return FP4Tensor(data, encode(powers), fmt, "swizzled").with_scale_layout(scale_layout)
 
 
-def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device="cuda", scale_layout: str = "swizzled"):
-    """``(a, b, out)`` for ``fp4gemv.gemv``: random FP4 weights ``[L, M, K]`` (scales in ``scale_layout``), an FP4
+def random_gemv_operands(shape: Shape, fmt: str, act: str, seed: int, device="cuda", scale_layout: str = "swizzled",
+                         code_order: str | None = None):
+    """``(a, b, out)`` for ``fp4gemv.gemv``: random FP4 weights ``[L, M, K]`` (scales in ``scale_layout``, codes in
+    ``code_order``; None: the order ``FP4Linear`` keeps for the activation, ``nn.linear.LINEAR_CODE_ORDER``), an FP4
     or float activation ``[L, N, K]`` and the fp16 output.  For timing only (correctness is checked on the tests'
     full-range data)."""
     g = torch.Generator(device=device).manual_seed(seed)
     a = _random_fp4(shape.l, shape.m, shape.k, fmt, g, device, scale_layout)
     dtype = ACTIVATIONS[act]
+    if code_order is None:
+        code_order = LINEAR_CODE_ORDER["w4a4" if dtype is None else "weight-only"]
+    a = a.with_code_order(code_order)
     if dtype is None:
         b = _random_fp4(shape.l, shape.n, shape.k, fmt, g, device)
     else:
@@ -145,6 +152,7 @@ def bench_case(shape: Shape, fmt: str = "nvfp4", act: str = "fp4", bf16_baseline
                   for i in range(count)]
         a, b, out = inputs[0]
         row["path"] = "fp4gemv.gemv"
+        row["code_order"] = a.code_order
         plan = ops.plan_for(a, b, out=out)
 
         def launch(x):
