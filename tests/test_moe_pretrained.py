@@ -325,8 +325,9 @@ def test_qwen3_per_expert_nvfp4_loads_as_fp4_experts(qwen3):
             down_data = down.weight.with_code_order("checkpoint").data
             for e in range(EXPERTS):
                 gate, up = layers[f"{key}.{e}.gate_proj"], layers[f"{key}.{e}.up_proj"]
-                assert torch.equal(gate_up_data[e], torch.cat([gate.weight, up.weight])), (where, key, e)
-                assert torch.equal(down_data[e], layers[f"{key}.{e}.down_proj"].weight), (where, key, e)
+                assert torch.equal(gate_up_data[e], torch.cat([gate.checkpoint_weight(), up.checkpoint_weight()])), \
+                    (where, key, e)
+                assert torch.equal(down_data[e], layers[f"{key}.{e}.down_proj"].checkpoint_weight()), (where, key, e)
                 assert gate_up.global_scales[e].tolist() == [float(gate.weight_multiplier()),
                                                              float(up.weight_multiplier())]
             assert gate_up.bias is None and down.bias is None
