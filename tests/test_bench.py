@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from fp4gemv import bench, formats, layouts, task
+from fp4gemv.nn.linear import LINEAR_CODE_ORDER
 from scripts import load_benchmark
 
 
@@ -26,7 +27,7 @@ def test_random_gemv_operands_are_valid_and_span_all_codes(fmt, act):
     shape = bench.Shape(256, 512, 2, 3)
     a, b, out = bench.random_gemv_operands(shape, fmt, act, seed=0, device="cpu")
     assert a.shape == (2, 256, 512) and a.fmt.name == fmt and a.scale_layout == "swizzled"
-    assert a.code_order == ("checkpoint" if act == "fp4" else "paired")  # what FP4Linear keeps (LINEAR_CODE_ORDER)
+    assert a.code_order == LINEAR_CODE_ORDER["w4a4" if act == "fp4" else "weight-only"]  # what FP4Linear keeps
     assert out.shape == (2, 256, 3) and out.dtype == torch.float16
     codes = formats.unpack_e2m1(a.data)
     assert set(codes.unique().tolist()) == set(range(16))

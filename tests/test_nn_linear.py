@@ -10,6 +10,7 @@ from torch import nn
 
 from fp4gemv import FP4Tensor, dequantize, gemv, quantize
 from fp4gemv.nn import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
+from fp4gemv.nn.linear import LINEAR_CODE_ORDER
 from fp4gemv.formats import round_from_float64
 from fp4gemv.reference import quantized_gemv_reference
 
@@ -166,7 +167,7 @@ def test_from_linear_quantizes_with_a_power_of_two_per_tensor_scale():
     assert torch.frexp(scale).mantissa == 0.5
     expected = quantize(lin.weight.detach(), "nvfp4", "swizzled", scale)
     assert torch.equal(module.checkpoint_weight(), expected.data)
-    assert torch.equal(module.weight, expected.with_code_order("paired").data)  # LINEAR_CODE_ORDER
+    assert torch.equal(module.weight, expected.with_code_order(LINEAR_CODE_ORDER["weight-only"]).data)
     assert torch.equal(module.weight_scale.view(torch.uint8), expected.scales)
     amax_module = FP4Linear.from_linear(lin, per_tensor="amax")
     assert float(amax_module.weight_multiplier()) == float(amax / 2688)
@@ -200,25 +201,26 @@ def test_state_dict_round_trip_recovers_format_and_layout(fmt, scale_layout):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_weight_only_modules_keep_the_paired_order_and_files_the_checkpoints(fmt):
-    """A weight-only module keeps its codes in the paired order (``LINEAR_CODE_ORDER``): built from a Linear, from
-    a state dict or loaded into, its products equal a checkpoint-order module's bit for bit (decode, fp32
-    activations, prefill), and its state dict, checkpoint tensors and shards hold the checkpoint order."""
+def test_a_module_keeping_the_paired_order_files_the_checkpoints(fmt):
+    """A weight-only module keeping its codes in the paired order (``code_order``), built from a Linear, from a
+    state dict or loaded into: its products equal a checkpoint-order module's bit for bit (decode, fp32
+    activations, prefill), and its state dict, checkpoint tensors and shards' sources hold the checkpoint order."""
     from fp4gemv.nn import checkpoints
     lin = _linear(seed=3)
-    module = FP4Linear.from_linear(lin, fmt)
-    kept = FP4Linear.from_linear(lin, fmt)
-    kept.code_order, kept.weight = "checkpoint", kept.checkpoint_weight()  # the same values, the checkpoint order
+    module = FP4Linear.from_linear(lin, fmt, code_order="paired")
+    kept = FP4Linear.from_linear(lin, fmt, code_order="checkpoint")
     q = quantize(lin.weight.detach(), fmt, "swizzled", module.weight_multiplier())
     assert module.code_order == "paired" and module.quantized_weight().code_order == "paired"
     assert torch.equal(module.weight, q.with_code_order("paired").data) and not torch.equal(module.weight, q.data)
+    assert torch.equal(kept.weight, q.data) and torch.equal(module.checkpoint_weight(), q.data)
     sd = module.state_dict()
     assert torch.equal(sd["weight"], q.data)  # files never see another order
-    rebuilt = FP4Linear.from_state_dict(sd)
-    fresh = FP4Linear(128, 80, fmt=fmt, weight_scale="multiplier" if fmt == "nvfp4" else None)
+    rebuilt = FP4Linear.from_state_dict(sd, code_order="paired")
+    fresh = FP4Linear(128, 80, fmt=fmt, weight_scale="multiplier" if fmt == "nvfp4" else None, code_order="paired")
     fresh.load_state_dict(sd)
     for other in (rebuilt, fresh):
         assert other.code_order == "paired" and torch.equal(other.weight, module.weight)
+    assert FP4Linear.from_state_dict(sd).code_order == LINEAR_CODE_ORDER["weight-only"]
     for tokens, dtype in ((1, torch.bfloat16), (3, torch.float32), (DECODE_MAX_TOKENS + 1, torch.bfloat16)):
         x = torch.randn(tokens, 128).to(dtype)
         y = module.to(dtype)(x)
@@ -240,7 +242,8 @@ def test_w4a4_modules_keep_the_checkpoint_order_and_bad_orders_are_named():
         FP4Linear(128, 80, code_order="nibble")
     native = FP4Linear(128, 80, code_order="native")
     assert native.code_order == "native" and "code_order='native'" in repr(native)
-    assert "code_order" not in repr(FP4Linear(128, 80))
+    assert "code_order" not in repr(FP4Linear(128, 80))  # the default, LINEAR_CODE_ORDER's
+    assert FP4Linear(128, 80).code_order == LINEAR_CODE_ORDER["weight-only"]
 
 
 def test_torch_save_load_weights_only():

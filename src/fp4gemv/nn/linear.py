@@ -3,8 +3,8 @@
 State dict (everything a checkpoint needs, and the format and scale layout recoverable from it):
 
 * ``weight``: uint8 ``[out_features, in_features/2]``, two e2m1 codes per byte, element 2j in the low nibble (the
-  checkpoint order; the module keeps the codes in ``code_order``, ``LINEAR_CODE_ORDER``, and converts them to and
-  from the checkpoint's in ``state_dict`` / ``load_state_dict``: files never see another order);
+  checkpoint order; a module keeping its codes in another ``code_order`` converts them to and from the
+  checkpoint's in ``state_dict`` / ``load_state_dict``: files never see another order);
 * ``weight_scale``: ``float8_e4m3fn`` (NVFP4, one per 16 elements) or ``float8_e8m0fnu`` (MXFP4, one per 32)
   block scales, ``[out_features, in_features/bs]`` in the linear layout or ``[R_p * C_p]`` swizzled
   (``fp4gemv.layouts``): the dtype names the format, the number of dimensions the layout;
@@ -51,14 +51,15 @@ SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
 # GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured slower: not yet), else
 # dequantize the weight.
 DECODE_MAX_TOKENS = 16
-# The code order (``formats.CODE_ORDERS``) a module keeps its weight's codes in, by its activations.  Weight-only:
-# the paired order, repacked once when the module is built or loaded.  Every kernel that runs a weight-only
-# product reads it (engine, weight_only and general with fp16 / bf16 / fp32 activations, dequantize for prefill),
-# and the tensor-core step decodes it in 10 instructions a word against the checkpoint order's 13, with the
-# activation's registers paired as loaded (sm_90 main loop a warp-step, NVFP4: weight_only N = 1 154 SASS against
-# 194, the engine N = 16 631 against 791; docs/performance.md, rounds 28-29).  W4A4: the checkpoint order, the
-# only one the FP4 x FP4 kernels read.
-LINEAR_CODE_ORDER = {"weight-only": "paired", "w4a4": "checkpoint"}
+# The code order (``formats.CODE_ORDERS``) a module keeps its weight's codes in, by its activations; another order
+# than the checkpoint's is repacked once when the module is built or loaded.  Weight-only: the checkpoint order
+# until the paired one is measured on a GPU.  Every kernel that runs a weight-only product reads the paired order
+# (engine, weight_only and general with fp16 / bf16 / fp32 activations, dequantize for prefill), and the tensor-core
+# step decodes it in 10 instructions a word against the checkpoint order's 13, with the activation's registers
+# paired as loaded (sm_90 main loop a warp-step, NVFP4: weight_only N = 1 154 SASS against 194, the engine N = 16
+# 631 against 791; docs/performance.md, rounds 28-30), but those kernels' GPU tests on it have not run yet.  W4A4:
+# the checkpoint order, the only one the FP4 x FP4 kernels read.
+LINEAR_CODE_ORDER = {"weight-only": "checkpoint", "w4a4": "checkpoint"}
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
@@ -407,6 +408,7 @@ class FP4Linear(nn.Module):
         scale_layout: str = "swizzled",
         per_tensor: Literal["pow2", "amax"] = "pow2",
         input_scale: float | torch.Tensor | None = None,
+        code_order: str | None = None,
     ) -> FP4Linear:
         """Quantize an ``nn.Linear``'s weight (``fp4gemv.quantize``); the bias is copied as it is.
 
@@ -414,6 +416,7 @@ class FP4Linear(nn.Module):
         ``"pow2"``, exact in every checkpoint convention, or ModelOpt's ``"amax"``); MXFP4 weights none.
         input_scale: W4A4's static activation multiplier (e.g. ``calibrate_input_scales``); None picks
         one per call.
+        code_order: the order the module keeps the codes in (the constructor's argument).
         """
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
@@ -429,7 +432,8 @@ class FP4Linear(nn.Module):
                      scale_layout=scale_layout, activations=activations,
                      weight_scale=None if multiplier is None else "multiplier",
                      input_scale=None if input_scale is None else "multiplier",
-                     device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype)
+                     device=weight.device, bias_dtype=weight.dtype if linear.bias is None else linear.bias.dtype,
+                     code_order=code_order)
         q = quantize(weight, fmt, scale_layout, multiplier)
         module.weight.copy_(reorder_codes(q.data, "checkpoint", module.code_order))
         module.weight_scale.view(torch.uint8).copy_(q.scales)
@@ -450,6 +454,7 @@ class FP4Linear(nn.Module):
         activations: Activations | None = None,
         scale_layout: str | None = None,
         device: torch.device | str | None = None,
+        code_order: str | None = None,
     ) -> FP4Linear:
         """Build a module from one layer's checkpoint tensors; the convention is told by the key names.
 
@@ -461,8 +466,10 @@ class FP4Linear(nn.Module):
         activations: None: W4A4 when the layer has a static input scale, else weight-only; ``"weight-only"``
             drops a stored input scale; ``"w4a4"`` without one picks the scale per call.
         scale_layout: None keeps the stored layout (no copy); "swizzled" / "linear" convert the scales.
-        device: where the module lives (tensors are moved as they are; the packed codes are repacked once into
-            ``LINEAR_CODE_ORDER[activations]``, on ``device``, where that is not the checkpoint order).
+        device: where the module lives (tensors are moved as they are; the packed codes are repacked once, on
+            ``device``, where the module keeps another order than the checkpoint's).
+        code_order: the order the module keeps the codes in (the constructor's argument; None:
+            ``LINEAR_CODE_ORDER[activations]``).
         Raises KeyError (a missing key), TypeError / ValueError naming the key, the expected and the actual.
         """
         if activations is not None and activations not in ACTIVATIONS:
@@ -470,7 +477,7 @@ class FP4Linear(nn.Module):
         if scale_layout not in (None, "linear", "swizzled"):
             raise ValueError(f"scale_layout: expected None, 'linear' or 'swizzled', got {scale_layout!r}")
         return cls.from_checkpoint_layer(read_layer(tensors, prefix), activations=activations,
-                                         scale_layout=scale_layout, device=device)
+                                         scale_layout=scale_layout, device=device, code_order=code_order)
 
     @classmethod
     def from_checkpoint_layer(
@@ -480,6 +487,7 @@ class FP4Linear(nn.Module):
         activations: Activations | None = None,
         scale_layout: str | None = None,
         device: torch.device | str | None = None,
+        code_order: str | None = None,
     ) -> FP4Linear:
         """A module holding a checked checkpoint layer's tensors (``from_state_dict``'s arguments)."""
         has_input_scale = layer.input_multiplier is not None or layer.input_divisor is not None
@@ -500,7 +508,7 @@ class FP4Linear(nn.Module):
             activations=activations,
             weight_scale=_kind(layer.weight_multiplier, layer.weight_divisor),
             input_scale=_kind(input_multiplier, input_divisor),
-            device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype,
+            device="meta", bias_dtype=torch.float32 if bias is None else bias.dtype, code_order=code_order,
         )
         # register_buffer replaces the meta placeholders with the loaded tensors themselves (no copy; the codes
         # in a new tensor where the module keeps another order than the checkpoint's).
