@@ -7,7 +7,7 @@ of the same bytes, in one process.
 ``NS`` (default 1,8,16) and ``SHAPES`` (default the six below, e.g. ``SHAPES=4096x14336,4096x4096``) choose the rows;
 ``WARM=1`` times one L2-resident copy instead (the kernels' own rate, not the memory's).
 
-A variant is ``FMT:LAYOUT:ORDER:KERNEL[:CONFIG]`` (KERNEL ``auto`` = the library's choice; CONFIG the engine's
+A variant is ``FMT[/fp16]:LAYOUT:ORDER:KERNEL[:CONFIG]`` (``/fp16``: fp16 activations, else bf16; KERNEL ``auto`` = the library's choice; CONFIG the engine's
 ``tiles,stages,maxnreg,per_sm``, stages 0 for the default ring at N), e.g. ``nvfp4:swizzled:checkpoint:auto`` (what ``FP4Linear`` runs today) or
 ``nvfp4:linear:native:engine:2,3,128,2``.  Timing: ``bench.timing.device_time_us`` (one CUDA
 graph over >= 20 distinct weight copies and 300 MB, L2 flushed before each replay, median of 15); bf16
@@ -41,11 +41,11 @@ DEFAULT_VARIANTS = ("nvfp4:swizzled:checkpoint:auto", "nvfp4:swizzled:native:aut
                     "nvfp4:linear:native:engine", "mxfp4:swizzled:checkpoint:auto", "mxfp4:swizzled:native:auto")
 
 
-def variant_time(shape, fmt, layout, order, kernel, config=None):
-    nbytes = case_bytes(shape, fmt, "bf16")
+def variant_time(shape, fmt, layout, order, kernel, config=None, act="bf16"):
+    nbytes = case_bytes(shape, fmt, act)
     inputs = []
     for i in range(1 if WARM else input_count(nbytes)):
-        a, b, out = random_gemv_operands(shape, fmt, "bf16", seed=i, scale_layout=layout)
+        a, b, out = random_gemv_operands(shape, fmt, act, seed=i, scale_layout=layout)
         inputs.append((a.with_code_order(order), b, out))
     if WARM:  # one copy launched 20 times a replay: after the first, its bytes come from the L2
         inputs = inputs * 20
@@ -97,17 +97,18 @@ def main(variants):
             refs = {}
             for v in variants:
                 fmt, layout, order, kernel, *config = v.split(":")
+                fmt, _, act = fmt.partition("/")  # e.g. nvfp4/fp16: fp16 activations
                 if config:  # the engine's configuration: tiles, stages, maxnreg, per_sm
                     config = EngineConfig(*(int(c) for c in config[0].split(",")))
                     if config.stages == 0:  # the default ring for N
                         config = config._replace(stages=2 if n > 8 else 3)
                 try:
-                    us, chosen, result = variant_time(shape, fmt, layout, order, kernel, config or None)
+                    us, chosen, result = variant_time(shape, fmt, layout, order, kernel, config or None, act or "bf16")
                 except Exception as e:  # a kernel that refuses the case: recorded, not fatal
                     row[v] = {"error": f"{type(e).__name__}: {e}"[:300]}
                     print(f"{m}x{k} N={n} {v}: {row[v]['error']}", flush=True)
                     continue
-                ref = refs.setdefault(fmt, result)
+                ref = refs.setdefault((fmt, act), result)
                 diff = (result - ref).abs()
                 same = bool(torch.equal(result, ref))
                 row[v] = {"us": us, "kernel": chosen, "same_bits": same, "max_abs_diff": float(diff.max()),
