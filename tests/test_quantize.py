@@ -412,20 +412,49 @@ DEQUANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("case", DEQUANT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{'x'.join(map(str, c[2]))}-{c[3]}")
-def test_dequantize_kernel_matches_cpu_path_bit_for_bit(case, out_dtype):
+def _dequant_case_id(case) -> str:
+    return f"{case[0]}-{case[1]}-{'x'.join(map(str, case[2]))}-{case[3]}"
+
+
+def _dequant_case_tensor(case) -> FP4Tensor:
+    """The FP4 tensor (checkpoint order, on the CPU) of a ``DEQUANT_CASES`` row."""
     fmt, layout, shape, gs, byte_range = case
     scale_bytes = None
     if byte_range is not None:
         bs = formats.FORMATS[fmt].block_size
         scale_bytes = torch.randint(byte_range[0], byte_range[1] + 1, (*shape[:-1], shape[-1] // bs),
                                     dtype=torch.uint8, generator=torch.Generator().manual_seed(shape[-1]))
-    t = _random_fp4(fmt, layout, shape, gs, seed=sum(shape), scale_bytes=scale_bytes)
+    return _random_fp4(fmt, layout, shape, gs, seed=sum(shape), scale_bytes=scale_bytes)
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=_dequant_case_id)
+def test_dequantize_kernel_matches_cpu_path_bit_for_bit(case, out_dtype):
+    t = _dequant_case_tensor(case)
     want = round_from_float64(dequantize(t, torch.float64), out_dtype)
     assert_same_floats(formats.dequantize(t.data, t.linear_scales(), t.fmt, t.global_scale, out_dtype), want)
     got = dequantize(t.to(DEVICE), out_dtype, backend="triton").cpu()
     assert_same_floats(got, want)
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("case", DEQUANT_CASES, ids=_dequant_case_id)
+def test_dequantize_kernel_reads_every_code_order(case, out_dtype):
+    """The kernel decodes the native and paired orders where they lie (``ORDER``; no copy to the checkpoint order):
+    the bits of the same tensor in the checkpoint order, where reading the moved bytes as checkpoint codes gives
+    other values.  Each order's launch follows the checkpoint's with the same metadata, so a kept launch that
+    shared their compiled kernel would fail here too.  The CPU path (and float64) reads every order as well."""
+    t = _dequant_case_tensor(case)
+    want = dequantize(t.to(DEVICE), out_dtype, backend="triton").cpu()
+    exact = dequantize(t, torch.float64)
+    for order in ("native", "paired"):
+        moved = t.with_code_order(order)
+        assert not torch.equal(moved.data, t.data), order
+        misread = FP4Tensor(moved.data, t.scales, t.fmt, t.scale_layout, t.global_scale)  # as checkpoint codes
+        assert not torch.equal(dequantize(misread, torch.float64).nan_to_num(), exact.nan_to_num()), order
+        assert_same_floats(dequantize(moved.to(DEVICE), out_dtype, backend="triton").cpu(), want)
+        assert_same_floats(dequantize(moved, out_dtype, backend="reference"), want)
+        assert_same_floats(dequantize(moved, torch.float64), exact)
 
 
 def test_dequantize_kernel_reads_views():
@@ -474,7 +503,8 @@ from fp4gemv.kernels.quantize import quantize_kernel, dequantize_kernel
 
 D = CUDABackend.parse_attr("D")
 count = 0
-for kernel in (quantize_kernel, dequantize_kernel):
+variants = [(quantize_kernel, None)] + [(dequantize_kernel, order) for order in (0, 1, 2)]
+for kernel, order in variants:
     names = kernel.arg_names
     for code in (0, 1, 2):
         for bs in (16, 32):
@@ -489,13 +519,15 @@ for kernel in (quantize_kernel, dequantize_kernel):
                              ROWS=8, BLOCKS=512 // bs)
                 if kernel is quantize_kernel:
                     const["FLOAT64_RECIPROCAL"] = code != 2  # the fp16 variants divide element by element
+                else:
+                    const["ORDER"] = order
                 sig.update({n: "constexpr" for n in const})
                 aligned = [n for n in names[:15] if n not in ("gs_ptr", "rows")]
                 attrs = {(names.index(n),): D for n in aligned}
                 k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
                                    options=dict(num_warps=4, num_stages=1))
                 ptx = k.asm["ptx"]
-                label = f"{kernel.__name__} code={code} bs={bs} global={has_global}"
+                label = f"{kernel.__name__} code={code} bs={bs} global={has_global} order={order}"
                 bad = [w for w in (".ftz", "div.full", "div.approx", "rcp.approx", "ld.local", "st.local", "fma.rn.f32",
                                      "fma.rn.f64")
                        if w in ptx]
@@ -514,10 +546,10 @@ def test_kernels_compile_for_sm90_with_exact_arithmetic(compile_for_sm90):
     """Every variant compiles for sm_90: no flush-to-zero, no approximate division or reciprocal, no fused
     multiply-add (the compiler contracts a product and a following addition: the interpreter rounds twice,
     and an underflowing ``a * b + 0.0`` keeps its sign), no local memory, 16-byte loads (quantize) and
-    stores (dequantize)."""
+    stores (dequantize, in every code order)."""
     out = compile_for_sm90(_AOT_SCRIPT)
     assert "FAIL" not in out, out
-    assert "compiled 24" in out, out
+    assert "compiled 48" in out, out
 
 
 # --- GPU --------------------------------------------------------------------------------------------------

@@ -286,14 +286,13 @@ def dequantize(
     ``formats.dequantize`` elsewhere; both give the same bits (nearest even, ``formats.round_from_float64``).
     ``"triton"`` also runs on CPU tensors under ``TRITON_INTERPRET=1``; ``config``: the kernel's tile (None
     picks one).  Returns a new contiguous tensor, outside autograd on every backend (an FP4 tensor is frozen).
-    Codes in the native order are first put back in the checkpoint's (``FP4Tensor.with_code_order``: a copy of
-    the packed bytes, an eighth of a bf16 result's).
+    Codes in any order (``FP4Tensor.code_order``) are read as they lie by the kernel; the CPU path first puts
+    them back in the checkpoint's (``formats.reorder_codes``: a copy of the packed bytes).
     """
     if not isinstance(t, FP4Tensor):
         raise TypeError(f"t: expected an FP4Tensor, got {type(t).__name__}")
     if dtype not in (*_OUTPUT_DTYPES, torch.float64):
         raise TypeError(f"dtype: expected float32, float16, bfloat16 or float64, got {dtype}")
-    t = t.with_code_order("checkpoint")
     target = _resolve_backend(backend, t.device)
     _check_config(config)
     cols = t.k // t.fmt.block_size
@@ -303,7 +302,7 @@ def dequantize(
     g = t.global_scale
     case = DequantizeCase(t.fmt, d3.shape[0], t.rows, t.k, (d3.stride(0), d3.stride(1)), t.scale_layout,
                           _scale_addressing(t.scales, t.scale_layout, cols), g is not None, dtype,
-                          (o3.stride(0), o3.stride(1)))
+                          (o3.stride(0), o3.stride(1)), t.code_order)
     addresses = (t.data.data_ptr(), t.scales.data_ptr(), 0 if g is None else g.data_ptr(), out_words.data_ptr())
     kept = _kept("dequantize", case, target, config, tuple(a & 15 for a in addresses), DEQUANTIZE_KERNELS,
                  _DEQUANTIZE_FIELDS, t.device)

@@ -11,10 +11,10 @@ result is the same; tests/test_quantize.py checks it bit for bit.
 
 Both kernels read or write floats as *pairs*: a 16-bit tensor viewed as int32, a float32 one as int64, so
 element 2j sits in the low half of word j (little-endian), as e2m1 element 2j sits in the low nibble of
-byte j.  A program
-owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of ``BLOCK_SIZE`` elements, held as
-``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction over the last axis and the
-packed bytes come out in the words' own layout.
+byte j (in the checkpoint code order; ``dequantize_kernel`` reads the others' codes from whole 32-bit words of
+the same bytes, ``_code_words``).  A program owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of
+``BLOCK_SIZE`` elements, held as ``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction
+over the last axis and the packed bytes come out in the words' own layout.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton.language as tl
 from ..formats import FP4Format, dtype_name
 from ..target import Target
 from ._common import decode_scale, scale_row_offset
+from ._decode import code_order_index, ordered_codes
 from .spec import ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES", "QuantizeCase",
@@ -102,8 +103,9 @@ class QuantizeOperands(NamedTuple):
 
 @dataclass(frozen=True)
 class DequantizeCase:
-    """``fmt`` bytes ``[L, R, K/2]`` (``data_strides``) with ``layout`` scales at ``scales`` (and a global scale
-    where ``has_global_scale``) to floats of ``out_dtype`` (written as pair words, ``out_strides`` in words)."""
+    """``fmt`` bytes ``[L, R, K/2]`` (``data_strides``; codes in ``code_order``, ``formats.CODE_ORDERS``) with
+    ``layout`` scales at ``scales`` (and a global scale where ``has_global_scale``) to floats of ``out_dtype``
+    (written as pair words, ``out_strides`` in words)."""
 
     fmt: FP4Format
     batch: int
@@ -115,10 +117,12 @@ class DequantizeCase:
     has_global_scale: bool
     out_dtype: torch.dtype
     out_strides: tuple[int, int]
+    code_order: str = "checkpoint"
 
     def describe(self) -> str:
-        return (f"dequantizing {self.fmt.name} [{self.batch}, {self.rows}, {self.k}] with {self.layout} scales to "
-                f"{dtype_name(self.out_dtype)}")
+        order = "" if self.code_order == "checkpoint" else f" (codes in the {self.code_order} order)"
+        return (f"dequantizing {self.fmt.name} [{self.batch}, {self.rows}, {self.k}]{order} with {self.layout} "
+                f"scales to {dtype_name(self.out_dtype)}")
 
 
 class DequantizeOperands(NamedTuple):
@@ -175,7 +179,7 @@ class Quantize(_Tiled):
 
 class Dequantize(_Tiled):
     """``dequantize_kernel``: float32, float16 and bfloat16 results, each value rounded once, bit for bit as
-    ``formats.dequantize``."""
+    ``formats.dequantize``; codes in any order (``formats.CODE_ORDERS``), read where they lie."""
 
     name = "dequantize"
 
@@ -193,7 +197,8 @@ class Dequantize(_Tiled):
                     sf_row_tile=case.scales.row_tile, sf_r32=case.scales.r32, sf_r4=case.scales.r4,
                     sf_col_tile=case.scales.col_tile, out_stride_l=case.out_strides[0],
                     out_stride_r=case.out_strides[1], FLOAT_CODE=FLOAT_CODES[dtype_name(case.out_dtype)],
-                    FORMAT=case.fmt.name, HAS_GLOBAL=case.has_global_scale, ROWS=config.rows, BLOCKS=config.blocks)
+                    FORMAT=case.fmt.name, HAS_GLOBAL=case.has_global_scale, ROWS=config.rows, BLOCKS=config.blocks,
+                    ORDER=code_order_index(case.code_order))
         return TritonLaunch(dequantize_kernel, _grid(case.rows, case.k, case.batch, case.fmt.block_size, config),
                             args, dict(num_warps=config.num_warps))
 
@@ -437,6 +442,34 @@ def _pack_pair(lo, hi, FLOAT_CODE: tl.constexpr):
 
 
 @triton.jit
+def _code_words(packed, ORDER: tl.constexpr):
+    """Packed bytes ``[ROWS, BLOCKS, PAIRS]`` (int32; PAIRS a multiple of 4, so a block's bytes are whole 32-bit
+    words) as ``_element_codes`` reads their codes in order ``ORDER`` (``_decode.ordered_codes``): in the checkpoint
+    order the bytes themselves (element 2j in byte j's low nibble, 2j + 1 in its high one); in the others, which
+    move a word's codes anywhere inside the word, the words ``[ROWS, BLOCKS, PAIRS / 4, 1]`` (bytes 4w .. 4w + 3,
+    little-endian)."""
+    if ORDER == 0:
+        return packed
+    else:
+        byte = tl.arange(0, 4)
+        quads = tl.reshape(packed, [packed.shape[0], packed.shape[1], packed.shape[2] // 4, 4])
+        return tl.expand_dims(tl.reduce_or(quads << (8 * byte), axis=3), 3)
+
+
+@triton.jit
+def _element_codes(words, ODD: tl.constexpr, ORDER: tl.constexpr):
+    """The codes (int32 0..15) of elements 2j + ODD ``[ROWS, BLOCKS, PAIRS]``, from ``_code_words``' ``words``."""
+    if ORDER == 0:
+        if ODD:
+            return words >> 4
+        else:
+            return words & 0xF
+    else:
+        codes = ordered_codes(words, 2 * tl.arange(0, 4) + ODD, ORDER)  # [ROWS, BLOCKS, PAIRS / 4, 4]
+        return tl.reshape(codes, [words.shape[0], words.shape[1], 4 * words.shape[2]])
+
+
+@triton.jit
 def dequantize_kernel(
     data_ptr,
     scales_ptr,
@@ -458,11 +491,14 @@ def dequantize_kernel(
     HAS_GLOBAL: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
-    """Dequantize packed bytes ``[L, rows, K/2]`` with their ``FORMAT`` scale bytes into pair words ``out``
-    ``[L, rows, K/2]``: each value the exact ``e2m1 * scale (* global)`` rounded once to the output float."""
+    """Dequantize packed bytes ``[L, rows, K/2]`` (codes in order ``ORDER``, ``_decode.code_order_index``) with
+    their ``FORMAT`` scale bytes into pair words ``out`` ``[L, rows, K/2]``: each value the exact
+    ``e2m1 * scale (* global)`` rounded once to the output float."""
     pid_l, r, b, r3, col, mask = _tile(rows, n_blocks, FORMAT, ROWS, BLOCKS)
     packed = tl.load(data_ptr + pid_l * data_stride_l + r3 * data_stride_r + col, mask=mask, other=0).to(tl.int32)
+    code_words = _code_words(packed, ORDER)
     sf_offset = (pid_l * sf_stride_l + scale_row_offset(r, sf_row_tile, sf_r32, sf_r4)[:, None]
                  + (b // 4 * sf_col_tile + b % 4)[None, :])
     raw = tl.load(scales_ptr + sf_offset, mask=(r[:, None] < rows) & (b[None, :] < n_blocks), other=0)
@@ -481,15 +517,17 @@ def dequantize_kernel(
             in_range = (base_one >= 4.70197740328915e-38) & (base_three_halves <= 4.253529586511731e37)  # 2^-124, 2^125
         fast = tl.min(tl.where((scale == 0.0) | in_range, 1, 0)) == 1
         if fast:
-            lo = _scaled_e2m1(packed & 0xF, base_one, base_three_halves)
-            hi = _scaled_e2m1(packed >> 4, base_one, base_three_halves)
+            lo = _scaled_e2m1(_element_codes(code_words, 0, ORDER), base_one, base_three_halves)
+            hi = _scaled_e2m1(_element_codes(code_words, 1, ORDER), base_one, base_three_halves)
         else:
-            lo = _round_to_output(_e2m1_values(packed & 0xF).to(tl.float64) * scale_g, FLOAT_CODE)
-            hi = _round_to_output(_e2m1_values(packed >> 4).to(tl.float64) * scale_g, FLOAT_CODE)
+            lo = _round_to_output(_e2m1_values(_element_codes(code_words, 0, ORDER)).to(tl.float64) * scale_g,
+                                  FLOAT_CODE)
+            hi = _round_to_output(_e2m1_values(_element_codes(code_words, 1, ORDER)).to(tl.float64) * scale_g,
+                                  FLOAT_CODE)
     else:
         # Exact in float32 (at most 6 significant bits; an e8m0 product that overflows float32 overflows
         # every output), and bf16 holds each exactly too (2^-128 as a subnormal).
-        lo = _e2m1_values(packed & 0xF) * scale
-        hi = _e2m1_values(packed >> 4) * scale
+        lo = _e2m1_values(_element_codes(code_words, 0, ORDER)) * scale
+        hi = _e2m1_values(_element_codes(code_words, 1, ORDER)) * scale
     words = _pack_pair(lo, hi, FLOAT_CODE)
     tl.store(out_ptr + pid_l * out_stride_l + r3 * out_stride_r + col, words, mask=mask)

@@ -104,8 +104,8 @@ class QuantizeReference(_AskedReference):
 
 
 class DequantizeReference(_AskedReference):
-    """``formats.dequantize`` (the exact value rounded once; float64 the exact value itself) of the bytes, copied
-    into the result."""
+    """``formats.dequantize`` (the exact value rounded once; float64 the exact value itself) of the bytes (in the
+    checkpoint order, ``formats.reorder_codes``), copied into the result."""
 
     name = "dequantize_reference"
 
@@ -119,5 +119,6 @@ class DequantizeReference(_AskedReference):
         scales = ops.scales
         if case.layout == "swizzled":
             scales = layouts.unswizzle_scales(scales, case.rows, case.k // case.fmt.block_size)
+        data = formats.reorder_codes(ops.data, case.code_order, "checkpoint")
         with torch.no_grad():  # the FP4 tensor is frozen: no graph to its global scale, as from the kernel
-            ops.out.copy_(formats.dequantize(ops.data, scales, case.fmt, ops.global_scale, case.out_dtype))
+            ops.out.copy_(formats.dequantize(data, scales, case.fmt, ops.global_scale, case.out_dtype))
