@@ -134,7 +134,7 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
 
 
 @pytest.mark.parametrize("case, target, words", [
-    (_case(dtype=torch.float16), SM90, "bf16 activations"),
+    (_case(dtype=torch.float32), SM90, "fp16 or bf16 activations"),
     (_case(batch=2), SM90, "L = 2"),
     (_case(k=3072 + 32), SM90, "K a multiple of 64"),
     (_case(k=2880), SM90, "multiple of 256 with linear NVFP4 scales"),
@@ -142,7 +142,7 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
     (_case(), Target("cpu", None, 0, "triton"), "sm_90 or newer"),
     (_case(), Target("cuda", (8, 9), 84, "ptx"), "sm_90 or newer"),
     (_case(), Target("cuda", (9, 0), 132, "triton"), "PTX mode"),
-], ids=["fp16", "batch", "k", "k-linear-nvfp4", "n", "cpu", "sm89", "triton-mode"])
+], ids=["fp32", "batch", "k", "k-linear-nvfp4", "n", "cpu", "sm89", "triton-mode"])
 def test_refusals_name_the_reason(case, target, words):
     assert words in Engine().why_not(case, target)
 
@@ -382,11 +382,12 @@ _COMPILE_ORDERS = textwrap.dedent("""
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import EngineConfig, engine_launch
-    for fmt, layout in (("nvfp4", "linear"), ("mxfp4", "swizzled")):
+    for fmt, layout, dtype in (("nvfp4", "linear", torch.bfloat16), ("mxfp4", "swizzled", torch.bfloat16),
+                               ("nvfp4", "linear", torch.float16), ("mxfp4", "swizzled", torch.float16)):
         for order in ("native", "paired"):
             a = O.random_fp4((4096, 4096), fmt, layout, seed=1, device="cpu").with_code_order(order)
-            b = O.random_activation((16, 4096), torch.bfloat16, seed=2, device="cpu")
-            ops = gemv_operands(a, b, torch.empty((1, 4096, 16), dtype=torch.bfloat16))
+            b = O.random_activation((16, 4096), dtype, seed=2, device="cpu")
+            ops = gemv_operands(a, b, torch.empty((1, 4096, 16), dtype=dtype))
             kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
             kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
             sig, const, attrs, _ = jit_specialization(kernel, args, kw)
@@ -394,21 +395,23 @@ _COMPILE_ORDERS = textwrap.dedent("""
                                options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
             loop = mma_loop(sass_listing(c))
             mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
-            print(fmt, order, len(loop), mix["PRMT"], mix["HMMA"], registers(c), local_memory(c))
+            print(fmt + str(dtype).split(".")[1], order, len(loop), mix["PRMT"], mix["HMMA"], registers(c), local_memory(c))
 """)
 
 
 def test_the_paired_order_drops_the_activations_pairing_from_the_step(compile_for_sm90):
     """sm_90, N = 16, (2, 2, 128): on paired weights the step takes the activation's registers as loaded, so its
     loop loses the pairing ``PRMT``s (64 a warp-step: docs/performance.md, round 28, item 8) and nothing else
-    changes -- the same tensor-core instructions, registers within the launch's, no local memory."""
+    changes -- the same tensor-core instructions, registers within the launch's, no local memory; bf16 and fp16
+    activations alike."""
     rows = [line.split(" ", 6) for line in compile_for_sm90(_COMPILE_ORDERS).strip().splitlines()]
-    assert len(rows) == 4
+    assert len(rows) == 8
     got = {(fmt, order): (int(n), int(prmt), int(mma), int(regs), local)
            for fmt, order, n, prmt, mma, regs, local in rows}
-    for fmt in ("nvfp4", "mxfp4"):
+    for fmt in ("nvfp4bfloat16", "mxfp4bfloat16", "nvfp4float16", "mxfp4float16"):
         native, paired = got[fmt, "native"], got[fmt, "paired"]
-        assert paired[1] <= 8 and native[1] - paired[1] == 64, (fmt, native, paired)
+        # what PRMTs stay: the scales' (fp16: each e4m3 pair's two halves duplicated, 16 a warp-step)
+        assert paired[1] <= (24 if fmt == "nvfp4float16" else 8) and native[1] - paired[1] == 64, (fmt, native, paired)
         assert native[0] - paired[0] >= 56 and paired[2] == native[2] == 64, (fmt, native, paired)
         assert paired[3] <= 128 and paired[4] == "[]", (fmt, paired)
 
@@ -491,6 +494,34 @@ def test_ptx_exact_mxfp4(layout, out_dtype, m, k, n):
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.step_fold_exponent("mxfp4"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("order", ["checkpoint", "paired"])
+@pytest.mark.parametrize("m, k, n", [(4096, 4096, 16), (1000, 2048 + 1024 + 256, 9), (520, 1024, 3), (96, 1024, 1)])
+@pytest.mark.parametrize("fmt, layout", [("nvfp4", "linear"), ("nvfp4", "swizzled"), ("mxfp4", "linear"),
+                                         ("mxfp4", "swizzled")])
+def test_fp16_activations_exact(fmt, layout, m, k, n, order):
+    """fp16 activations (``engine.step_act``: the fp16 decode, unbiased scales and activation) spread over 2^-10 ..
+    2^10 times a normal sample, exact within the tensor-core bound in the default and a persistent split
+    configuration, three programs an SM, the 64-row programs (linear scales, N > 8), K past a multiple of 1024,
+    fp32 and fp16 results."""
+    g = torch.Generator().manual_seed(m + k + n)
+    a = O.random_fp4((m, k), fmt, layout, seed=m + n, global_scale=0.375 if fmt == "nvfp4" and n % 2 else None,
+                     device="cuda").with_code_order(order)
+    spread = torch.exp2(torch.randint(-10, 11, (n, k), generator=g).float())
+    b = (torch.randn(n, k, generator=g) * spread).to(torch.float16).cuda()
+    default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
+                                      device_target(a.data.device))
+    configs = [default, default._replace(per_sm=2), EngineConfig(2, 2, 80)]
+    if n > 8 and layout == "linear":
+        configs.append(EngineConfig(4, 3, 168, 0, 2))
+    for out_dtype in (torch.float32, torch.float16):
+        for config in configs:
+            out = O.poisoned((m, n), out_dtype, device="cuda")
+            gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
+            O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True,
+                                   fold=engine.step_fold_exponent(fmt, "f16"))
 
 
 def _with_poisoned_padding(a):

@@ -1,4 +1,4 @@
-"""The decode engine (issue 27): NVFP4 or MXFP4 weights times bf16 activations, N = 1..16, on Hopper.
+"""The decode engine (issue 27): NVFP4 or MXFP4 weights times fp16 or bf16 activations, N = 1..16, on Hopper.
 
 The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon, ``_gluon``):
 
@@ -8,7 +8,8 @@ The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon
 * ``WARPS`` consumer warps each take 256 elements of the step (warp w: K elements 256 w .. 256 w + 255 of it),
   load their slice from shared memory (16-byte loads of 128-byte-swizzled rows) and run the weight-only kernel's
   fold step on registers (``_mma_step``: the e2m1 codes decoded straight into ``mma.sync.m16n8k16`` A fragments,
-  the e4m3 scale folded into them, bf16 mma) -- no barrier between the consumer warps per step;
+  the e4m3 scale folded into them, an mma of the activation's type) -- no barrier between the consumer warps
+  per step;
 * at the end the warps' fp32 accumulators are summed (once; where a program has one tile, through the ring's
   first weight slot rather than a scratch buffer) and the result rounded once into ``out``.
 
@@ -58,7 +59,11 @@ Exactness: as the weight-only kernel's fold mode (``kernels/weight_only.py``): e
 fp32 accumulation per warp over its K, the warps' sums added in fp32 (and a split tile's partials in fp32, in
 program order), one rounding to the output dtype.
 
-What it does not run (``why_not``): fp16 or FP4 activations, a batch (L > 1), K not a multiple of 64 (with linear
+fp16 activations (``step_act``): the fp16 decode (``sign << 15 | code << 9``, the value times 2^-14) and the e4m3
+scales as fp16 pairs with no bias (``_Step.scale_pairs_e4m3``), the MXFP4 activation unbiased: the weight-only
+kernel's fp16 numerics (``_mma_step.fold_exponent``).
+
+What it does not run (``why_not``): FP4 activations, a batch (L > 1), K not a multiple of 64 (with linear
 NVFP4 scales: of 256), N > 16, targets without TMA (before sm_90) and the CPU.  K past a multiple of 1024 takes one
 more step whose copies the copy engine zero-fills past K (``K_ALIGN``).  Its measured place (docs/performance.md,
 rounds 14 and 24-26): N >= 9, both formats and scale layouts (at N = 16 swizzled scales within 3% of the linear
@@ -179,10 +184,10 @@ class _RegisterFold(_Step):
 
     FMT, MODE = "nvfp4", "fold"
 
-    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint", scale_bits: int = 8):
+    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint", scale_bits: int = 8, act: str = "bf16"):
         PtxBlock.__init__(self)
-        self.mma_type = "bf16"
-        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
+        self.mma_type = act
+        self.spec = StepSpec(self.FMT, act, self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
         pack = 8 * tiles
         # The scales: bytes packed four a register (scale_bits 8), or 16-bit elements two a register, blocks b = 0,
         # 1 of an element (u, h, t) in each half (scale_bits 16: the pair is one 16-bit load, none repacked).
@@ -216,12 +221,12 @@ class _RegisterFold(_Step):
                     else:
                         self.emit(f"shr.u32 {wide}, {op('s', e // 4)}, {8 * (e % 4)};",
                                   f"cvt.u16.u32 {raw}, {wide};")
-                    scales.append(self.scale_pairs_e4m3(raw, f"sc{t}_{u}_{h}", bias=True))
+                    scales.append(self.scale_pairs_e4m3(raw, f"sc{t}_{u}_{h}", bias=act == "bf16"))
                 for q in range(4):  # word q: half q % 2 of block q // 2
                     a = [self.decode(words[h][q], f"a{t}_{u}_{h}_{q}") for h in range(2)]
                     for h in range(2):
                         for p in a[h]:
-                            self.emit(f"mul.rn.bf16x2 {p}, {p}, {scales[h][q // 2]};")
+                            self.emit(f"mul.rn.{act}x2 {p}, {p}, {scales[h][q // 2]};")
                     for nt in range(n_tiles):
                         d = [f"${8 * t + 4 * nt + r}" for r in range(4)]
                         for mm in range(2):
@@ -246,10 +251,10 @@ class _RegisterK32(_Step):
 
     FMT, MODE = "mxfp4", "k32"
 
-    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint"):
+    def __init__(self, tiles: int, n_tiles: int, order: str = "checkpoint", act: str = "bf16"):
         PtxBlock.__init__(self)
-        self.mma_type = "bf16"
-        self.spec = StepSpec(self.FMT, "bf16", self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
+        self.mma_type = act
+        self.spec = StepSpec(self.FMT, act, self.MODE, tiles, 2, n_tiles, 4, 4, False, order)
         names = [("wl", "r"), ("wh", "r"), ("s", "l")] + [(f"x{z}", "l") for z in range(4)]
         op = AsmOperands(1, 8 * tiles, names + [(m, "r") for m in MULTIPLIERS])
         self.constraints = op.constraint_string()
@@ -287,7 +292,8 @@ class _RegisterK32(_Step):
                             self.emit(f"mov.b64 {{{raw[2 * z]}, {raw[2 * z + 1]}}}, "
                                       f"{op(f'x{2 * half + z}', register(b, u, nt, 0))};")
                         pairs[nt] = self.matched_pairs(raw, f"b{nt}_{block}_")
-                        self.bias_bf16(pairs[nt])
+                        if act == "bf16":
+                            self.bias_bf16(pairs[nt])
                     for t in range(tiles):
                         word = "wh" if half else "wl"
                         a = [self.decode(op(word, register(b, u, h, t)), f"a{t}_{h}_{block}") for h in range(2)]
@@ -312,9 +318,15 @@ def k32_block(half: int, u: int, b: int) -> int:
 STEPS = {step.FMT: step for step in (_RegisterFold, _RegisterK32)}
 
 
-def step_fold_exponent(fmt: str) -> int:
-    """f such that the ``fmt`` step's accumulators hold the result times 2^-f (``_mma_step.fold_exponent``)."""
-    return fold_exponent(fmt, "bf16", STEPS[fmt].MODE)
+def step_fold_exponent(fmt: str, act: str = "bf16") -> int:
+    """f such that the ``fmt`` step's accumulators hold the result times 2^-f for ``act`` activations ("bf16",
+    "f16"; ``_mma_step.fold_exponent``)."""
+    return fold_exponent(fmt, act, STEPS[fmt].MODE)
+
+
+def step_act(dtype: torch.dtype) -> str:
+    """The step's activation code (``_mma_step.StepSpec.act``) of an activation dtype the engine takes."""
+    return {torch.bfloat16: "bf16", torch.float16: "f16"}[dtype]
 
 
 FOLD_EXPONENT = step_fold_exponent("nvfp4")
@@ -322,10 +334,14 @@ FOLD_EXPONENT = step_fold_exponent("nvfp4")
 
 @functools.lru_cache(maxsize=None)
 def step_asm(tiles: int, n_tiles: int, fmt: str = "nvfp4", order: str = "checkpoint",
-             scale_bits: int = 8) -> tuple[str, str]:
-    """(asm, constraints) of one consumer step of ``fmt`` weights in code order ``order`` (``STEPS``); NVFP4's
-    scale operand as bytes (``scale_bits`` 8) or 16-bit pairs (16, ``_RegisterFold``)."""
-    step = STEPS[fmt](tiles, n_tiles, order, scale_bits) if scale_bits != 8 else STEPS[fmt](tiles, n_tiles, order)
+             scale_bits: int = 8, act: str = "bf16") -> tuple[str, str]:
+    """(asm, constraints) of one consumer step of ``fmt`` weights in code order ``order`` times ``act`` ("bf16",
+    "f16") activations (``STEPS``); NVFP4's scale operand as bytes (``scale_bits`` 8) or 16-bit pairs (16,
+    ``_RegisterFold``)."""
+    if fmt == "nvfp4":
+        step = _RegisterFold(tiles, n_tiles, order, scale_bits, act)
+    else:
+        step = STEPS[fmt](tiles, n_tiles, order, act)
     return step.text(), step.constraints
 
 
@@ -834,7 +850,7 @@ def check_ring_config(config) -> None:
 
 
 class Engine(TritonKernelSpec):
-    """NVFP4 or MXFP4 weights (either scale layout), one matrix, times bf16 activations,
+    """NVFP4 or MXFP4 weights (either scale layout), one matrix, times fp16 or bf16 activations,
     N = 1..16, K a multiple of 64, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
 
     name = "engine"
@@ -844,8 +860,8 @@ class Engine(TritonKernelSpec):
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if target_reason(target) is not None:
             return target_reason(target)
-        if case.fp4_activation or case.b.dtype != torch.bfloat16:
-            return "needs bf16 activations"
+        if case.fp4_activation or case.b.dtype not in (torch.bfloat16, torch.float16):
+            return "needs fp16 or bf16 activations"
         if case.batch != 1:
             return f"needs one matrix (L = 1), got L = {case.batch}"
         if case.n > MAX_N:
@@ -863,7 +879,7 @@ class Engine(TritonKernelSpec):
         return None
 
     def error_model(self, case: GemvCase, config: EngineConfig) -> ErrorModel:
-        return ErrorModel(tensor_cores=True, fold=step_fold_exponent(case.fmt.name))
+        return ErrorModel(tensor_cores=True, fold=step_fold_exponent(case.fmt.name, step_act(case.b.dtype)))
 
     def default_config(self, case: GemvCase, target: Target) -> EngineConfig:
         return engine_config(case, target.sm_count)
@@ -980,7 +996,7 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
         s = DescSrc("a_scales", torch.uint8, (k // WARP_K, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
                     copy_layout(0, 8, 3))
     rows = activation_rows(n)
-    x = DescSrc("b_data", torch.bfloat16, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
+    x = DescSrc("b_data", case.b.dtype, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
                 copy_layout(_x_swizzle(rows), 16, 3))
     out = Src("out", case.out_dtype)
     gsa, _ = global_scale_sources(case)
@@ -997,15 +1013,16 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     mx = case.fmt.name == "mxfp4"
     order = case.a.code_order
     scale_bits = 8 if mx else 16  # NVFP4's scales reach the step as 16-bit block pairs
-    asm, constraints = step_asm(config.tiles // config.groups, 2 if n > 8 else 1, case.fmt.name, order, scale_bits)
+    act = step_act(case.b.dtype)
+    asm, constraints = step_asm(config.tiles // config.groups, 2 if n > 8 else 1, case.fmt.name, order, scale_bits, act)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx, config.groups)
     w32, l32 = k32_weight_layouts(config.tiles, config.groups)
     tiles, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
     programs, split = grid_size(tiles, steps, config, sm_count)
     args = dict(_sources(case, config), M=m, N=n, K=k, units=tiles * steps,
-                out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers("bf16", order))
+                out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers(act, order))
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
-                   FOLD=2.0 ** step_fold_exponent(case.fmt.name), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
+                   FOLD=2.0 ** step_fold_exponent(case.fmt.name, act), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
                    W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
