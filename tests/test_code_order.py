@@ -55,19 +55,19 @@ def test_the_container_keeps_the_order():
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("layout", ["linear", "swizzled"])
 def test_reference_and_dequantize_read_the_native_order(fmt, layout):
-    a = random_fp4((2, 24, 256), fmt, layout, seed=2, device="cpu")
+    a = random_fp4((2, 24, 256), fmt, layout, seed=2, device=DEVICE)
     n = _native(a)
-    x = random_activation((2, 3, 256), torch.bfloat16, seed=3, device="cpu")
+    x = random_activation((2, 3, 256), torch.bfloat16, seed=3, device=DEVICE)
     assert torch.equal(gemv(n, x, backend="reference"), gemv(a, x, backend="reference"))
-    b = random_fp4((2, 3, 256), fmt, layout, seed=4, device="cpu")
+    b = random_fp4((2, 3, 256), fmt, layout, seed=4, device=DEVICE)
     assert torch.equal(gemv(a, _native(b), backend="reference", out_dtype=torch.float32),
                        gemv(a, b, backend="reference", out_dtype=torch.float32))
-    for backend in ("reference", "triton"):  # triton: the interpreter on CPU tensors
+    for backend in ("reference", "triton"):  # triton: the interpreter on a CPU, the kernel on a GPU
         assert torch.equal(fp4gemv.dequantize(n, torch.bfloat16, backend=backend),
                            fp4gemv.dequantize(a, torch.bfloat16, backend=backend))
-    w = random_fp4((4, 32, 256), fmt, layout, seed=5, device="cpu")
-    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32)
-    xs = random_activation((2, 256), torch.bfloat16, seed=6, device="cpu")
+    w = random_fp4((4, 32, 256), fmt, layout, seed=5, device=DEVICE)
+    ids = torch.tensor([[0, 3], [3, 1]], dtype=torch.int32, device=DEVICE)
+    xs = random_activation((2, 256), torch.bfloat16, seed=6, device=DEVICE)
     assert torch.equal(fp4gemv.moe_gemv(_native(w), xs, ids, backend="reference", activation="silu"),
                        fp4gemv.moe_gemv(w, xs, ids, backend="reference", activation="silu"))
 
@@ -276,7 +276,8 @@ def test_engine_on_the_paired_order_is_exact(fmt, layout, n, config):
     the 64-row programs (linear scales)."""
     if config is not None and config.groups > 1 and layout == "swizzled":
         pytest.skip("64-row programs take linear scales")
-    a = random_fp4((300, 4096 + 1024 + 256), fmt, layout, seed=28, device="cuda").with_code_order("paired")
+    # K = 5632: past a multiple of 1024, and linear MXFP4 scale rows of 176 bytes (16-byte aligned, as bulk copies need)
+    a = random_fp4((300, 4096 + 1024 + 512), fmt, layout, seed=28, device="cuda").with_code_order("paired")
     x = random_activation((n, a.shape[1]), torch.bfloat16, seed=29, device="cuda")
     out = O.poisoned((300, n), torch.float32, device="cuda")
     gemv(a, x, out=out, out_dtype=torch.float32, kernel="engine", config=config)
