@@ -22,8 +22,8 @@ straight onto the target device; float tensors load as usual.  The experts' bias
 buffers take the dtype of the float module's biases (the requested dtype), so transformers casts them as it
 casts every float tensor.  An experts module's keys are complete or the load is refused before anything is
 read, naming the missing and the unknown tensors under its name.  After loading, each placeholder becomes an
-``FP4Linear`` made of views of those buffers (``FP4Linear.from_state_dict``; the packed codes repacked once, on
-the device, where ``LINEAR_CODE_ORDER`` names another order than the checkpoint's) or an ``FP4Experts``
+``FP4Linear`` made of views of those buffers (``FP4Linear.from_state_dict``; a weight-only layer's packed codes
+repacked once, on the device, into ``LINEAR_CODE_ORDER``'s paired order) or an ``FP4Experts``
 (``fp4gemv.nn.model.read_experts``: gpt-oss's blocks reordered once into the experts' code order; per-expert
 layers stacked into ``[E, rows, K/2]``; one experts module at a time, their linear scale rows kept 16 bytes apart);
 ``scale_layout="swizzled"`` re-lays the FP4Linear layers' block scales, one module at a time.  No float copy of an

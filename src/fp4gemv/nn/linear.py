@@ -52,14 +52,15 @@ SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
 # dequantize the weight.
 DECODE_MAX_TOKENS = 16
 # The code order (``formats.CODE_ORDERS``) a module keeps its weight's codes in, by its activations; another order
-# than the checkpoint's is repacked once when the module is built or loaded.  Weight-only: the checkpoint order
-# until the paired one is measured on a GPU.  Every kernel that runs a weight-only product reads the paired order
-# (engine, weight_only and general with fp16 / bf16 / fp32 activations, dequantize for prefill), and the tensor-core
-# step decodes it in 10 instructions a word against the checkpoint order's 13, with the activation's registers
-# paired as loaded (sm_90 main loop a warp-step, NVFP4: weight_only N = 1 154 SASS against 194, the engine N = 16
-# 631 against 791; docs/performance.md, rounds 28-30), but those kernels' GPU tests on it have not run yet.  W4A4:
-# the checkpoint order, the only one the FP4 x FP4 kernels read.
-LINEAR_CODE_ORDER = {"weight-only": "checkpoint", "w4a4": "checkpoint"}
+# than the checkpoint's is repacked once when the module is built or loaded.  Weight-only: the paired order.  Every
+# kernel that runs a weight-only product reads it (engine, weight_only and general with fp16 / bf16 / fp32
+# activations, dequantize for prefill); the tensor-core step decodes it in 10 instructions a word against the
+# checkpoint order's 13 with the activation's registers paired as loaded (sm_90 main loop a warp-step, NVFP4:
+# weight_only N = 1 154 SASS against 194, the engine N = 16 631 against 791), and through the default kernel it
+# was faster than the checkpoint order on all 36 rows measured (H100; six shapes, N = 1, 8, 16, NVFP4 and MXFP4
+# x bf16: 0.3-6.8%; docs/performance.md, round 30).  W4A4: the checkpoint order, the only one the FP4 x FP4 kernels
+# read.
+LINEAR_CODE_ORDER = {"weight-only": "paired", "w4a4": "checkpoint"}
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
