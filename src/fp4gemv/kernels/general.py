@@ -181,7 +181,6 @@ class General(TritonKernelSpec):
     config_type = GeneralConfig
     code_orders = CODE_ORDERS
 
-
     def why_not(self, case: GemvCase, target: Target) -> str | None:
         if not target.runs_triton:
             return "runs Triton kernels only"
