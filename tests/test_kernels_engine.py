@@ -157,8 +157,11 @@ def test_dispatch_on_sm90_from_four_rows_where_one_wave_holds_the_programs():
         assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=2), SM90).name == "weight_only", layout
         assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=8), SM90).name == "engine", layout
     # 32-row programs beyond one wave of three an SM (132 SMs: 396 programs, 12672 rows) stay on weight_only to N = 8
-    for m, n, expected in ((12672, 8, "engine"), (12704, 8, "weight_only"), (12704, 9, "engine")):
-        assert choose_kernel(_case(m=m, k=1024, n=n), SM90).name == expected, (m, n)
+    # where K < 8192 (fewer than eight steps a program), and run on the engine from K = 8192
+    for m, k, n, expected in ((12672, 1024, 8, "engine"), (12704, 1024, 8, "weight_only"), (12704, 1024, 9, "engine"),
+                              (14336, 4096, 8, "weight_only"), (28672, 8192, 4, "engine"),
+                              (28672, 8192, 8, "engine"), (28672, 8192, 3, "weight_only")):
+        assert choose_kernel(_case(m=m, k=k, n=n), SM90).name == expected, (m, k, n)
     assert choose_kernel(_case(n=8), Target("cuda", (9, 0), 0, "ptx")).name == "weight_only"  # SMs unknown
     # K past a multiple of 1024 (gpt-oss's 2880) runs here; K < 1024 (one step mostly past K) is left to the others
     # (hmma's PTX path runs on Triton 3.6 only, hmma_gemv.PTX_LAYOUT_VERIFIED; weight_only takes its cases elsewhere)

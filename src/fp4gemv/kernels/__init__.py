@@ -20,6 +20,7 @@ from .gemm import Gemm
 from .general import General
 from .hmma_gemv import Hmma
 from .engine import MIN_N_OVER_WEIGHT_ONLY as ENGINE_MIN_N
+from .engine import MULTI_WAVE_MIN_K as ENGINE_MULTI_WAVE_MIN_K
 from .engine import SMALL_N_PER_SM as ENGINE_PER_SM
 from .engine import STEP_K as ENGINE_STEP_K
 from .engine import engine_deferred
@@ -52,11 +53,12 @@ class Deferral(NamedTuple):
 
 
 DEFERRALS: tuple[Deferral, ...] = (
-    # docs/performance.md, round 26 (the decode engine at N <= 8, three programs an SM): slower than weight_only below
-    # N = 4 and where its programs take more than one wave (14336 x 4096, 28672 x 8192), faster elsewhere.
+    # docs/performance.md, rounds 26 and 31 (the decode engine at N <= 8, three programs an SM): slower than
+    # weight_only below N = 4 and where its programs take more than one wave with K under 8192 (14336 x 4096),
+    # faster elsewhere (28672 x 8192 from round 31).
     Deferral("engine", "weight_only", lambda case, target: engine_deferred(case, target.sm_count),
-             f"N < {ENGINE_MIN_N}, or N <= 8 with more 32-row tiles than {ENGINE_PER_SM} an SM: weight_only "
-             "measured faster"),
+             f"N < {ENGINE_MIN_N}, or N <= 8 with more 32-row tiles than {ENGINE_PER_SM} an SM and K < "
+             f"{ENGINE_MULTI_WAVE_MIN_K}: weight_only measured faster"),
     # K < 1024: the engine's one step would be mostly copies past K (zero-filled, decoded and multiplied all the
     # same); not measured there, so those cases keep the kernels that ran them before the engine took K tails.
     Deferral("engine", "weight_only", lambda case, target: case.k < ENGINE_STEP_K,

@@ -139,6 +139,13 @@ SMALL_N_PER_SM = 3  # programs an SM that SMALL_N_CONFIG's shared memory and reg
 # SMALL_N_PER_SM an SM (14336 x 4096, 448 programs, 10-16% slower at N = 4-8; 28672 x 8192, 896, 0-4% slower).
 MIN_N_OVER_WEIGHT_ONLY = 4
 
+# Past one wave the engine still takes N = 4-8 where K has at least MULTI_WAVE_MIN_K / 1024 steps a program, so
+# that each program's ring fill and epilogue are spread over more steps (docs/performance.md, round 31; swizzled,
+# paired, µs engine / weight_only): 28672 x 8192 N = 8 on the H200 43.68 / 51.34 (NVFP4); on the H100 NVFP4 56.13 /
+# 55.37 at N = 8 and 55.90 / 53.69 at N = 4, MXFP4 53.16 / 57.54 and 53.06 / 55.96.  At K = 4096 (14336 x 4096) it
+# stays deferred: NVFP4 16.54 / 16.22 on the H200 at N = 8, 19.18 / 17.20 and 18.97 / 16.31 on the H100 at N = 8 / 4.
+MULTI_WAVE_MIN_K = 8192
+
 
 def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
     """N <= 8: ``SMALL_N_CONFIG``.  N > 8: 2 ring slots (the 16-row activation slice makes a slot 50 KB), 2 tiles
@@ -155,11 +162,11 @@ def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
 def engine_deferred(case: GemvCase, sm_count: int) -> bool:
     """Whether the engine leaves an N <= 8 case to weight_only by default (``kernels.DEFERRALS``): below
     ``MIN_N_OVER_WEIGHT_ONLY``, or where ``SMALL_N_CONFIG``'s programs would take more than one wave (``sm_count``
-    0, unknown: deferred)."""
+    0, unknown: deferred) and K is under ``MULTI_WAVE_MIN_K``."""
     if case.n > 8:
         return False
     tiles = -(-case.m // (16 * SMALL_N_CONFIG.tiles))
-    return case.n < MIN_N_OVER_WEIGHT_ONLY or tiles > SMALL_N_PER_SM * sm_count
+    return case.n < MIN_N_OVER_WEIGHT_ONLY or (tiles > SMALL_N_PER_SM * sm_count and case.k < MULTI_WAVE_MIN_K)
 
 
 def register(b: int, u: int, h: int, t: int) -> int:
