@@ -5,6 +5,7 @@ scales, every output dtype)."""
 
 import itertools
 import textwrap
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -367,6 +368,43 @@ def test_paired_lines_make_the_activation_loads_conflict_free():
         assert _wavefronts(layout, _copy_offsets(rows, paired=True)) == 4 * loads, rows
     assert engine.paired_lines(4096, 16) and engine.paired_lines(1024 + 128, 2)
     assert not engine.paired_lines(2880, 16) and not engine.paired_lines(4096, 1)
+
+
+def _weight_copy_offsets(tiles, octets):
+    """{(quarter, row, column): int64 offset} where the weights' copy puts them under the 128-byte swizzle: one row a
+    line in row order, or each octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``)."""
+    rows, offsets = 16 * tiles, {}
+    for q, r, c in itertools.product(range(4), range(rows), range(16)):
+        line = q * rows + (8 * (r // 8) + 4 * (r % 2) + (r // 2) % 4 if octets else r)
+        offsets[(q, r, c)] = 16 * line + 2 * ((c >> 1) ^ (line % 8)) + (c & 1)
+    return offsets
+
+
+class _Bases(NamedTuple):
+    reg_bases: list
+    lane_bases: list
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_octet_rows_slot_is_where_the_copy_puts_the_weights(tiles):
+    got = _slot_offsets(engine.w_slot_bases(tiles))
+    assert len(got) == 4 * 16 * tiles * 16 and got == _weight_copy_offsets(tiles, octets=True)
+
+
+def test_octet_rows_make_the_weight_loads_conflict_free():
+    """The fold step's weight loads (``_layouts``' weight layout: the BlockedLayout ``[1, 1, 2]`` a thread, lanes 4
+    along the columns and 8 along the rows, as bases; and the warp-group one): 8 wavefronts a 16-byte load with one
+    row a line, 4 with the octet order."""
+    lanes = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    blocked = _Bases([[0, 0, 1], [0, 0, 8], [0, 8, 0], [0, 16, 0]], lanes)  # tiles 2, one warp's registers
+    grouped = engine._layouts(2, 16, False, 2)[0]
+    assert grouped.lane_bases == lanes
+    for tiles, layout in ((2, blocked), (2, _Bases(grouped.reg_bases, grouped.lane_bases))):
+        loads = 1 << (len(layout.reg_bases) - 1)
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=False)) == 8 * loads
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=True)) == 4 * loads
+    assert engine.octet_rows(_case(m=4096, k=4096)) and not engine.octet_rows(_case(m=4100, k=4096))
+    assert not engine.octet_rows(_case(k=2880, layout="swizzled")) and not engine.octet_rows(_case(fmt="mxfp4"))
 
 
 def test_grid_size_one_program_per_tile_or_per_sm_programs():

@@ -487,6 +487,35 @@ def x_slot_bases(rows: int) -> tuple:
     return tuple(tuple(b) for b in bases)
 
 
+def octet_rows(case: GemvCase) -> bool:
+    """Whether the weights' copy puts each 8-row octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``):
+    NVFP4 (the fold step's 16-byte loads; MXFP4's k32 step reads its slot by ``ldmatrix``) in one 3-D copy a step
+    (K a multiple of ``WARP_K``) with whole octets (M a multiple of 8: the copy's row view never passes M)."""
+    return case.fmt.name == "nvfp4" and not _four_copies(case.k) and case.m % 8 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_bases(tiles: int) -> tuple:
+    """The weight slot, as the octet copy writes it, viewed as int64 ``[4, 16 tiles, 16]`` (K quarter, row, int64
+    column): each int64 offset bit's coordinates (``x_slot_bases``' scheme).  The copy's box is ``[4, 2 tiles, 2, 4,
+    128 bytes]`` over the rows viewed as (octet, row bit 0, row bits 1-2), so row r's line is ``8 (r // 8) + 4 (r %
+    2) + (r // 2) % 4`` (plus 16 tiles a quarter): a lane's g0 (the next row) moves four lines, which the 128-byte
+    swizzle turns into unit bit 2 -- a bit the lanes c (units 0-3 of a 16-byte load) never set, so the eight lanes
+    of a wavefront hit eight bank groups (with one row a line, g0 flips unit bit 0 and collides with c0)."""
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    line = [[0, 2, 0], [0, 4, 0], [0, 1, 0]] + [[0, 8 << i, 0] for i in range(tiles.bit_length())] + [[1, 0, 0],
+                                                                                                     [2, 0, 0]]
+    for i, (q, r, c) in enumerate(line):
+        bases.append([q, r, c ^ (2 << i) if i < 3 else c])
+    return tuple(tuple(b) for b in bases)
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_layout(tiles: int):
+    """The weight slot's int64 view where ``octet_rows`` (``w_slot_bases``)."""
+    return gl.SharedLinearLayout([list(b) for b in w_slot_bases(tiles)])
+
+
 @functools.lru_cache(maxsize=None)
 def x_slot_layout(rows: int):
     """The activation slot's int64 view for ``_as_int64`` where ``paired_lines`` (``x_slot_bases``)."""
@@ -499,7 +528,7 @@ def x_slot_layout(rows: int):
 @gluon.jit
 def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
               TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, W2D: gl.constexpr,
-              X_PAIRED: gl.constexpr):
+              X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
     # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).  Copies
     # past K (the last step where K % 1024 != 0) are zero-filled by the copy engine.
     W_BYTES: gl.constexpr = w_desc.block_type.nbytes * (4 if W2D else 1)
@@ -518,6 +547,8 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
             chunks = shared_view(wbuf.index(slot), gl.uint8, [4, TILE_ROWS, 128], W2)
             for c in gl.static_range(4):
                 tma_load(w_desc, [tile * TILE_ROWS, (step * 4 + c) * 128], ready.index(slot), chunks.index(c))
+        elif W_OCTETS:  # [4 quarters, octets, row bit 0, row bits 1-2, 128] (``w_slot_bases``)
+            tma_load(w_desc, [step * 4, tile * (TILE_ROWS // 8), 0, 0, 0], ready.index(slot), wbuf.index(slot))
         else:
             tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
         if not SWIZZLED:
@@ -838,7 +869,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
                        W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
                        TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr,
-                       MAXC: gl.constexpr, X_PAIRED: gl.constexpr):
+                       MAXC: gl.constexpr, X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -867,7 +898,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                      ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
                      RING_SUM, TAIL, GROUPS, LP, LR, MAXC)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
-                     16 * TILES, SWIZZLED, MX, W2D, X_PAIRED)),
+                     16 * TILES, SWIZZLED, MX, W2D, X_PAIRED, W_OCTETS)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -1028,6 +1059,10 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     if _four_copies(k):  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step
         w = DescSrc("a_data", torch.uint8, (m, k // 2), (case.a.row_stride, 1), (16 * tiles, 128),
                     copy_layout(128, 8, 2))
+    elif octet_rows(case):  # rows in octets, row bit 0 above bits 1-2 (``w_slot_bases``)
+        rs = case.a.row_stride
+        w = DescSrc("a_data", torch.uint8, (k // WARP_K, m // 8, 2, 4, 128), (128, 8 * rs, rs, 2 * rs, 1),
+                    (WARPS, 2 * tiles, 2, 4, 128), copy_layout(128, 8, 5))
     else:
         w = DescSrc("a_data", torch.uint8, (k // WARP_K, m, 128), (128, case.a.row_stride, 1),
                     (WARPS, 16 * tiles, 128), copy_layout(128, 8, 3))
@@ -1072,8 +1107,9 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                 out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers(act, order))
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name, act), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x_slot_layout(rows) if paired_lines(k, rows) else x64, PRODUCER_REGS=PRODUCER_REGS,
-                   SPLIT=split, X_PAIRED=paired_lines(k, rows),
+                   W64=w_slot_layout(config.tiles) if octet_rows(case) else w64,
+                   X64=x_slot_layout(rows) if paired_lines(k, rows) else x64, PRODUCER_REGS=PRODUCER_REGS,
+                   SPLIT=split, X_PAIRED=paired_lines(k, rows), W_OCTETS=octet_rows(case),
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
                    W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
