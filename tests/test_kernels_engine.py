@@ -3,7 +3,9 @@ refusals and dispatch, its sm_90 machine code under the installed Triton (bulk c
 local memory), and on a GPU its result against the exact oracle (tail rows, N from 1 to 16, a global scale, NaN
 scales, every output dtype)."""
 
+import itertools
 import textwrap
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -359,7 +361,10 @@ def test_batches_address_each_matrix(fmt, layout, m, k, n, pad_rows, broadcast):
             if r >= m:
                 continue
             row = batch * args["WB"] + r
-            got = weights[row] if weights.dim() == 2 else weights[:, row].reshape(-1)
+            if weights.dim() == 5:  # octet rows (``w_slot_bases``): [K/256, octet, row bit 0, row bits 1-2, 128]
+                got = weights[:, row // 8, row % 2, (row // 2) % 4].reshape(-1)
+            else:
+                got = weights[row] if weights.dim() == 2 else weights[:, row].reshape(-1)
             assert torch.equal(got, ops.a_data[batch, r]), (g, i)
             if layout == "linear":
                 scales = _descriptor_view(ops, args["s_desc"])
@@ -382,6 +387,106 @@ def test_batches_refuse_a_split_grid():
     _, _, ops = _batched_operands("nvfp4", "linear", 200, 2048, 9, 2)
     with pytest.raises(ValueError, match="per_sm > 0.*L = 2"):
         Engine().check_config(EngineConfig(2, 2, 128, 2), ops.case)
+def _slot_offsets(bases):
+    """{logical (j, row, column): int64 offset} of a shared layout given as offset bases (XOR of the set bits')."""
+    offsets = {}
+    for off in range(1 << len(bases)):
+        c = (0, 0, 0)
+        for i, b in enumerate(bases):
+            if off >> i & 1:
+                c = tuple(x ^ y for x, y in zip(c, b))
+        offsets[c] = off
+    return offsets
+
+
+def _copy_offsets(rows, paired):
+    """{(j, row, column): int64 offset} where the activation's bulk copy puts them under the 128-byte swizzle (16-byte
+    unit u of line l at unit u ^ (l % 8)): one 64-element chunk a line (``[16, rows, 64]`` box), or a 128-element
+    chunk's halves on adjacent lines (``[8, rows, 2, 64]`` box)."""
+    offsets = {}
+    for j, r, c in itertools.product(range(16), range(rows), range(16)):
+        line = 2 * (rows * (j // 2) + r) + j % 2 if paired else rows * j + r
+        offsets[(j, r, c)] = 16 * line + 2 * ((c >> 1) ^ (line % 8)) + (c & 1)
+    return offsets
+
+
+def _wavefronts(layout, offsets):
+    """Shared-memory wavefronts of the 16-byte loads a warp makes of the activation slice in register layout
+    ``layout`` (register bit 0: the int64 pair of one load), 8 lanes a wavefront, a bank group a 16-byte unit."""
+    def coord(reg, lane):
+        c = (0, 0, 0)
+        for bits, bases in ((reg, layout.reg_bases), (lane, layout.lane_bases)):
+            for i, b in enumerate(bases):
+                if bits >> i & 1:
+                    c = tuple(x ^ y for x, y in zip(c, b))
+        return c
+    total = 0
+    for reg in range(0, 1 << len(layout.reg_bases), 2):
+        for phase in range(4):
+            groups = {}
+            for lane in range(8 * phase, 8 * phase + 8):
+                unit = offsets[coord(reg, lane)] // 2
+                groups.setdefault(unit % 8, set()).add(unit)
+            total += max(len(v) for v in groups.values())
+    return total
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
+def test_paired_lines_slot_is_where_the_copy_puts_the_activation(rows):
+    """``x_slot_bases`` (the consumer's view of the slot) places every element of the ``[16, rows, 16]`` int64 slice
+    where the ``[8, rows, 2, 64]`` copy under the 128-byte swizzle writes it, one to one."""
+    got = _slot_offsets(engine.x_slot_bases(rows))
+    assert len(got) == 16 * rows * 16 and got == _copy_offsets(rows, paired=True)
+
+
+def test_paired_lines_make_the_activation_loads_conflict_free():
+    """The consumer's activation loads (``_layouts``' activation layout): 2-way bank conflicts in every wavefront
+    with one chunk a line (round 31, item 5: ncu counted 1.38 M conflicts of 2.81 M wavefronts), none with a
+    128-element chunk's halves on adjacent lines -- 4 wavefronts a 16-byte load."""
+    for rows in (4, 8, 16):
+        layout = engine._layouts(2, rows)[1]
+        loads = 1 << (len(layout.reg_bases) - 1)
+        assert _wavefronts(layout, _copy_offsets(rows, paired=False)) == 8 * loads, rows
+        assert _wavefronts(layout, _copy_offsets(rows, paired=True)) == 4 * loads, rows
+    assert engine.paired_lines(4096, 16) and engine.paired_lines(1024 + 128, 2)
+    assert not engine.paired_lines(2880, 16) and not engine.paired_lines(4096, 1)
+
+
+def _weight_copy_offsets(tiles, octets):
+    """{(quarter, row, column): int64 offset} where the weights' copy puts them under the 128-byte swizzle: one row a
+    line in row order, or each octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``)."""
+    rows, offsets = 16 * tiles, {}
+    for q, r, c in itertools.product(range(4), range(rows), range(16)):
+        line = q * rows + (8 * (r // 8) + 4 * (r % 2) + (r // 2) % 4 if octets else r)
+        offsets[(q, r, c)] = 16 * line + 2 * ((c >> 1) ^ (line % 8)) + (c & 1)
+    return offsets
+
+
+class _Bases(NamedTuple):
+    reg_bases: list
+    lane_bases: list
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_octet_rows_slot_is_where_the_copy_puts_the_weights(tiles):
+    got = _slot_offsets(engine.w_slot_bases(tiles))
+    assert len(got) == 4 * 16 * tiles * 16 and got == _weight_copy_offsets(tiles, octets=True)
+
+
+def test_octet_rows_make_the_weight_loads_conflict_free():
+    """The fold step's weight loads (``_layouts``' weight layout: the BlockedLayout ``[1, 1, 2]`` a thread, lanes 4
+    along the columns and 8 along the rows, as bases; and the warp-group one): 8 wavefronts a 16-byte load with one
+    row a line, 4 with the octet order."""
+    lanes = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    blocked = _Bases([[0, 0, 1], [0, 0, 8], [0, 8, 0], [0, 16, 0]], lanes)  # tiles 2, one warp's registers
+    grouped = engine._layouts(2, 16, False, 2)[0]
+    assert grouped.lane_bases == lanes
+    for tiles, layout in ((2, blocked), (2, _Bases(grouped.reg_bases, grouped.lane_bases))):
+        loads = 1 << (len(layout.reg_bases) - 1)
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=False)) == 8 * loads
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=True)) == 4 * loads
+    assert engine.octet_rows(_case(m=4096, k=4096)) and not engine.octet_rows(_case(m=4100, k=4096))
+    assert not engine.octet_rows(_case(k=2880, layout="swizzled")) and not engine.octet_rows(_case(fmt="mxfp4"))
 
 
 def test_grid_size_one_program_per_tile_or_per_sm_programs():

@@ -461,15 +461,80 @@ def _x_swizzle(rows: int) -> int:
     return 128 if rows >= 2 else 0
 
 
+def paired_lines(k: int, rows: int) -> bool:
+    """Whether the activation's copy puts each 128-element chunk's two 64-element halves on adjacent lines of the
+    slot (``x_slot_bases``): where K is a multiple of 128 (the copy's half dimension never passes K) and the slice
+    has two or more rows (one row: every lane reads the same line)."""
+    return k % 128 == 0 and rows >= 2
+
+
+@functools.lru_cache(maxsize=None)
+def x_slot_bases(rows: int) -> tuple:
+    """The activation slot, as the paired-line copy writes it, viewed as int64 ``[16, rows, 16]`` (64-element chunk
+    j, row, int64 column c -- the logical slice ``_x_operands`` takes): for each bit of an int64's offset in the
+    slot, the coordinates it moves (a ``SharedLinearLayout``'s bases).
+
+    The copy's box is ``[8, rows, 2, 64]`` (128-element chunk j // 2, row, half j % 2, element) under the 128-byte
+    swizzle, so line ``l = 2 (rows (j // 2) + row) + j % 2`` holds chunk j of the row, and 16-byte unit u of line l
+    sits at unit ``u ^ (l % 8)``.  Offset bits 0-3 are the int64 within the line (bit 0 the int64's half of a 16-byte
+    unit, bits 1-3 the unit); bits 4 and up the line -- its bit 0 the half (j + 1), the next log2(rows) the row,
+    then the 128-element chunk (j + 2, + 4, + 8).  A line bit below 3 also flips unit bit i (the swizzle), so its
+    basis carries column 2^(i + 1) too.  Why (docs/performance.md, round 31, item 5): a consumer lane's c1 reads the
+    next 64-element chunk, which in the one-chunk-a-line copy sits 16 lines on -- the swizzle's period twice, the
+    same banks as c1 = 0 -- while here it is the adjacent line, whose swizzle moves it to other banks."""
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    line = [[1, 0, 0]] + [[0, 1 << i, 0] for i in range(rows.bit_length() - 1)] + [[2, 0, 0], [4, 0, 0], [8, 0, 0]]
+    for i, (j, r, c) in enumerate(line):
+        bases.append([j, r, c ^ (2 << i) if i < 3 else c])
+    return tuple(tuple(b) for b in bases)
+
+
+def octet_rows(case: GemvCase) -> bool:
+    """Whether the weights' copy puts each 8-row octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``):
+    NVFP4 (the fold step's 16-byte loads; MXFP4's k32 step reads its slot by ``ldmatrix``) in one 3-D copy a step
+    (K a multiple of ``WARP_K``) with whole octets (M and a batch's rows multiples of 8: the copy's row view never
+    passes the last row)."""
+    return (case.fmt.name == "nvfp4" and not _four_copies(case.k) and case.m % 8 == 0
+            and (case.batch == 1 or batch_rows(case).weights % 8 == 0))
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_bases(tiles: int) -> tuple:
+    """The weight slot, as the octet copy writes it, viewed as int64 ``[4, 16 tiles, 16]`` (K quarter, row, int64
+    column): each int64 offset bit's coordinates (``x_slot_bases``' scheme).  The copy's box is ``[4, 2 tiles, 2, 4,
+    128 bytes]`` over the rows viewed as (octet, row bit 0, row bits 1-2), so row r's line is ``8 (r // 8) + 4 (r %
+    2) + (r // 2) % 4`` (plus 16 tiles a quarter): a lane's g0 (the next row) moves four lines, which the 128-byte
+    swizzle turns into unit bit 2 -- a bit the lanes c (units 0-3 of a 16-byte load) never set, so the eight lanes
+    of a wavefront hit eight bank groups (with one row a line, g0 flips unit bit 0 and collides with c0)."""
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    line = [[0, 2, 0], [0, 4, 0], [0, 1, 0]] + [[0, 8 << i, 0] for i in range(tiles.bit_length())] + [[1, 0, 0],
+                                                                                                     [2, 0, 0]]
+    for i, (q, r, c) in enumerate(line):
+        bases.append([q, r, c ^ (2 << i) if i < 3 else c])
+    return tuple(tuple(b) for b in bases)
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_layout(tiles: int):
+    """The weight slot's int64 view where ``octet_rows`` (``w_slot_bases``)."""
+    return gl.SharedLinearLayout([list(b) for b in w_slot_bases(tiles)])
+
+
+@functools.lru_cache(maxsize=None)
+def x_slot_layout(rows: int):
+    """The activation slot's int64 view for ``_as_int64`` where ``paired_lines`` (``x_slot_bases``)."""
+    return gl.SharedLinearLayout([list(b) for b in x_slot_bases(rows)])
+
+
 # --- the kernel --------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
 def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, TB, WB, SB, XB,
               STAGES: gl.constexpr, TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr,
-              W2D: gl.constexpr):
+              W2D: gl.constexpr, X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
     # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``), the
-    # tiles batch-major, TB a batch (``_batch_rows``).  Copies past K (the last step where K % 1024 != 0) are
+    # tiles batch-major, TB a batch (``batch_rows``).  Copies past K (the last step where K % 1024 != 0) are
     # zero-filled by the copy engine.
     W_BYTES: gl.constexpr = w_desc.block_type.nbytes * (4 if W2D else 1)
     for v in range(start, end):
@@ -490,6 +555,8 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
             chunks = shared_view(wbuf.index(slot), gl.uint8, [4, TILE_ROWS, 128], W2)
             for c in gl.static_range(4):
                 tma_load(w_desc, [row, (step * 4 + c) * 128], ready.index(slot), chunks.index(c))
+        elif W_OCTETS:  # [4 quarters, octets, row bit 0, row bits 1-2, 128] (``w_slot_bases``)
+            tma_load(w_desc, [step * 4, row // 8, 0, 0, 0], ready.index(slot), wbuf.index(slot))
         else:
             tma_load(w_desc, [step * 4, row, 0], ready.index(slot), wbuf.index(slot))
         if not SWIZZLED:
@@ -497,7 +564,10 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
                 tma_load(s_desc, [srow, 32 * step], ready.index(slot), sbuf.index(slot))
             else:
                 tma_load(s_desc, [step * 4, srow, 0], ready.index(slot), sbuf.index(slot))
-        tma_load(x_desc, [16 * step, batch * XB, 0], ready.index(slot), xbuf.index(slot))
+        if X_PAIRED:  # [8 chunks of 128, rows, 2 halves, 64] (``x_slot_bases``)
+            tma_load(x_desc, [8 * step, batch * XB, 0, 0], ready.index(slot), xbuf.index(slot))
+        else:
+            tma_load(x_desc, [16 * step, batch * XB, 0], ready.index(slot), xbuf.index(slot))
 
 
 @gluon.jit
@@ -815,7 +885,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
                        W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
                        TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr,
-                       MAXC: gl.constexpr):
+                       MAXC: gl.constexpr, X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -845,8 +915,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
                      ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
                      RING_SUM, TAIL, GROUPS, LP, LR, MAXC)),
         (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, TB, WB, SB, XB,
-                     STAGES,
-                     16 * TILES, SWIZZLED, MX, W2D)),
+                     STAGES, 16 * TILES, SWIZZLED, MX, W2D, X_PAIRED, W_OCTETS)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -1048,6 +1117,10 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     if _four_copies(k):  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step
         w = DescSrc("a_data", torch.uint8, (m, k // 2), (case.a.row_stride, 1), (16 * tiles, 128),
                     copy_layout(128, 8, 2))
+    elif octet_rows(case):  # rows in octets, row bit 0 above bits 1-2 (``w_slot_bases``)
+        rs = case.a.row_stride
+        w = DescSrc("a_data", torch.uint8, (k // WARP_K, m // 8, 2, 4, 128), (128, 8 * rs, rs, 2 * rs, 1),
+                    (WARPS, 2 * tiles, 2, 4, 128), copy_layout(128, 8, 5))
     else:
         w = DescSrc("a_data", torch.uint8, (k // WARP_K, m, 128), (128, case.a.row_stride, 1),
                     (WARPS, 16 * tiles, 128), copy_layout(128, 8, 3))
@@ -1061,8 +1134,12 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
         s = DescSrc("a_scales", torch.uint8, (k // WARP_K, m_s, 16), (16, case.a.scales.r32, 1),
                     (WARPS, 16 * tiles, 16), copy_layout(0, 8, 3))
     rows = activation_rows(n)
-    x = DescSrc("b_data", case.b.dtype, (k // 64, n_x, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
-                copy_layout(_x_swizzle(rows), 16, 3))
+    if paired_lines(k, rows):  # a 128-element chunk's halves on adjacent lines (``x_slot_bases``)
+        x = DescSrc("b_data", case.b.dtype, (k // 128, n_x, 2, 64), (128, case.b.strides[1], 64, 1),
+                    (2 * WARPS, rows, 2, 64), copy_layout(128, 16, 4))
+    else:
+        x = DescSrc("b_data", case.b.dtype, (k // 64, n_x, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
+                    copy_layout(_x_swizzle(rows), 16, 3))
     out = Src("out", case.out_dtype)
     gsa, _ = global_scale_sources(case)
     return dict(w_desc=w, s_desc=s, x_desc=x, out_ptr=out, gsa_ptr=gsa, ws_ptr=out, count_ptr=out,
@@ -1092,7 +1169,9 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
                 out_stride_l=case.out_strides[0], **multipliers(act, order))
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name, act), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
+                   W64=w_slot_layout(config.tiles) if octet_rows(case) else w64,
+                   X64=x_slot_layout(rows) if paired_lines(k, rows) else x64, PRODUCER_REGS=PRODUCER_REGS,
+                   SPLIT=split, X_PAIRED=paired_lines(k, rows), W_OCTETS=octet_rows(case),
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
                    W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
