@@ -564,10 +564,8 @@ def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compil
 
 
 _COMPILE_BATCHES = textwrap.dedent("""
-    import collections, torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from aot import jit_specialization, sass_listing, registers, local_memory, mma_loop
+    import torch
+    from aot import compile_gluon_sm90, sass_listing, registers, local_memory, mma_loop
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import EngineConfig, engine_launch
@@ -577,10 +575,7 @@ _COMPILE_BATCHES = textwrap.dedent("""
             b = O.random_activation((L, 16, 4096), torch.bfloat16, seed=2, device="cpu")
             ops = gemv_operands(a, b, torch.empty((L, 4096, 16), dtype=torch.bfloat16))
             kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
-            kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
-            sig, const, attrs, _ = jit_specialization(kernel, args, kw)
-            c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+            c = compile_gluon_sm90(kernel, args, options)
             loop = mma_loop(sass_listing(c))
             print(fmt, L, grid[0], len(loop), registers(c), c.metadata.shared, local_memory(c))
 """)
@@ -599,10 +594,8 @@ def test_batches_compile_to_the_same_step(compile_for_sm90):
 
 
 _COMPILE_ORDERS = textwrap.dedent("""
-    import collections, torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from aot import jit_specialization, sass_listing, registers, local_memory, mma_loop
+    import collections, torch
+    from aot import compile_gluon_sm90, sass_listing, registers, local_memory, mma_loop
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import EngineConfig, engine_launch
@@ -613,10 +606,7 @@ _COMPILE_ORDERS = textwrap.dedent("""
             b = O.random_activation((16, 4096), dtype, seed=2, device="cpu")
             ops = gemv_operands(a, b, torch.empty((1, 4096, 16), dtype=dtype))
             kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
-            kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
-            sig, const, attrs, _ = jit_specialization(kernel, args, kw)
-            c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+            c = compile_gluon_sm90(kernel, args, options)
             loop = mma_loop(sass_listing(c))
             mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
             print(fmt + str(dtype).split(".")[1], order, len(loop), mix["PRMT"], mix["HMMA"], registers(c), local_memory(c))
