@@ -253,10 +253,12 @@ class FP4Linear(nn.Module):
         self.__dict__["_quantized_weight"] = ((self.weight, self.weight_scale, per_tensor, version), quantized)
         return quantized
 
-    def checkpoint_weight(self) -> torch.Tensor:
-        """The packed weight ``[out_features, in_features/2]`` in the checkpoint order (``weight`` itself where the
-        module keeps that order, else a converted copy): what checkpoints and shards are written from."""
-        return reorder_codes(self.weight, self.code_order, "checkpoint")
+    def checkpoint_weight(self, rows: slice = slice(None), columns: slice = slice(None)) -> torch.Tensor:
+        """The packed weight ``[out_features, in_features/2]`` (or its ``[rows, columns]`` byte slice, columns on
+        4-byte words: a word's codes move only within it) in the checkpoint order (a view of ``weight`` where the
+        module keeps that order, else a converted copy): what checkpoints and shards are written from -- a shard
+        converts only its own slice."""
+        return reorder_codes(self.weight[rows, columns], self.code_order, "checkpoint")
 
     def _launch_tensors(self) -> tuple:
         """The tensors a kept decode launch reads (by address): weight, block scales, per-tensor scale, bias."""

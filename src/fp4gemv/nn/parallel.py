@@ -63,7 +63,6 @@ from torch import nn
 
 from .. import formats, layouts
 from ..formats import dtype_name as _dtype_name
-from ..formats import reorder_codes
 from ..library import quantize
 from ..tensor import FP4Tensor
 from .checkpoints import LAYER_KEYS, SafetensorsDirectory, checkpoint_key, detect_convention
@@ -169,7 +168,7 @@ def _shard_of(layer: FP4Linear, split: str, rank: int, world_size: int) -> tuple
     if split == "rows":
         n = column_split(layer.out_features, world_size)
         r0, r1 = rank * n, (rank + 1) * n
-        tensors["weight"] = reorder_codes(layer.weight[r0:r1], layer.code_order, "checkpoint").clone()
+        tensors["weight"] = layer.checkpoint_weight(slice(r0, r1)).clone()
         tensors["weight_scale"] = _row_scales(layer, r0, r1)
         if layer.bias is not None:
             tensors["bias"] = layer.bias.detach()[r0:r1].clone()
@@ -177,8 +176,7 @@ def _shard_of(layer: FP4Linear, split: str, rank: int, world_size: int) -> tuple
         k = row_split(layer.in_features, world_size, layer.fmt, layer.scale_layout)
         k0, block = rank * k, layer.format.block_size
         # whole 32-bit words (k0 and k multiples of the block size): the slice reorders on its own
-        tensors["weight"] = reorder_codes(layer.weight[:, k0 // 2: (k0 + k) // 2], layer.code_order,
-                                          "checkpoint").contiguous()
+        tensors["weight"] = layer.checkpoint_weight(columns=slice(k0 // 2, (k0 + k) // 2)).contiguous()
         tensors["weight_scale"] = _k_scales(layer, k0 // block, (k0 + k) // block)
         if layer.bias is not None:
             whole_bias = layer.bias.detach().clone()
