@@ -46,6 +46,16 @@ def jit_specialization(fn, args, kw):
     return sig, const, attrs, [fn.arg_names[j] for j in marked]
 
 
+def compile_gluon_sm90(kernel, args, options):
+    """A Gluon kernel compiled ahead of time for sm_90 on ``args`` (positional, as the launch passes them) and
+    ``options`` (the launch's keyword constexprs, ``num_warps`` and ``maxnreg``)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+    kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
+    sig, const, attrs, _ = jit_specialization(kernel, args, kw)
+    return triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+
+
 class Sm90Launch:
     """What ``gemv(a, b, out=out, ...)`` launches on sm_90 (``target``: SM90, PTX mode; its ``mode="triton"``
     twin for the pure-Triton paths): ``spec``, ``config``, ``kernel`` (the JIT function), ``grid``, ``args``

@@ -3,7 +3,9 @@ refusals and dispatch, its sm_90 machine code under the installed Triton (bulk c
 local memory), and on a GPU its result against the exact oracle (tail rows, N from 1 to 16, a global scale, NaN
 scales, every output dtype)."""
 
+import itertools
 import textwrap
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -133,9 +135,20 @@ def _case(m=4096, k=4096, n=16, layout="linear", fmt="nvfp4", dtype=torch.bfloat
     return gemv_operands(a, b, torch.empty((batch or 1, m, n), dtype=torch.bfloat16)).case
 
 
+def _odd_batch_stride_case(m=256, k=2048, n=4):
+    """Two matrices whose weights' batch stride (16 bytes past M rows) is no whole number of rows."""
+    a = O.random_fp4((2, m, k), "nvfp4", "linear", seed=1, device="cpu")
+    stride = m * k // 2 + 16
+    data = torch.zeros(2 * stride, dtype=torch.uint8).as_strided((2, m, k // 2), (stride, k // 2, 1))
+    data.copy_(a.data)
+    odd = FP4Tensor(data, a.scales, "nvfp4", "linear")
+    b = O.random_activation((2, n, k), torch.bfloat16, seed=2, device="cpu")
+    return gemv_operands(odd, b, torch.empty((2, m, n), dtype=torch.bfloat16)).case
+
+
 @pytest.mark.parametrize("case, target, words", [
     (_case(dtype=torch.float32), SM90, "fp16 or bf16 activations"),
-    (_case(batch=2), SM90, "L = 2"),
+    (_odd_batch_stride_case(), SM90, "batch stride a whole number of rows (L = 2)"),
     (_case(k=3072 + 32), SM90, "K a multiple of 64"),
     (_case(k=2880), SM90, "multiple of 256 with linear NVFP4 scales"),
     (_case(n=17), SM90, "N <= 16"),
@@ -303,6 +316,179 @@ def test_kept_descriptors_expand_as_the_launcher_wrapper_and_encode_once_per_add
         assert calls[-2] == calls[-1], change
 
 
+def _batched_operands(fmt, layout, m, k, n, batch, pad_rows=0, broadcast=None):
+    """Operands of ``batch`` matrices: the weights ``[L, m, k]`` (``pad_rows`` rows of another tensor between
+    batches: a slice of ``[L, m + pad_rows, k]``), ``broadcast`` "a" or "b": that operand one matrix for all."""
+    full = O.random_fp4((batch, m + pad_rows, k), fmt, "linear", seed=m + n, device="cpu")
+    a = FP4Tensor(full.data[:, :m], full.scales[:, :m], fmt, "linear").with_scale_layout(layout)
+    if broadcast == "a":
+        a = O.random_fp4((m, k), fmt, layout, seed=m, device="cpu")
+    b = O.random_activation((n, k) if broadcast == "b" else (batch, n, k), torch.bfloat16, seed=k, device="cpu")
+    return a, b, gemv_operands(a, b, torch.empty((batch, m, n), dtype=torch.bfloat16))
+
+
+def _descriptor_view(ops, src):
+    """What a bulk-copy descriptor ``src`` addresses: its shape and strides over the operand's memory."""
+    t = getattr(ops, src.name).view(src.dtype)
+    return torch.as_strided(t, src.shape, src.strides, t.storage_offset())
+
+
+@pytest.mark.parametrize("fmt, layout, m, k, n, pad_rows, broadcast", [
+    ("nvfp4", "linear", 200, 2048, 9, 0, None), ("nvfp4", "linear", 200, 2048, 16, 32, None),
+    ("mxfp4", "linear", 96, 3072, 4, 16, None), ("nvfp4", "swizzled", 200, 2048, 13, 0, None),
+    ("mxfp4", "swizzled", 72, 2048, 8, 0, None), ("nvfp4", "swizzled", 200, 2880, 5, 0, None),
+    ("nvfp4", "swizzled", 160, 2048, 16, 0, "a"), ("mxfp4", "linear", 160, 2048, 3, 0, "b")])
+def test_batches_address_each_matrix(fmt, layout, m, k, n, pad_rows, broadcast):
+    """L > 1 (CPU, the host's arguments and the kernel's index arithmetic replayed): program tile g is batch g // TB,
+    tile g % TB; its weight rows start at row batch * WB + tile * 16 tiles of the weights' descriptor, its linear
+    scale rows at batch * SB + ..., its activation rows at batch * XB, its swizzled scale words at batch * SPB,
+    its output at batch * out_stride_l -- and those rows are that batch's (padded batches, broadcast operands,
+    both formats and layouts, K past a multiple of 1024 with four weight copies)."""
+    L = 3
+    a, b, ops = _batched_operands(fmt, layout, m, k, n, L, pad_rows, broadcast)
+    config = engine_config(ops.case, 132)
+    assert Engine().why_not(ops.case, SM90) is None
+    grid, args, _, split = engine.engine_arguments(ops.case, config, 132)
+    rows = 16 * config.tiles
+    assert not split and grid[0] == L * args["TB"] == L * -(-m // rows)
+    weights, x = _descriptor_view(ops, args["w_desc"]), _descriptor_view(ops, args["x_desc"])
+    assert args["out_stride_l"] == ops.out.stride(0)
+    checked = 0
+    for g in range(grid[0]):
+        batch, tile = g // args["TB"], g % args["TB"]
+        for i in range(rows):
+            r = tile * rows + i
+            if r >= m:
+                continue
+            row = batch * args["WB"] + r
+            if weights.dim() == 5:  # octet rows (``w_slot_bases``): [K/256, octet, row bit 0, row bits 1-2, 128]
+                got = weights[:, row // 8, row % 2, (row // 2) % 4].reshape(-1)
+            else:
+                got = weights[row] if weights.dim() == 2 else weights[:, row].reshape(-1)
+            assert torch.equal(got, ops.a_data[batch, r]), (g, i)
+            if layout == "linear":
+                scales = _descriptor_view(ops, args["s_desc"])
+                srow = batch * args["SB"] + r
+                got = scales[srow] if scales.dim() == 2 else scales[:, srow].reshape(-1)
+                assert torch.equal(got[:ops.a_scales.shape[-1]], ops.a_scales[batch, r]), (g, i)
+            checked += 1
+        for i in range(n):
+            assert torch.equal(x[:, batch * args["XB"] + i].reshape(-1), ops.b_data[batch, i]), (g, i)
+        if layout == "swizzled":
+            words = ops.a_scales.view(torch.int32)
+            start = batch * args["SPB"]
+            flat = torch.as_strided(words, (start + words.shape[-1],), (1,), words.storage_offset())
+            assert torch.equal(flat[start:], words[batch]), g
+    assert checked == L * m
+    assert (args["WB"] == 0) == (broadcast == "a") and (args["XB"] == 0) == (broadcast == "b")
+
+
+def test_batches_refuse_a_split_grid():
+    _, _, ops = _batched_operands("nvfp4", "linear", 200, 2048, 9, 2)
+    with pytest.raises(ValueError, match="per_sm > 0.*L = 2"):
+        Engine().check_config(EngineConfig(2, 2, 128, 2), ops.case)
+def _slot_offsets(bases):
+    """{logical (j, row, column): int64 offset} of a shared layout given as offset bases (XOR of the set bits')."""
+    offsets = {}
+    for off in range(1 << len(bases)):
+        c = (0, 0, 0)
+        for i, b in enumerate(bases):
+            if off >> i & 1:
+                c = tuple(x ^ y for x, y in zip(c, b))
+        offsets[c] = off
+    return offsets
+
+
+def _copy_offsets(rows, paired):
+    """{(j, row, column): int64 offset} where the activation's bulk copy puts them under the 128-byte swizzle (16-byte
+    unit u of line l at unit u ^ (l % 8)): one 64-element chunk a line (``[16, rows, 64]`` box), or a 128-element
+    chunk's halves on adjacent lines (``[8, rows, 2, 64]`` box)."""
+    offsets = {}
+    for j, r, c in itertools.product(range(16), range(rows), range(16)):
+        line = 2 * (rows * (j // 2) + r) + j % 2 if paired else rows * j + r
+        offsets[(j, r, c)] = 16 * line + 2 * ((c >> 1) ^ (line % 8)) + (c & 1)
+    return offsets
+
+
+def _wavefronts(layout, offsets):
+    """Shared-memory wavefronts of the 16-byte loads a warp makes of the activation slice in register layout
+    ``layout`` (register bit 0: the int64 pair of one load), 8 lanes a wavefront, a bank group a 16-byte unit."""
+    def coord(reg, lane):
+        c = (0, 0, 0)
+        for bits, bases in ((reg, layout.reg_bases), (lane, layout.lane_bases)):
+            for i, b in enumerate(bases):
+                if bits >> i & 1:
+                    c = tuple(x ^ y for x, y in zip(c, b))
+        return c
+    total = 0
+    for reg in range(0, 1 << len(layout.reg_bases), 2):
+        for phase in range(4):
+            groups = {}
+            for lane in range(8 * phase, 8 * phase + 8):
+                unit = offsets[coord(reg, lane)] // 2
+                groups.setdefault(unit % 8, set()).add(unit)
+            total += max(len(v) for v in groups.values())
+    return total
+
+
+@pytest.mark.parametrize("rows", [2, 4, 8, 16])
+def test_paired_lines_slot_is_where_the_copy_puts_the_activation(rows):
+    """``x_slot_bases`` (the consumer's view of the slot) places every element of the ``[16, rows, 16]`` int64 slice
+    where the ``[8, rows, 2, 64]`` copy under the 128-byte swizzle writes it, one to one."""
+    got = _slot_offsets(engine.x_slot_bases(rows))
+    assert len(got) == 16 * rows * 16 and got == _copy_offsets(rows, paired=True)
+
+
+def test_paired_lines_make_the_activation_loads_conflict_free():
+    """The consumer's activation loads (``_layouts``' activation layout): 2-way bank conflicts in every wavefront
+    with one chunk a line (round 31, item 5: ncu counted 1.38 M conflicts of 2.81 M wavefronts), none with a
+    128-element chunk's halves on adjacent lines -- 4 wavefronts a 16-byte load."""
+    for rows in (4, 8, 16):
+        layout = engine._layouts(2, rows)[1]
+        loads = 1 << (len(layout.reg_bases) - 1)
+        assert _wavefronts(layout, _copy_offsets(rows, paired=False)) == 8 * loads, rows
+        assert _wavefronts(layout, _copy_offsets(rows, paired=True)) == 4 * loads, rows
+    assert engine.paired_lines(4096, 16) and engine.paired_lines(1024 + 128, 2)
+    assert not engine.paired_lines(2880, 16) and not engine.paired_lines(4096, 1)
+
+
+def _weight_copy_offsets(tiles, octets):
+    """{(quarter, row, column): int64 offset} where the weights' copy puts them under the 128-byte swizzle: one row a
+    line in row order, or each octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``)."""
+    rows, offsets = 16 * tiles, {}
+    for q, r, c in itertools.product(range(4), range(rows), range(16)):
+        line = q * rows + (8 * (r // 8) + 4 * (r % 2) + (r // 2) % 4 if octets else r)
+        offsets[(q, r, c)] = 16 * line + 2 * ((c >> 1) ^ (line % 8)) + (c & 1)
+    return offsets
+
+
+class _Bases(NamedTuple):
+    reg_bases: list
+    lane_bases: list
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 4])
+def test_octet_rows_slot_is_where_the_copy_puts_the_weights(tiles):
+    got = _slot_offsets(engine.w_slot_bases(tiles))
+    assert len(got) == 4 * 16 * tiles * 16 and got == _weight_copy_offsets(tiles, octets=True)
+
+
+def test_octet_rows_make_the_weight_loads_conflict_free():
+    """The fold step's weight loads (``_layouts``' weight layout: the BlockedLayout ``[1, 1, 2]`` a thread, lanes 4
+    along the columns and 8 along the rows, as bases; and the warp-group one): 8 wavefronts a 16-byte load with one
+    row a line, 4 with the octet order."""
+    lanes = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    blocked = _Bases([[0, 0, 1], [0, 0, 8], [0, 8, 0], [0, 16, 0]], lanes)  # tiles 2, one warp's registers
+    grouped = engine._layouts(2, 16, False, 2)[0]
+    assert grouped.lane_bases == lanes
+    for tiles, layout in ((2, blocked), (2, _Bases(grouped.reg_bases, grouped.lane_bases))):
+        loads = 1 << (len(layout.reg_bases) - 1)
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=False)) == 8 * loads
+        assert _wavefronts(layout, _weight_copy_offsets(tiles, octets=True)) == 4 * loads
+    assert engine.octet_rows(_case(m=4096, k=4096)) and not engine.octet_rows(_case(m=4100, k=4096))
+    assert not engine.octet_rows(_case(k=2880, layout="swizzled")) and not engine.octet_rows(_case(fmt="mxfp4"))
+
+
 def test_grid_size_one_program_per_tile_or_per_sm_programs():
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 0), 132) == (128, False)
     assert grid_size(128, 4, EngineConfig(2, 3, 128, 2), 132) == (264, True)
@@ -377,11 +563,39 @@ def test_compiles_for_sm90_with_bulk_copies_mbarriers_and_no_local_memory(compil
         assert local == "[]", line
 
 
+_COMPILE_BATCHES = textwrap.dedent("""
+    import torch
+    from aot import compile_gluon_sm90, sass_listing, registers, local_memory, mma_loop
+    import operands as O
+    from fp4gemv.ops import gemv_operands
+    from fp4gemv.kernels.engine import EngineConfig, engine_launch
+    for fmt, layout in (("nvfp4", "swizzled"), ("mxfp4", "linear")):
+        for L in (1, 3):
+            a = O.random_fp4((L, 4096, 4096), fmt, layout, seed=1, device="cpu").with_code_order("paired")
+            b = O.random_activation((L, 16, 4096), torch.bfloat16, seed=2, device="cpu")
+            ops = gemv_operands(a, b, torch.empty((L, 4096, 16), dtype=torch.bfloat16))
+            kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
+            c = compile_gluon_sm90(kernel, args, options)
+            loop = mma_loop(sass_listing(c))
+            print(fmt, L, grid[0], len(loop), registers(c), c.metadata.shared, local_memory(c))
+""")
+
+
+def test_batches_compile_to_the_same_step(compile_for_sm90):
+    """sm_90: a batch of three is the same step loop as one matrix (the batch arithmetic is per tile, outside it),
+    three times the programs, within the launch's registers, no local memory."""
+    rows = [line.split(" ", 6) for line in compile_for_sm90(_COMPILE_BATCHES).strip().splitlines()]
+    got = {(fmt, int(L)): (int(grid), int(loop), int(regs), int(shared), local)
+           for fmt, L, grid, loop, regs, shared, local in rows}
+    for fmt in ("nvfp4", "mxfp4"):
+        one, three = got[fmt, 1], got[fmt, 3]
+        assert three[0] == 3 * one[0] and abs(three[1] - one[1]) <= 4, (fmt, one, three)
+        assert three[2] <= 128 and three[4] == "[]" and three[3] <= 233472 // 2 - 1024, (fmt, three)
+
+
 _COMPILE_ORDERS = textwrap.dedent("""
-    import collections, torch, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from aot import jit_specialization, sass_listing, registers, local_memory, mma_loop
+    import collections, torch
+    from aot import compile_gluon_sm90, sass_listing, registers, local_memory, mma_loop
     import operands as O
     from fp4gemv.ops import gemv_operands
     from fp4gemv.kernels.engine import EngineConfig, engine_launch
@@ -392,10 +606,7 @@ _COMPILE_ORDERS = textwrap.dedent("""
             b = O.random_activation((16, 4096), dtype, seed=2, device="cpu")
             ops = gemv_operands(a, b, torch.empty((1, 4096, 16), dtype=dtype))
             kernel, grid, args, options = engine_launch(ops, EngineConfig(2, 2, 128))
-            kw = {k: v for k, v in options.items() if k not in ("num_warps", "maxnreg")}
-            sig, const, attrs, _ = jit_specialization(kernel, args, kw)
-            c = triton.compile(GluonASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=options["num_warps"], maxnreg=options["maxnreg"]))
+            c = compile_gluon_sm90(kernel, args, options)
             loop = mma_loop(sass_listing(c))
             mix = collections.Counter(op.split(".")[0] for _, op, _ in loop)
             print(fmt + str(dtype).split(".")[1], order, len(loop), mix["PRMT"], mix["HMMA"], registers(c), local_memory(c))
@@ -444,6 +655,31 @@ def test_ptx_exact(layout, out_dtype, m, k, n):
         out = O.poisoned((m, n), out_dtype, device="cuda")
         gemv(a, b, out=out, out_dtype=out_dtype, backend="triton-ptx", kernel="engine", config=config)
         O.assert_matches_exact(out, a, b, out_dtype, tensor_cores=True, fold=engine.FOLD_EXPONENT)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, layout, m, k, n, pad_rows, broadcast", [
+    ("nvfp4", "linear", 200, 2048, 9, 0, None), ("nvfp4", "linear", 1000, 4096, 16, 32, None),
+    ("mxfp4", "linear", 96, 3072, 4, 16, None), ("nvfp4", "swizzled", 200, 2048, 13, 0, None),
+    ("mxfp4", "swizzled", 520, 2048, 8, 0, None), ("nvfp4", "swizzled", 200, 2880, 5, 0, None),
+    ("nvfp4", "swizzled", 160, 2048, 16, 0, "a"), ("mxfp4", "linear", 160, 2048, 3, 0, "b"),
+    ("nvfp4", "swizzled", 4096, 7168, 16, 0, None)])
+def test_batches_exact(fmt, layout, m, k, n, pad_rows, broadcast):
+    """L = 3 in one launch (``batch_rows``; the CPU test above checks the addresses): exact within the tensor-core
+    bound in the default configuration and three programs an SM, with padded batches, broadcast operands and an
+    output whose batches are not contiguous (the task's [M, N, L] order)."""
+    a, b, _ = _batched_operands(fmt, layout, m, k, n, 3, pad_rows, broadcast)
+    a = FP4Tensor(a.data.cuda(), a.scales.cuda(), fmt, layout)
+    b = b.cuda()
+    default = Engine().default_config(gemv_operands(a, b, torch.empty(O.result_shape(a, b), device="cuda")).case,
+                                      device_target(a.data.device))
+    assert select_kernel(a, b).name == ("engine" if n >= engine.MIN_N_OVER_WEIGHT_ONLY else "weight_only")
+    for config in (default, EngineConfig(2, 2, 80)):
+        for out in (O.poisoned((3, m, n), torch.float32, device="cuda"),
+                    O.poisoned((m, n, 3), torch.float32, device="cuda").permute(2, 0, 1)):
+            gemv(a, b, out=out, out_dtype=torch.float32, backend="triton-ptx", kernel="engine", config=config)
+            O.assert_matches_exact(out, a, b, torch.float32, tensor_cores=True,
+                                   fold=engine.step_fold_exponent(fmt))
 
 
 @pytest.mark.gpu

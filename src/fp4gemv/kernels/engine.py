@@ -1,6 +1,8 @@
 """The decode engine (issue 27): NVFP4 or MXFP4 weights times fp16 or bf16 activations, N = 1..16, on Hopper.
 
-The program.  ``16 * tiles`` weight rows over all of K.  Warp-specialized (Gluon, ``_gluon``):
+The program.  ``16 * tiles`` weight rows of one matrix over all of K; a batch of L matrices (the task's ``[M, K, L]``,
+any operand broadcast) is one grid of every matrix's row tiles, batch-major, each batch found at its batch stride
+in rows (``batch_rows``).  Warp-specialized (Gluon, ``_gluon``):
 
 * a producer warp streams, per step of ``STEP_K`` = 1024 elements of K, the rows' packed weights, their e4m3
   scales and the activation's slice with bulk tensor copies (TMA) into a ring of ``stages`` shared-memory slots,
@@ -154,7 +156,7 @@ def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
     program per row tile (round 23: the persistent grid, 1 or 2 programs per SM, was slower on 4 of 5 shapes)."""
     if case.n <= 8:
         return SMALL_N_CONFIG
-    row_tiles = -(-case.m // 32)
+    row_tiles = case.batch * -(-case.m // 32)
     few = sm_count > 0 and (2 * row_tiles <= sm_count or (row_tiles <= sm_count and case.n >= ONE_TILE_N))
     return EngineConfig(1 if few else 2, 2, 128)
 
@@ -165,7 +167,7 @@ def engine_deferred(case: GemvCase, sm_count: int) -> bool:
     0, unknown: deferred) and K is under ``MULTI_WAVE_MIN_K``."""
     if case.n > 8:
         return False
-    tiles = -(-case.m // (16 * SMALL_N_CONFIG.tiles))
+    tiles = case.batch * -(-case.m // (16 * SMALL_N_CONFIG.tiles))
     return case.n < MIN_N_OVER_WEIGHT_ONLY or (tiles > SMALL_N_PER_SM * sm_count and case.k < MULTI_WAVE_MIN_K)
 
 
@@ -459,20 +461,90 @@ def _x_swizzle(rows: int) -> int:
     return 128 if rows >= 2 else 0
 
 
+def paired_lines(k: int, rows: int) -> bool:
+    """Whether the activation's copy puts each 128-element chunk's two 64-element halves on adjacent lines of the
+    slot (``x_slot_bases``): where K is a multiple of 128 (the copy's half dimension never passes K) and the slice
+    has two or more rows (one row: every lane reads the same line)."""
+    return k % 128 == 0 and rows >= 2
+
+
+@functools.lru_cache(maxsize=None)
+def x_slot_bases(rows: int) -> tuple:
+    """The activation slot, as the paired-line copy writes it, viewed as int64 ``[16, rows, 16]`` (64-element chunk
+    j, row, int64 column c -- the logical slice ``_x_operands`` takes): for each bit of an int64's offset in the
+    slot, the coordinates it moves (a ``SharedLinearLayout``'s bases).
+
+    The copy's box is ``[8, rows, 2, 64]`` (128-element chunk j // 2, row, half j % 2, element) under the 128-byte
+    swizzle, so line ``l = 2 (rows (j // 2) + row) + j % 2`` holds chunk j of the row, and 16-byte unit u of line l
+    sits at unit ``u ^ (l % 8)``.  Offset bits 0-3 are the int64 within the line (bit 0 the int64's half of a 16-byte
+    unit, bits 1-3 the unit); bits 4 and up the line -- its bit 0 the half (j + 1), the next log2(rows) the row,
+    then the 128-element chunk (j + 2, + 4, + 8).  A line bit below 3 also flips unit bit i (the swizzle), so its
+    basis carries column 2^(i + 1) too.  Why (docs/performance.md, round 31, item 5): a consumer lane's c1 reads the
+    next 64-element chunk, which in the one-chunk-a-line copy sits 16 lines on -- the swizzle's period twice, the
+    same banks as c1 = 0 -- while here it is the adjacent line, whose swizzle moves it to other banks."""
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    line = [[1, 0, 0]] + [[0, 1 << i, 0] for i in range(rows.bit_length() - 1)] + [[2, 0, 0], [4, 0, 0], [8, 0, 0]]
+    for i, (j, r, c) in enumerate(line):
+        bases.append([j, r, c ^ (2 << i) if i < 3 else c])
+    return tuple(tuple(b) for b in bases)
+
+
+def octet_rows(case: GemvCase) -> bool:
+    """Whether the weights' copy puts each 8-row octet's rows in the order 0, 2, 4, 6, 1, 3, 5, 7 (``w_slot_bases``):
+    NVFP4 (the fold step's 16-byte loads; MXFP4's k32 step reads its slot by ``ldmatrix``) in one 3-D copy a step
+    (K a multiple of ``WARP_K``) with whole octets (M and a batch's rows multiples of 8: the copy's row view never
+    passes the last row)."""
+    return (case.fmt.name == "nvfp4" and not _four_copies(case.k) and case.m % 8 == 0
+            and (case.batch == 1 or batch_rows(case).weights % 8 == 0))
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_bases(tiles: int) -> tuple:
+    """The weight slot, as the octet copy writes it, viewed as int64 ``[4, 16 tiles, 16]`` (K quarter, row, int64
+    column): each int64 offset bit's coordinates (``x_slot_bases``' scheme).  The copy's box is ``[4, 2 tiles, 2, 4,
+    128 bytes]`` over the rows viewed as (octet, row bit 0, row bits 1-2), so row r's line is ``8 (r // 8) + 4 (r %
+    2) + (r // 2) % 4`` (plus 16 tiles a quarter): a lane's g0 (the next row) moves four lines, which the 128-byte
+    swizzle turns into unit bit 2 -- a bit the lanes c (units 0-3 of a 16-byte load) never set, so the eight lanes
+    of a wavefront hit eight bank groups (with one row a line, g0 flips unit bit 0 and collides with c0)."""
+    bases = [[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8]]
+    line = [[0, 2, 0], [0, 4, 0], [0, 1, 0]] + [[0, 8 << i, 0] for i in range(tiles.bit_length())] + [[1, 0, 0],
+                                                                                                     [2, 0, 0]]
+    for i, (q, r, c) in enumerate(line):
+        bases.append([q, r, c ^ (2 << i) if i < 3 else c])
+    return tuple(tuple(b) for b in bases)
+
+
+@functools.lru_cache(maxsize=None)
+def w_slot_layout(tiles: int):
+    """The weight slot's int64 view where ``octet_rows`` (``w_slot_bases``)."""
+    return gl.SharedLinearLayout([list(b) for b in w_slot_bases(tiles)])
+
+
+@functools.lru_cache(maxsize=None)
+def x_slot_layout(rows: int):
+    """The activation slot's int64 view for ``_as_int64`` where ``paired_lines`` (``x_slot_bases``)."""
+    return gl.SharedLinearLayout([list(b) for b in x_slot_bases(rows)])
+
+
 # --- the kernel --------------------------------------------------------------------------------------------------
 
 
 @gluon.jit
-def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES: gl.constexpr,
-              TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, W2D: gl.constexpr):
-    # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``).  Copies
-    # past K (the last step where K % 1024 != 0) are zero-filled by the copy engine.
+def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, TB, WB, SB, XB,
+              STAGES: gl.constexpr, TILE_ROWS: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr,
+              W2D: gl.constexpr, X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
+    # Work unit v of the program's range: step v % n_steps of row tile v // n_steps (``persistent_ranges``), the
+    # tiles batch-major, TB a batch (``batch_rows``).  Copies past K (the last step where K % 1024 != 0) are
+    # zero-filled by the copy engine.
     W_BYTES: gl.constexpr = w_desc.block_type.nbytes * (4 if W2D else 1)
     for v in range(start, end):
         i = v - start
         slot = i % STAGES
         tile = v // n_steps
         step = v - tile * n_steps
+        batch = tile // TB
+        row = batch * WB + (tile - batch * TB) * TILE_ROWS  # the tile's first row in the weights' descriptor
+        srow = batch * SB + (tile - batch * TB) * TILE_ROWS  # ... in the linear scales'
         mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
         if SWIZZLED:  # the consumer loads its scale words itself (``_swizzled_words``)
             mbarrier.expect(ready.index(slot), W_BYTES + x_desc.block_type.nbytes)
@@ -482,15 +554,20 @@ def _producer(w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end
             W2: gl.constexpr = gl.NVMMASharedLayout(128, 8, rank=2)  # the 2-D copy's (``_sources``)
             chunks = shared_view(wbuf.index(slot), gl.uint8, [4, TILE_ROWS, 128], W2)
             for c in gl.static_range(4):
-                tma_load(w_desc, [tile * TILE_ROWS, (step * 4 + c) * 128], ready.index(slot), chunks.index(c))
+                tma_load(w_desc, [row, (step * 4 + c) * 128], ready.index(slot), chunks.index(c))
+        elif W_OCTETS:  # [4 quarters, octets, row bit 0, row bits 1-2, 128] (``w_slot_bases``)
+            tma_load(w_desc, [step * 4, row // 8, 0, 0, 0], ready.index(slot), wbuf.index(slot))
         else:
-            tma_load(w_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), wbuf.index(slot))
+            tma_load(w_desc, [step * 4, row, 0], ready.index(slot), wbuf.index(slot))
         if not SWIZZLED:
             if MX:  # [16 TILES rows, the step's 32 e8m0 bytes]
-                tma_load(s_desc, [tile * TILE_ROWS, 32 * step], ready.index(slot), sbuf.index(slot))
+                tma_load(s_desc, [srow, 32 * step], ready.index(slot), sbuf.index(slot))
             else:
-                tma_load(s_desc, [step * 4, tile * TILE_ROWS, 0], ready.index(slot), sbuf.index(slot))
-        tma_load(x_desc, [16 * step, 0, 0], ready.index(slot), xbuf.index(slot))
+                tma_load(s_desc, [step * 4, srow, 0], ready.index(slot), sbuf.index(slot))
+        if X_PAIRED:  # [8 chunks of 128, rows, 2 halves, 64] (``x_slot_bases``)
+            tma_load(x_desc, [8 * step, batch * XB, 0, 0], ready.index(slot), xbuf.index(slot))
+        else:
+            tma_load(x_desc, [16 * step, batch * XB, 0], ready.index(slot), xbuf.index(slot))
 
 
 @gluon.jit
@@ -663,7 +740,8 @@ def _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n,
 
 @gluon.jit
 def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
-              programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr,
+              programs, M, N, K, n_steps, out_stride_m, out_stride_n, TB, SPB, out_stride_l, mp0, mp1, m24, m29,
+              TILES: gl.constexpr,
               STAGES: gl.constexpr, ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr,
               ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
               X64: gl.constexpr, SPLIT: gl.constexpr, SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr,
@@ -679,16 +757,22 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
     for tile in range(first_tile, last_tile + 1):
         seg0 = gl.maximum(start, tile * n_steps)
         seg1 = gl.minimum(end, tile * n_steps + n_steps)
+        # Batch-major tiles (L > 1: one program a tile, no split): the batch's scales and output rows, the tile
+        # within it (L = 1: batch 0, bt = tile).
+        batch = tile // TB
+        bt = tile - batch * TB
+        sp_b = sp_ptr + batch.to(gl.int64) * SPB
+        out_b = out_ptr + batch.to(gl.int64) * out_stride_l
         acc = gl.zeros([4, 16 * TILES, 16], gl.float32, LW)
         if SWIZZLED:  # the scale words one step ahead of their use: their load's latency under a step
-            words_next = _swizzled_words(sp_ptr, tile, seg0 - tile * n_steps, K, TILES, MX, TAIL, LP)
+            words_next = _swizzled_words(sp_b, bt, seg0 - tile * n_steps, K, TILES, MX, TAIL, LP)
         for v in range(seg0, seg1):
             i = v - start
             slot = i % STAGES
             if SWIZZLED:
                 words = words_next
                 ahead = gl.minimum(v + 1, seg1 - 1) - tile * n_steps  # the last step loads its own again
-                words_next = _swizzled_words(sp_ptr, tile, ahead, K, TILES, MX, TAIL, LP)
+                words_next = _swizzled_words(sp_b, bt, ahead, K, TILES, MX, TAIL, LP)
             mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
             x0, x1, x2, x3 = _x_operands(_as_int64(xbuf.index(slot), 16, ROWS, X64).load(LX), TILES, ROWS, LW, MX,
                                          GROUPS)
@@ -720,9 +804,9 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
             red = shared_view(wbuf.index(0), gl.float32, [4, 16 * TILES, 16], RED)
             red.store(acc)
             total = gl.sum(red.load(LR), axis=0) * FOLD
-            _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA,
+            _store_rows(out_b, gsa_ptr, total, bt, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA,
                         gl.SliceLayout(0, LR))
-        elif SPLIT and (seg1 - seg0) != n_steps:
+        elif SPLIT and (seg1 - seg0) != n_steps:  # L = 1 only (``Engine.check_config``)
             total = gl.sum(acc, axis=0) * FOLD
             if seg0 == tile * n_steps:
                 # The tile's first steps: this program finishes it, its range ending here (``_finish``).
@@ -740,7 +824,7 @@ def _consumer(wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_pt
                                   p_first, p_last, M, N, out_stride_m, out_stride_n, part, TILES, HAS_GSA, LO, MAXC)
         else:
             total = gl.sum(acc, axis=0) * FOLD
-            _store_rows(out_ptr, gsa_ptr, total, tile, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
+            _store_rows(out_b, gsa_ptr, total, bt, M, N, out_stride_m, out_stride_n, TILES, HAS_GSA, LO)
 
 
 @gluon.jit
@@ -793,14 +877,15 @@ def _finish(out_ptr, gsa_ptr, ws_ptr, count_ptr, total, tile, units, programs, M
 
 @gluon.jit
 def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, M, N, K, units,
-                       out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES: gl.constexpr, STAGES: gl.constexpr,
+                       out_stride_m, out_stride_n, TB, WB, SB, XB, SPB, out_stride_l, mp0, mp1, m24, m29,
+                       TILES: gl.constexpr, STAGES: gl.constexpr,
                        ROWS: gl.constexpr, HAS_GSA: gl.constexpr, FOLD: gl.constexpr, ASM: gl.constexpr,
                        CONSTRAINTS: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, W64: gl.constexpr,
                        X64: gl.constexpr, PRODUCER_REGS: gl.constexpr, SPLIT: gl.constexpr,
                        SWIZZLED: gl.constexpr, MX: gl.constexpr, S3: gl.constexpr, LS: gl.constexpr,
                        W32: gl.constexpr, L32: gl.constexpr, RING_SUM: gl.constexpr, W2D: gl.constexpr,
                        TAIL: gl.constexpr, GROUPS: gl.constexpr, LP: gl.constexpr, LR: gl.constexpr,
-                       MAXC: gl.constexpr):
+                       MAXC: gl.constexpr, X_PAIRED: gl.constexpr, W_OCTETS: gl.constexpr):
     # Program p runs work units [p units / P, (p + 1) units / P) of the (row tile, step) space, tile-major
     # (``persistent_ranges``); without SPLIT, P is the tile count and each program one tile.
     pid = gl.program_id(0)
@@ -825,11 +910,12 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
         mbarrier.init(empty.index(i), count=128 * GROUPS)  # every consumer thread
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
-                     programs, M, N, K, n_steps, out_stride_m, out_stride_n, mp0, mp1, m24, m29, TILES, STAGES,
+                     programs, M, N, K, n_steps, out_stride_m, out_stride_n, TB, SPB, out_stride_l, mp0, mp1, m24,
+                     m29, TILES, STAGES,
                      ROWS, HAS_GSA, FOLD, ASM, CONSTRAINTS, LW, LX, W64, X64, SPLIT, SWIZZLED, MX, S3, LS, W32, L32,
                      RING_SUM, TAIL, GROUPS, LP, LR, MAXC)),
-        (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, STAGES,
-                     16 * TILES, SWIZZLED, MX, W2D)),
+        (_producer, (w_desc, s_desc, x_desc, wbuf, sbuf, xbuf, ready, empty, start, end, n_steps, TB, WB, SB, XB,
+                     STAGES, 16 * TILES, SWIZZLED, MX, W2D, X_PAIRED, W_OCTETS)),
     ], [1], [PRODUCER_REGS])
 
 
@@ -857,7 +943,7 @@ def check_ring_config(config) -> None:
 
 
 class Engine(TritonKernelSpec):
-    """NVFP4 or MXFP4 weights (either scale layout), one matrix, times fp16 or bf16 activations,
+    """NVFP4 or MXFP4 weights (either scale layout), one matrix or a batch, times fp16 or bf16 activations,
     N = 1..16, K a multiple of 64, on sm_90 and newer: the warp-specialized TMA engine (module docstring)."""
 
     name = "engine"
@@ -869,8 +955,8 @@ class Engine(TritonKernelSpec):
             return target_reason(target)
         if case.fp4_activation or case.b.dtype not in (torch.bfloat16, torch.float16):
             return "needs fp16 or bf16 activations"
-        if case.batch != 1:
-            return f"needs one matrix (L = 1), got L = {case.batch}"
+        if isinstance(batch_rows(case), str):
+            return batch_rows(case)
         if case.n > MAX_N:
             return f"needs N <= {MAX_N}, got N = {case.n}"
         if case.k % K_ALIGN:
@@ -900,6 +986,9 @@ class Engine(TritonKernelSpec):
             raise ValueError(f"config: expected per_sm from 0 to 4, got {config}")
         if config.groups not in (1, 2, 4) or config.groups > config.tiles:
             raise ValueError(f"config: expected groups 1, 2 or 4, at most tiles, got {config}")
+        if config.per_sm and case is not None and case.batch > 1:
+            raise ValueError(f"config: a persistent grid (per_sm > 0) takes one matrix, got {config} at L = "
+                             f"{case.batch}")
         if config.groups > 1 and case is not None and case.n <= 8:
             raise ValueError(f"config: groups > 1 takes N > 8 (the 16-row activation slice), got {config} at "
                              f"N = {case.n}")
@@ -936,6 +1025,39 @@ def max_contributors(steps: int, units: int, programs: int) -> int:
     span at most ``steps // (units // programs)`` whole ranges and two partial ones.  The finisher's loads are
     unrolled to it (``_sum_partials``)."""
     return steps // max(1, units // programs) + 2
+
+
+class BatchRows(NamedTuple):
+    """Where batch l starts in the descriptors' row dimension (the weights' rows ``l * weights``, linear scales'
+    ``l * scales``, the activation's ``l * activation``) and in the swizzled scales' int32 words (``l *
+    swizzled_words``): each operand's batch stride in its own rows (0 where broadcast).  L > 1 runs every batch's
+    row tiles in one grid, batch-major; a tile's rows past M read the next batch's (or the copy's zeros), which
+    no output row takes."""
+
+    weights: int
+    scales: int
+    activation: int
+    swizzled_words: int
+
+
+def batch_rows(case: GemvCase) -> BatchRows | str:
+    """The case's :class:`BatchRows`, or why the engine cannot address its batches (a batch stride that is not a
+    whole number of the operand's rows)."""
+    if case.batch == 1:
+        return BatchRows(case.m, case.m, case.n, 0)
+    a, b, scales = case.a, case.b, case.a.scales
+    if a.batch_stride % a.row_stride:
+        return (f"needs the weights' batch stride a whole number of rows (L = {case.batch}), got "
+                f"{a.batch_stride} bytes with rows {a.row_stride} apart")
+    if b.strides[0] % b.strides[1]:
+        return (f"b: needs its batch stride a whole number of rows (L = {case.batch}), got {b.strides[0]} "
+                f"elements with rows {b.strides[1]} apart")
+    swizzled = a.scale_layout == "swizzled"
+    if (scales.batch % 4) if swizzled else (scales.batch % scales.r32):
+        return (f"needs the scales' batch stride a whole number of {'int32 words' if swizzled else 'rows'} (L = "
+                f"{case.batch}), got {scales.batch} bytes")
+    return BatchRows(a.batch_stride // a.row_stride, 0 if swizzled else scales.batch // scales.r32,
+                     b.strides[0] // b.strides[1], scales.batch // 4 if swizzled else 0)
 
 
 def grid_size(tiles: int, steps: int, config: EngineConfig, sm_count: int) -> tuple[int, bool]:
@@ -984,12 +1106,21 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     MXFP4's [M, K/32]; swizzled scales are loaded by the consumer, their descriptor the weights'), out, the global
     scale (a's scales where none: not read), the fix-up's partials and counters (out where no tile is split: not
     read) and the scale bytes (int32 words where swizzled)."""
-    m, k, n = case.m, case.k, case.n
+    k, n = case.k, case.n
     tiles = config.tiles
+    # Rows of each descriptor: every batch's, batch l from l * its batch rows (``batch_rows``; L = 1: M and N).
+    rows_of = batch_rows(case)
+    m = (case.batch - 1) * rows_of.weights + case.m
+    m_s = (case.batch - 1) * rows_of.scales + case.m
+    n_x = (case.batch - 1) * rows_of.activation + n
     # Descriptors of 8- and 16-bit elements (Triton 3.9 takes no wider ones); the kernel views the bytes as int64.
     if _four_copies(k):  # [M, K/2] bytes, four copies of [16 tiles rows, 128] a step
         w = DescSrc("a_data", torch.uint8, (m, k // 2), (case.a.row_stride, 1), (16 * tiles, 128),
                     copy_layout(128, 8, 2))
+    elif octet_rows(case):  # rows in octets, row bit 0 above bits 1-2 (``w_slot_bases``)
+        rs = case.a.row_stride
+        w = DescSrc("a_data", torch.uint8, (k // WARP_K, m // 8, 2, 4, 128), (128, 8 * rs, rs, 2 * rs, 1),
+                    (WARPS, 2 * tiles, 2, 4, 128), copy_layout(128, 8, 5))
     else:
         w = DescSrc("a_data", torch.uint8, (k // WARP_K, m, 128), (128, case.a.row_stride, 1),
                     (WARPS, 16 * tiles, 128), copy_layout(128, 8, 3))
@@ -997,14 +1128,18 @@ def _sources(case: GemvCase, config: EngineConfig) -> dict:
     if swizzled:
         s = w  # not copied
     elif case.fmt.name == "mxfp4":  # [M, K/32] e8m0 bytes, a copy of 16 tiles rows and the step's 32 bytes
-        s = DescSrc("a_scales", torch.uint8, (m, k // 32), (case.a.scales.r32, 1), (16 * tiles, 32),
+        s = DescSrc("a_scales", torch.uint8, (m_s, k // 32), (case.a.scales.r32, 1), (16 * tiles, 32),
                     copy_layout(0, 8, 2))
     else:
-        s = DescSrc("a_scales", torch.uint8, (k // WARP_K, m, 16), (16, case.a.scales.r32, 1), (WARPS, 16 * tiles, 16),
-                    copy_layout(0, 8, 3))
+        s = DescSrc("a_scales", torch.uint8, (k // WARP_K, m_s, 16), (16, case.a.scales.r32, 1),
+                    (WARPS, 16 * tiles, 16), copy_layout(0, 8, 3))
     rows = activation_rows(n)
-    x = DescSrc("b_data", case.b.dtype, (k // 64, n, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
-                copy_layout(_x_swizzle(rows), 16, 3))
+    if paired_lines(k, rows):  # a 128-element chunk's halves on adjacent lines (``x_slot_bases``)
+        x = DescSrc("b_data", case.b.dtype, (k // 128, n_x, 2, 64), (128, case.b.strides[1], 64, 1),
+                    (2 * WARPS, rows, 2, 64), copy_layout(128, 16, 4))
+    else:
+        x = DescSrc("b_data", case.b.dtype, (k // 64, n_x, 64), (64, case.b.strides[1], 1), (4 * WARPS, rows, 64),
+                    copy_layout(_x_swizzle(rows), 16, 3))
     out = Src("out", case.out_dtype)
     gsa, _ = global_scale_sources(case)
     return dict(w_desc=w, s_desc=s, x_desc=x, out_ptr=out, gsa_ptr=gsa, ws_ptr=out, count_ptr=out,
@@ -1024,13 +1159,19 @@ def engine_arguments(case: GemvCase, config: EngineConfig, sm_count: int = 132) 
     asm, constraints = step_asm(config.tiles // config.groups, 2 if n > 8 else 1, case.fmt.name, order, scale_bits, act)
     lw, lx, w64, x64 = _layouts(config.tiles, rows, mx, config.groups)
     w32, l32 = k32_weight_layouts(config.tiles, config.groups)
-    tiles, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
+    per_batch, steps = -(-m // (16 * config.tiles)), -(-k // STEP_K)
+    tiles = case.batch * per_batch  # batch-major
     programs, split = grid_size(tiles, steps, config, sm_count)
+    rows_of = batch_rows(case)
     args = dict(_sources(case, config), M=m, N=n, K=k, units=tiles * steps,
-                out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], **multipliers(act, order))
+                out_stride_m=case.out_strides[1], out_stride_n=case.out_strides[2], TB=per_batch,
+                WB=rows_of.weights, SB=rows_of.scales, XB=rows_of.activation, SPB=rows_of.swizzled_words,
+                out_stride_l=case.out_strides[0], **multipliers(act, order))
     options = dict(TILES=config.tiles, STAGES=config.stages, ROWS=rows, HAS_GSA=case.a.has_global_scale,
                    FOLD=2.0 ** step_fold_exponent(case.fmt.name, act), ASM=asm, CONSTRAINTS=constraints, LW=lw, LX=lx,
-                   W64=w64, X64=x64, PRODUCER_REGS=PRODUCER_REGS, SPLIT=split,
+                   W64=w_slot_layout(config.tiles) if octet_rows(case) else w64,
+                   X64=x_slot_layout(rows) if paired_lines(k, rows) else x64, PRODUCER_REGS=PRODUCER_REGS,
+                   SPLIT=split, X_PAIRED=paired_lines(k, rows), W_OCTETS=octet_rows(case),
                    SWIZZLED=case.a.scale_layout == "swizzled", MX=mx, S3=SCALE_ROWS,
                    LS=k32_scale_layout(config.tiles, config.groups), W32=w32, L32=l32, RING_SUM=programs == tiles,
                    W2D=_four_copies(k), TAIL=k % STEP_K != 0, GROUPS=config.groups,
@@ -1047,7 +1188,7 @@ def engine_launch(ops: GemvOperands, config: EngineConfig, sm_count: int = 132):
     grid, args, options, split = engine_arguments(ops.case, config, sm_count)
     args = fill_sources(args, ops)
     if split:
-        tiles = -(-ops.case.m // (16 * config.tiles))
+        tiles = -(-ops.case.m // (16 * config.tiles))  # L = 1 (``Engine.check_config``)
         args["ws_ptr"] = torch.empty(grid[0] * 2 * 256 * config.tiles, dtype=torch.float32, device=ops.out.device)
         args["count_ptr"] = fixup_counters(ops.out.device, tiles)
     return engine_gemv_kernel, grid, tuple(args.values()), options
