@@ -4,7 +4,7 @@ of the same bytes, in one process.
 
     PYTHONPATH=src python benchmarks/engine_ab.py [VARIANT ...]   -> engine_ab.json in $OUT (or .)
 
-``NS`` (default 1,8,16) and ``SHAPES`` (default the six below, e.g. ``SHAPES=4096x14336,4096x4096``) choose the rows;
+``NS`` (default 1,8,16) and ``SHAPES`` (default the six below, e.g. ``SHAPES=4096x14336,4096x7168x8``: M x K [x L]) choose the rows;
 ``WARM=1`` times one L2-resident copy instead (the kernels' own rate, not the memory's).
 
 A variant is ``FMT[/fp16]:LAYOUT:ORDER:KERNEL[:CONFIG]`` (``/fp16``: fp16 activations, else bf16; KERNEL
@@ -87,10 +87,11 @@ def _moe_time(inputs, kernel):
 
 def main(variants):
     rows = []
-    for m, k in SHAPES:
+    for m, k, *batch in SHAPES:
         for n in NS:
-            shape = Shape(m, k, 1, n)
-            row = {"m": m, "k": k, "n": n}
+            shape = Shape(m, k, batch[0] if batch else 1, n)
+            row = {"m": m, "k": k, "l": shape.l, "n": n}
+            lx = f"x{shape.l}" if batch else ""
             row["read_us"] = best_read(case_bytes(shape, "nvfp4", "bf16"))[1]
             row["read_mx_us"] = best_read(case_bytes(shape, "mxfp4", "bf16"))[1]
             row["fp8_us"], row["fp8_rows"] = _fp8_scaled_mm_us(shape)
@@ -107,7 +108,7 @@ def main(variants):
                     us, chosen, result = variant_time(shape, fmt, layout, order, kernel, config or None, act or "bf16")
                 except Exception as e:  # a kernel that refuses the case: recorded, not fatal
                     row[v] = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    print(f"{m}x{k} N={n} {v}: {row[v]['error']}", flush=True)
+                    print(f"{m}x{k}{lx} N={n} {v}: {row[v]['error']}", flush=True)
                     continue
                 ref = refs.setdefault((fmt, act), result)
                 diff = (result - ref).abs()
@@ -115,9 +116,9 @@ def main(variants):
                 row[v] = {"us": us, "kernel": chosen, "same_bits": same, "max_abs_diff": float(diff.max()),
                           "x_read": row["read_us" if fmt == "nvfp4" else "read_mx_us"] / us,
                           "x_fp8": row["fp8_us"] / us}
-                print(f"{m}x{k} N={n} {v:<34} {us:8.2f} us  x read {row[v]['x_read']:.2f}  x fp8 "
+                print(f"{m}x{k}{lx} N={n} {v:<34} {us:8.2f} us  x read {row[v]['x_read']:.2f}  x fp8 "
                       f"{row[v]['x_fp8']:.2f}  {chosen}  same={same} maxdiff={row[v]['max_abs_diff']:.3g}", flush=True)
-            print(f"{m}x{k} N={n} read {row['read_us']:.2f} / {row['read_mx_us']:.2f} fp8 {row['fp8_us']:.2f} "
+            print(f"{m}x{k}{lx} N={n} read {row['read_us']:.2f} / {row['read_mx_us']:.2f} fp8 {row['fp8_us']:.2f} "
                   f"bf16 {row['bf16_us']:.2f}", flush=True)
             rows.append(row)
             meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "variants": list(variants),

@@ -170,11 +170,14 @@ def test_dispatch_on_sm90_from_four_rows_where_one_wave_holds_the_programs():
         assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=2), SM90).name == "weight_only", layout
         assert choose_kernel(_case(fmt="mxfp4", layout=layout, n=8), SM90).name == "engine", layout
     # 32-row programs beyond one wave of three an SM (132 SMs: 396 programs, 12672 rows) stay on weight_only to N = 8
-    # where K < 8192 (fewer than eight steps a program), and run on the engine from K = 8192
+    # where K < 7168 (fewer than seven steps a program), and run on the engine from K = 7168, a batch's tiles counted
     for m, k, n, expected in ((12672, 1024, 8, "engine"), (12704, 1024, 8, "weight_only"), (12704, 1024, 9, "engine"),
-                              (14336, 4096, 8, "weight_only"), (28672, 8192, 4, "engine"),
+                              (14336, 4096, 8, "weight_only"), (16384, 6144, 8, "weight_only"),
+                              (18432, 7168, 4, "engine"), (28672, 8192, 4, "engine"),
                               (28672, 8192, 8, "engine"), (28672, 8192, 3, "weight_only")):
         assert choose_kernel(_case(m=m, k=k, n=n), SM90).name == expected, (m, k, n)
+    for m, k, batch, expected in ((4096, 7168, 8, "engine"), (7168, 2048, 4, "weight_only")):  # the task's batches
+        assert choose_kernel(_case(m=m, k=k, n=8, batch=batch), SM90).name == expected, (m, k, batch)
     assert choose_kernel(_case(n=8), Target("cuda", (9, 0), 0, "ptx")).name == "weight_only"  # SMs unknown
     # K past a multiple of 1024 (gpt-oss's 2880) runs here; K < 1024 (one step mostly past K) is left to the others
     # (hmma's PTX path runs on Triton 3.6 only, hmma_gemv.PTX_LAYOUT_VERIFIED; weight_only takes its cases elsewhere)

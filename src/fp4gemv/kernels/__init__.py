@@ -54,8 +54,8 @@ class Deferral(NamedTuple):
 
 DEFERRALS: tuple[Deferral, ...] = (
     # docs/performance.md, rounds 26 and 31 (the decode engine at N <= 8, three programs an SM): slower than
-    # weight_only below N = 4 and where its programs take more than one wave with K under 8192 (14336 x 4096),
-    # faster elsewhere (28672 x 8192 from round 31).
+    # weight_only below N = 4 and where its programs take more than one wave with K under 7168 (14336 x 4096,
+    # 16384 x 6144), faster elsewhere (28672 x 8192 from round 31, K = 7168 from round 32).
     Deferral("engine", "weight_only", lambda case, target: engine_deferred(case, target.sm_count),
              f"N < {ENGINE_MIN_N}, or N <= 8 with more 32-row tiles than {ENGINE_PER_SM} an SM and K < "
              f"{ENGINE_MULTI_WAVE_MIN_K}: weight_only measured faster"),

@@ -146,7 +146,10 @@ MIN_N_OVER_WEIGHT_ONLY = 4
 # paired, µs engine / weight_only): 28672 x 8192 N = 8 on the H200 43.68 / 51.34 (NVFP4); on the H100 NVFP4 56.13 /
 # 55.37 at N = 8 and 55.90 / 53.69 at N = 4, MXFP4 53.16 / 57.54 and 53.06 / 55.96.  At K = 4096 (14336 x 4096) it
 # stays deferred: NVFP4 16.54 / 16.22 on the H200 at N = 8, 19.18 / 17.20 and 18.97 / 16.31 on the H100 at N = 8 / 4.
-MULTI_WAVE_MIN_K = 8192
+# Round 32 (H100, N = 8 / 4): K = 7168 pays in both formats -- 18432 x 7168 NVFP4 34.16 / 37.52 and 34.34 / 36.19,
+# MXFP4 32.90 / 39.04 and 32.87 / 38.11; the batch 4096 x 7168 x 8 NVFP4 52.08 / 56.93, MXFP4 50.02 / 75.44 -- and
+# K = 6144 does not for NVFP4 (16384 x 6144: 29.06 / 25.60 and 29.12 / 24.45; MXFP4 28.09 / 30.24, 28.05 / 28.59).
+MULTI_WAVE_MIN_K = 7168
 
 
 def engine_config(case: GemvCase, sm_count: int = 0) -> EngineConfig:
