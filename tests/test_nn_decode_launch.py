@@ -85,6 +85,84 @@ def test_the_kept_launch_is_not_used_when_anything_it_depends_on_changes(recordi
         assert torch.equal(y, expected)
 
 
+class _RecordingQuantize:
+    """Stands for a kept quantize launched on addresses: records the addresses of each."""
+
+    launches_by_address = True
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def launch_at(self, addresses):
+        self.calls.append(("quantize", addresses))
+
+
+@pytest.fixture
+def recording_w4a4(monkeypatch):
+    """Both launches of a kept W4A4 call, in order: ("quantize", its addresses), ("gemv", GemvAddresses)."""
+    calls = []
+    gemv = SimpleNamespace(launches_by_address=True, launch_at=lambda addresses: calls.append(("gemv", addresses)))
+    monkeypatch.setattr(linear_module, "ops", SimpleNamespace(prepare_gemv=lambda *a, **k: gemv,
+                                                              GemvAddresses=ops.GemvAddresses,
+                                                              without_backward=ops.without_backward))
+    monkeypatch.setattr(linear_module, "prepare_quantize", lambda *a, **k: _RecordingQuantize(calls))
+    return calls
+
+
+@pytest.mark.parametrize("fmt, input_scale", [("nvfp4", 0.25), ("mxfp4", None), ("mxfp4", 0.5)])
+def test_w4a4_with_a_static_scale_keeps_its_quantize_and_product(recording_w4a4, fmt, input_scale):
+    """The quantize writes the activation's codes and scales into new tensors that the product then reads, with
+    the module's input multiplier as the activation's global scale."""
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(64, 48), fmt, activations="w4a4", input_scale=input_scale)
+    layer(torch.randn(2, 64))  # the ordinary call, which keeps the launches
+    assert recording_w4a4 == []
+    weight = layer.quantized_weight()
+    g = layer.input_multiplier()
+    for _ in range(2):
+        x = torch.randn(2, 64)
+        y = layer(x)
+        assert y.shape == (2, 48)
+        (q_name, (px, pdata, pscales, pg)), (g_name, product) = recording_w4a4[-2:]
+        assert (q_name, g_name) == ("quantize", "gemv")
+        assert px == x.data_ptr() and pg == (0 if g is None else g.data_ptr())
+        wg = weight.global_scale
+        assert product == ops.GemvAddresses(weight.data.data_ptr(), weight.scales.data_ptr(), pdata, y.data_ptr(),
+                                            pscales, 0 if wg is None else wg.data_ptr(), pg)
+        assert pdata and pscales and len({pdata, pscales, px, y.data_ptr()}) == 4
+    assert len(recording_w4a4) == 4
+
+
+@pytest.mark.parametrize("change", ["scale replaced", "scale in place", "scale removed"])
+def test_w4a4_kept_launch_follows_the_input_scale(recording_w4a4, change):
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(64, 48), "mxfp4", activations="w4a4", input_scale=0.5)
+    x = torch.randn(2, 64)
+    layer(x)
+    layer(x)
+    assert len(recording_w4a4) == 2
+    if change == "scale replaced":
+        layer.set_input_scale(torch.tensor(0.25))
+    elif change == "scale in place":
+        layer.input_scale.mul_(2)
+    else:
+        del layer._buffers["input_scale"]
+    expected = FP4Linear.from_state_dict(layer.state_dict(), activations="w4a4")(x)
+    y = layer(x)
+    assert len(recording_w4a4) == 2  # the ordinary call ran
+    assert torch.equal(y, expected)
+
+
+def test_w4a4_with_a_per_call_scale_keeps_no_launch(recording_w4a4):
+    """NVFP4 W4A4 without a static scale takes each call's amax (torch ops): every call is the ordinary one."""
+    torch.manual_seed(0)
+    layer = FP4Linear.from_linear(nn.Linear(64, 48), "nvfp4", activations="w4a4")
+    x = torch.randn(2, 64)
+    for _ in range(3):
+        layer(x)
+    assert recording_w4a4 == [] and layer.__dict__.get("_decode_launch") is None
+
+
 def test_no_kept_launch_on_the_reference_path():
     layer = _layer()
     x = torch.randn(2, 64)
@@ -132,6 +210,25 @@ def test_cuda_kept_launch_gives_the_ordinary_calls_bits(bias, tokens):
         expected = FP4Linear.from_state_dict(layer.state_dict())(x2)
         assert torch.equal(layer(x2), expected)
     assert torch.equal(layer(x), ordinary)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, input_scale", [("nvfp4", 0.01), ("mxfp4", None)])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_cuda_w4a4_kept_launch_gives_the_ordinary_calls_bits(fmt, input_scale, tokens):
+    torch.manual_seed(0)
+    linear = nn.Linear(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    layer = FP4Linear.from_linear(linear, fmt, activations="w4a4", input_scale=input_scale)
+    x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ordinary = layer(x)
+        assert layer.__dict__.get("_decode_launch") is not None
+        for _ in range(2):
+            x2 = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
+            y2 = layer(x2)
+            expected = FP4Linear.from_state_dict(layer.state_dict(), activations="w4a4")(x2)
+            assert torch.equal(y2, expected)
+        assert torch.equal(layer(x), ordinary)
 
 
 @pytest.mark.gpu

@@ -26,7 +26,7 @@ from .target import Target, resolve_target
 from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, check_device_with_values, checked_global_scale
 
 __all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
-           "QuantizeBackend", "QUANTIZE_BACKENDS"]
+           "prepare_quantize", "QuantizeBackend", "QUANTIZE_BACKENDS"]
 
 QuantizeBackend = Literal["auto", "triton", "reference"]
 QUANTIZE_BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
@@ -127,6 +127,20 @@ class KeptQuantize(KeptLaunch):
                          DIRECT_LAUNCH)
         self.plan = plan
 
+    @property
+    def launches_by_address(self) -> bool:
+        """Whether :meth:`launch_at` can run this call: its kernel compiled and its launcher called directly."""
+        return self._compiled is not None
+
+    def launch_at(self, addresses: tuple[int, ...]) -> None:
+        """Launch on operands of this plan's metadata at ``addresses`` (``_QUANTIZE_FIELDS``' or
+        ``_DEQUANTIZE_FIELDS``' order); only where :attr:`launches_by_address`.  Nothing is checked: the caller
+        vouches for the operands."""
+        if not self.launches_by_address:
+            raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
+                               "call it with the operands)")
+        self._launch(addresses)
+
     def run(self, operands: QuantizeOperands | DequantizeOperands, addresses: tuple[int, ...]) -> None:
         if self._compiled is not None:
             self._launch(addresses)
@@ -160,6 +174,15 @@ def _kept(op: str, case, target: Target, config: QuantizeConfig | None, aligned:
 def _quantize_into(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
                    config: QuantizeConfig | None, target: Target) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed bytes, scale bytes) of checked ``x``, through the table's kept plan."""
+    kept, operands, addresses = _quantize_call(x, fmt, layout, g, config, target)
+    kept.run(operands, addresses)
+    return operands.data, operands.scales
+
+
+def _quantize_call(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
+                   config: QuantizeConfig | None, target: Target) -> tuple[KeptQuantize, QuantizeOperands, tuple]:
+    """The kept plan that quantizes checked ``x`` into new packed bytes and scale bytes, its operands and their
+    addresses (``_QUANTIZE_FIELDS``' order)."""
     *batch, rows, k = x.shape
     cols = k // fmt.block_size
     words = x  # what the kernel reads: x as pair words (the reference reads x)
@@ -188,8 +211,24 @@ def _quantize_into(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torc
     addresses = (words.data_ptr(), data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr())
     kept = _kept("quantize", case, target, config, tuple(a & 15 for a in addresses), QUANTIZE_KERNELS,
                  _QUANTIZE_FIELDS, x.device)
-    kept.run(QuantizeOperands(case, x, words, data, scales, g), addresses)
-    return data, scales
+    return kept, QuantizeOperands(case, x, words, data, scales, g), addresses
+
+
+def prepare_quantize(x: torch.Tensor, fmt: str | formats.FP4Format, scale_layout: ScaleLayout = "linear",
+                     global_scale: torch.Tensor | None = None) -> KeptQuantize | None:
+    """The kept launch that ``quantize(x, fmt, scale_layout, global_scale, check_values=False)`` runs for x's
+    metadata (validated and planned when new), for callers that launch it on addresses: its
+    :meth:`~KeptQuantize.launch_at` takes ``(x, data, scales, global_scale)`` addresses (0 for no global scale),
+    ``data`` and ``scales`` new contiguous uint8 tensors of the result's shapes (:func:`quantize`'s).  None where
+    x is not read in place (float64, a stride along K, an odd row offset: quantize copies it first).  Raises as
+    quantize does."""
+    resolved = check_quantize_arguments(x, fmt, scale_layout, "auto", None)
+    target = _resolve_backend("auto", x.device)
+    g = global_scale_tensor(global_scale, resolved, x, False)
+    kept, operands, _ = _quantize_call(x, resolved, scale_layout, g, None, target)
+    if operands.x is not x or operands.x_words.data_ptr() != x.data_ptr():
+        return None
+    return kept
 
 
 def check_quantize_arguments(x, fmt, scale_layout: str, backend: str, config) -> formats.FP4Format:

@@ -37,7 +37,7 @@ from ..formats import CODE_ORDERS, reorder_codes
 from ..formats import dtype_name as _dtype_name
 from .. import ops
 from ..library import gemv, quantize
-from ..quantize import dequantize
+from ..quantize import dequantize, prepare_quantize
 from ..tensor import FP4Tensor
 from .checkpoints import CheckpointLayer, read_layer
 
@@ -310,8 +310,7 @@ class FP4Linear(nn.Module):
         y = self.product(x2d, x.dtype, bias)
         if self.activations == "w4a4" and not torch.compiler.is_compiling():
             y = ops.without_backward(y, (x,), W4A4_NO_BACKWARD)
-        if (self.activations == "weight-only" and x2d.shape[0] <= DECODE_MAX_TOKENS and bias is self.bias
-                and not torch.compiler.is_compiling()):
+        if x2d.shape[0] <= DECODE_MAX_TOKENS and bias is self.bias and not torch.compiler.is_compiling():
             self.__dict__["_decode_launch"] = _DecodeLaunch.of(self, x, x2d, y)
         return y.reshape(*lead, self.out_features)
 
@@ -531,23 +530,40 @@ def _kind(multiplier: torch.Tensor | None, divisor: torch.Tensor | None) -> Scal
 
 
 class _DecodeLaunch:
-    """An eager weight-only decode call's launch, kept for the next call with the same metadata: one check of
-    x's metadata and of the module's tensors' identity, then the output's allocation and the compiled
-    kernel's launch (``ops.prepare_gemv``'s kept call, launched on addresses); about nn.Linear's host
-    cost.  Only for Triton kernels already compiled, on an activation read in place (no copy)."""
+    """An eager decode call's launches, kept for the next call with the same metadata: one check of x's metadata
+    and of the module's tensors' identity, then the outputs' allocation and the compiled kernels' launches on
+    addresses (``ops.prepare_gemv``'s kept call; for W4A4 first ``quantize.prepare_quantize``'s, the activation
+    quantized with the module's static scale); about nn.Linear's host cost.  Only for Triton kernels already
+    compiled, on an activation read in place (no copy); not for W4A4 with a scale chosen per call (its amax is
+    torch ops)."""
 
     __slots__ = ("key", "tensors", "version", "weight", "prepared", "weight_addresses", "out_shape", "rows_shape",
-                 "dtype", "device")
+                 "dtype", "device", "quantize", "input_scale", "input_version", "input_multiplier", "act_shapes")
 
     @staticmethod
     def of(module: FP4Linear, x: torch.Tensor, x2d: torch.Tensor, y: torch.Tensor) -> _DecodeLaunch | None:
-        weight = module.quantized_weight()
-        prepared = ops.prepare_gemv(weight, x2d, out=y.t(), out_dtype=x.dtype)
-        if not prepared.launches_by_address:
-            return None  # the reference path (CPU), a copy of x first, or a kernel launched otherwise
         if x2d.data_ptr() != x.data_ptr():
             return None
+        weight = module.quantized_weight()
         launch = _DecodeLaunch()
+        launch.quantize, launch.input_scale, launch.input_version, launch.input_multiplier = None, None, None, None
+        activation = x2d
+        if module.activations == "w4a4":
+            kind = module.input_scale_kind()
+            if kind is None and module.fmt == "nvfp4":
+                return None  # the scale of each call's amax: torch ops before the quantization
+            # A divisor's reciprocal is made here once and kept, remade (a new launch) when the buffer changes.
+            launch.input_scale = _input_scale_buffer(module)
+            launch.input_version = None if kind is None else launch.input_scale[1]._version
+            launch.input_multiplier = module.input_multiplier()
+            launch.quantize = prepare_quantize(x2d, module.fmt, "linear", launch.input_multiplier)
+            if launch.quantize is None or not launch.quantize.launches_by_address:
+                return None
+            activation = quantize(x2d, module.fmt, "linear", launch.input_multiplier, check_values=False)
+            launch.act_shapes = (tuple(activation.data.shape), tuple(activation.scales.shape))
+        prepared = ops.prepare_gemv(weight, activation, out=y.t(), out_dtype=x.dtype)
+        if not prepared.launches_by_address:
+            return None  # the reference path (CPU), a copy of x first, or a kernel launched otherwise
         launch.key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
                       torch.cuda.current_device() if x.is_cuda else None)
         launch.tensors = module._launch_tensors()
@@ -572,12 +588,36 @@ class _DecodeLaunch:
         if (weight is not kept[0] or scale is not kept[1] or per_tensor is not kept[2] or bias is not kept[3]
                 or (per_tensor is not None and per_tensor._version != self.version)):
             return None
+        if self.quantize is None:
+            b, b_scales, b_global = x.data_ptr(), 0, 0
+        else:
+            if not _same_input_scale(_input_scale_buffer(module), self.input_scale, self.input_version):
+                return None
+            data = torch.empty(self.act_shapes[0], dtype=torch.uint8, device=self.device)
+            scales = torch.empty(self.act_shapes[1], dtype=torch.uint8, device=self.device)
+            g = self.input_multiplier
+            b, b_scales, b_global = data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr()
+            self.quantize.launch_at((x.data_ptr(), b, b_scales, b_global))
         y = torch.empty(self.rows_shape, dtype=self.dtype, device=self.device)
         data, scales, global_scale = self.weight_addresses
-        self.prepared.launch_at(ops.GemvAddresses(data, scales, x.data_ptr(), y.data_ptr(), 0, global_scale))
+        self.prepared.launch_at(ops.GemvAddresses(data, scales, b, y.data_ptr(), b_scales, global_scale, b_global))
         if bias is not None:
             y.add_(bias)
         return y.view(self.out_shape)
+
+
+def _input_scale_buffer(module: FP4Linear) -> tuple[str, torch.Tensor] | None:
+    """The W4A4 input scale's (kind, buffer), or None."""
+    kind = module.input_scale_kind()
+    return None if kind is None else (kind, module._buffers[_INPUT_SCALE_NAMES[kind]])
+
+
+def _same_input_scale(now: tuple[str, torch.Tensor] | None, kept: tuple[str, torch.Tensor] | None,
+                      version: int | None) -> bool:
+    """Whether the input scale ``now`` is the ``kept`` one: the same kind, the same tensor, unchanged in place."""
+    if now is None or kept is None:
+        return now is kept
+    return now[0] == kept[0] and now[1] is kept[1] and now[1]._version == version
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
