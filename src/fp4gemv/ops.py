@@ -28,7 +28,7 @@ from triton.runtime.driver import driver
 
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
-from .kernels.spec import (DIRECT_LAUNCH, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase, GemvOperands,
+from .kernels.spec import (DIRECT_LAUNCH, GEMV_MAX_N, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase, GemvOperands,
                            KernelSpec, Src, TritonKernelSpec, alignment, bound_arguments, direct_launch_supported,
                            fill_sources, launch_hooks, linear_scale_addressing, swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
@@ -38,7 +38,7 @@ __all__ = ["gemv", "select_kernel", "prepare_gemv", "prepared_gemv", "PreparedGe
            "plan_for", "gemv_operands", "check_arguments", "check_out", "check_apart", "gemv_inputs", "result_shape",
            "clear_cache", "without_backward", "refuse_gradients", "KeptLaunch", "kept_call", "keep_call",
            "direct_launch_supported",
-           "ACTIVATION_DTYPES", "OUT_DTYPES"]
+           "ACTIVATION_DTYPES", "OUT_DTYPES", "GEMV_MAX_N"]
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

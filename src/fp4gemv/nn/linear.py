@@ -47,10 +47,10 @@ Activations = Literal["weight-only", "w4a4"]
 ScaleKind = Literal["multiplier", "divisor"]
 ACTIVATIONS: tuple[str, ...] = ("weight-only", "w4a4")
 SCALE_KINDS: tuple[str, ...] = ("multiplier", "divisor")
-# Up to this many tokens every case runs through fp4gemv.gemv's GEMV kernels; more tokens run through gemv's
-# GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured slower: not yet), else
-# dequantize the weight.
-DECODE_MAX_TOKENS = 16
+# Up to this many tokens (the GEMV kernels' largest N) every case runs through fp4gemv.gemv's GEMV kernels; more
+# tokens run through gemv's GEMM kernel (kernels/gemm.py) where ``FP4Linear.fused_prefill`` says so (measured
+# slower: not yet), else dequantize the weight.
+DECODE_MAX_TOKENS = ops.GEMV_MAX_N
 # The code order (``formats.CODE_ORDERS``) a module keeps its weight's codes in, by its activations; another order
 # than the checkpoint's is repacked once when the module is built or loaded.  Weight-only: the paired order.  Every
 # kernel that runs a weight-only product reads it (engine, weight_only and general with fp16 / bf16 / fp32
