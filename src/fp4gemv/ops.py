@@ -28,9 +28,10 @@ from triton.runtime.driver import driver
 
 from .formats import dtype_names as _names
 from .kernels import choose_kernel
-from .kernels.spec import (DIRECT_LAUNCH, GEMV_MAX_N, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase, GemvOperands,
-                           KernelSpec, Src, TritonKernelSpec, alignment, bound_arguments, direct_launch_supported,
-                           fill_sources, launch_hooks, linear_scale_addressing, swizzled_scale_addressing)
+from .kernels.spec import (DIRECT_LAUNCH, GEMV_MAX_N, AddressDescriptor, DescSrc, FloatMeta, FP4Meta, GemvCase,
+                           GemvOperands, KernelSpec, Src, TritonKernelSpec, alignment, bound_arguments,
+                           direct_launch_supported, fill_sources, launch_hooks, linear_scale_addressing,
+                           swizzled_scale_addressing)
 from .target import Backend, Target, interpreting, resolve_target
 from .tensor import FP4Tensor
 
