@@ -403,11 +403,6 @@ class PreparedMoe(KeptLaunch):
         self.plan, self.copy_x, self.shape, self.device, self.extents = plan, copy_x, shape, device, extents
         self._cuda = cuda
 
-    @property
-    def launches_by_address(self) -> bool:
-        """Whether calls launch the compiled kernel on the operands' addresses (compiled, on CUDA, Triton 3.6)."""
-        return self._compiled is not None
-
     def __call__(self, w: FP4Tensor, x: torch.Tensor, expert_ids: torch.Tensor, *, bias=None, global_scales=None,
                  out=None, pair_weights=None, check_ids: bool = True, check_values: bool = False) -> torch.Tensor:
         """``moe_gemv`` (same meaning) with this plan, for arguments of its metadata (not checked again)."""

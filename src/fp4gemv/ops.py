@@ -466,6 +466,20 @@ class KeptLaunch:
             self._encoded = EncodedDescriptors(raw, launcher, argv, self._slots, self._descriptors, metas)
         self._compiled = compiled
 
+    @property
+    def launches_by_address(self) -> bool:
+        """Whether :meth:`launch_at` can run this call: its kernel compiled and its launcher called directly."""
+        return self._compiled is not None
+
+    def launch_at(self, addresses: tuple) -> None:
+        """Launch on operands of this plan's metadata at ``addresses`` (the order of ``fields``); only where
+        :attr:`launches_by_address`.  Nothing is checked, not even that an output shares no memory with an input:
+        the caller vouches for the operands."""
+        if not self.launches_by_address:
+            raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
+                               "call it with the operands)")
+        self._launch(addresses)
+
     def _launch(self, addresses: tuple) -> None:
         """The compiled kernel on operands at ``addresses`` (the order of ``fields``); only once compiled."""
         k = self._compiled
@@ -591,14 +605,6 @@ class PreparedGemv(KeptLaunch):
             return out
         self._launch_jit(ops)
         return out
-
-    def launch_at(self, addresses: GemvAddresses) -> None:
-        """Launch on operands of this plan's metadata at ``addresses``; only where :attr:`launches_by_address`.
-        Nothing is checked, not even that ``out`` shares no memory with an input: the caller vouches for it."""
-        if not self.launches_by_address:
-            raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
-                               "call it with the operands)")
-        self._launch(addresses)
 
 
 # The one cache of prepared calls (gemv's, moe_gemv's): by the key of their arguments' metadata, and by keys

@@ -127,20 +127,6 @@ class KeptQuantize(KeptLaunch):
                          DIRECT_LAUNCH)
         self.plan = plan
 
-    @property
-    def launches_by_address(self) -> bool:
-        """Whether :meth:`launch_at` can run this call: its kernel compiled and its launcher called directly."""
-        return self._compiled is not None
-
-    def launch_at(self, addresses: tuple[int, ...]) -> None:
-        """Launch on operands of this plan's metadata at ``addresses`` (``_QUANTIZE_FIELDS``' or
-        ``_DEQUANTIZE_FIELDS``' order); only where :attr:`launches_by_address`.  Nothing is checked: the caller
-        vouches for the operands."""
-        if not self.launches_by_address:
-            raise RuntimeError("addresses: this call cannot launch on addresses alone (launches_by_address is False: "
-                               "call it with the operands)")
-        self._launch(addresses)
-
     def run(self, operands: QuantizeOperands | DequantizeOperands, addresses: tuple[int, ...]) -> None:
         if self._compiled is not None:
             self._launch(addresses)
