@@ -1,6 +1,7 @@
 """FP4Linear: decode (gemv) and prefill (gemv for fp16/bf16 weight-only, else dequantize + F.linear) paths against the float64 oracle, W4A4,
 bias, validation, state dicts, torch.save / torch.load(weights_only=True), dtype moves."""
 
+import importlib
 import io
 
 import pytest
@@ -11,6 +12,7 @@ from torch import nn
 from fp4gemv import FP4Tensor, dequantize, gemv, quantize
 from fp4gemv.nn import DECODE_MAX_TOKENS, FP4Linear, per_tensor_scale
 from fp4gemv.nn.linear import LINEAR_CODE_ORDER
+from fp4gemv.target import resolve_target
 from fp4gemv.formats import round_from_float64
 from fp4gemv.reference import quantized_gemv_reference
 
@@ -77,6 +79,31 @@ def test_decode_w4a4_is_the_exact_reference(fmt, static):
     # W4A4 differs from W4A16: the activation really is quantized.
     w4a16 = FP4Linear.from_linear(lin, fmt).to(torch.bfloat16)
     assert not torch.equal(module(x), w4a16(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_w4a4_per_call_scale_on_the_kernels_is_the_torch_paths_product(monkeypatch, dtype):
+    """NVFP4 W4A4 without a static scale quantizes its activation with ``global_scale="pow2"``: on a Triton target
+    (here the interpreter, forced) the amax and quantize kernels compute the scale, and nothing computes it with
+    torch; the output is the one of quantizing with ``per_tensor_scale`` of the call's amax by torch ops (the path
+    before the kernels), on ordinary activations, zeros, tiny and huge ones, and the dtype's largest value."""
+    q = importlib.import_module("fp4gemv.quantize")  # the module (fp4gemv.quantize is the op)
+    module = FP4Linear.from_linear(_linear(seed=3), "nvfp4", activations="w4a4").to(dtype)
+    monkeypatch.setattr(q, "_resolve_backend", lambda backend, device: resolve_target("triton", device))
+
+    def torch_scale(*args, **kwargs):
+        raise AssertionError("the per-call scale is the kernels' on a Triton target")
+
+    monkeypatch.setattr(q, "per_tensor_scale", torch_scale)
+    g = torch.Generator().manual_seed(4)
+    largest = torch.zeros(2, 128)
+    largest[1, -1] = torch.finfo(dtype).max
+    for x in (torch.randn(3, 128, generator=g) * 5, torch.zeros(1, 128), torch.randn(2, 128, generator=g) * 1e-3,
+              torch.randn(4, 128, generator=g) * 1e3, largest):
+        x = x.to(dtype)
+        activation = quantize(x, "nvfp4", "linear", per_tensor_scale(x.abs().amax()), check_values=False,
+                              backend="reference")
+        assert torch.equal(module(x), _decode_expected(module, x, activation))
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

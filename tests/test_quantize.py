@@ -15,11 +15,13 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fp4gemv
 from fp4gemv import FP4Tensor, formats
-from fp4gemv.kernels.quantize import QuantizeConfig
-from fp4gemv.quantize import dequantize, nvfp4_global_scale, quantize
+from fp4gemv.kernels.quantize import QuantizeConfig, pow2_per_tensor_scale
+from fp4gemv.quantize import dequantize, nvfp4_global_scale, per_tensor_scale, quantize
 from fp4gemv.formats import round_from_float64
 from quantize_fuzz import E2M1_MAGNITUDES, fuzz_input
 
@@ -181,11 +183,13 @@ def test_auto_global_scale_is_modelopts_and_defined_at_the_edges():
     assert q.scales.view(torch.float8_e4m3fn).float().max().item() == 448.0  # the largest block maps to 448
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize(
     "fmt, global_scale, exc, words",
     [
         ("mxfp4", "auto", ValueError, ["global_scale:", "MXFP4 has none"]),
-        ("nvfp4", "max", ValueError, ["global_scale:", "'max'"]),
+        ("mxfp4", "pow2", ValueError, ["global_scale: 'pow2' is NVFP4's", "MXFP4 has none"]),
+        ("nvfp4", "max", ValueError, ["global_scale: expected None, 'auto', 'pow2', a number or a tensor", "'max'"]),
         ("nvfp4", 0.0, ValueError, ["global_scale:", "positive normal float32", "0.0"]),
         ("nvfp4", -1.0, ValueError, ["global_scale:", "-1.0"]),
         ("nvfp4", math.inf, ValueError, ["global_scale:", "inf"]),
@@ -196,9 +200,9 @@ def test_auto_global_scale_is_modelopts_and_defined_at_the_edges():
         ("nvfp4", True, TypeError, ["global_scale:", "bool"]),
     ],
 )
-def test_global_scale_validation(fmt, global_scale, exc, words):
+def test_global_scale_validation(fmt, global_scale, exc, words, backend):
     with pytest.raises(exc) as info:
-        quantize(torch.ones(2, 32), fmt, global_scale=global_scale)
+        quantize(torch.ones(2, 32), fmt, global_scale=global_scale, backend=backend)
     for w in words:
         assert w in str(info.value), f"{w!r} not in {info.value}"
 
@@ -362,6 +366,190 @@ def test_kernel_reports_non_finite_blocks_like_the_cpu_path():
         assert_same_quantized(quantize(x.to(DEVICE), fmt, backend="triton", check_values=False), want)
 
 
+# --- a global scale chosen per call: "pow2" ---------------------------------------------------------------
+# On a Triton target the amax kernel (kernels/amax.py) writes partial maxima of x's magnitude bits and the quantize
+# kernel computes the scale from them (``pow2_per_tensor_scale``): the twin of ``per_tensor_scale``, the definition.
+
+
+@triton.jit
+def _twin_kernel(bits_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, pow2_per_tensor_scale(tl.load(bits_ptr + i, mask=i < n, other=0)), mask=i < n)
+
+
+def _twin(amax_bits: torch.Tensor) -> torch.Tensor:
+    """The kernels' scale for each float32 magnitude bit pattern (int32) in ``amax_bits``, as int32 bits."""
+    out = torch.empty(amax_bits.shape, dtype=torch.float32, device=amax_bits.device)
+    _twin_kernel[(triton.cdiv(amax_bits.numel(), 8192),)](amax_bits, out, amax_bits.numel(), BLOCK=8192)
+    return out.view(torch.int32)
+
+
+def _f32_bits(values: torch.Tensor) -> torch.Tensor:
+    return values.float().view(torch.int32)
+
+
+def _amax_edges() -> torch.Tensor:
+    """float32 magnitude bits (int32) where the per-tensor scale can go wrong: zero, the smallest subnormals, every
+    amax = 2688 * 2^k (the quotient exactly a power of two) from the subnormal amaxes to the largest, and 4 ulps
+    either side of each; the quotient's rounding ties in the subnormal range (amax = 21 m 2^-143, m odd: the
+    quotient m 2^-150, halfway between two subnormals; next to 2^k they decide the power of two, and there a
+    division and a multiplication by the reciprocal round apart) and an ulp either side, down to the quotient's
+    underflow to zero; the largest finite value, infinity and NaNs; random bits over the whole range and over the
+    amaxes with a subnormal quotient."""
+    g = torch.Generator().manual_seed(14)
+    k = torch.arange(-156, 117, dtype=torch.float64)
+    powers = _f32_bits(2688.0 * torch.exp2(k))
+    m = torch.tensor([2**j + d for j in range(0, 19) for d in (-1, 1)] + list(range(1, 400, 2)), dtype=torch.float64)
+    ties = _f32_bits(21.0 * m * 2.0**-143)
+    near = torch.cat([powers + d for d in range(-4, 5)] + [ties + d for d in (-1, 0, 1)])
+    special = torch.tensor([0, 1, 2, 3, 0x7FFFFF, 0x800000, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000,
+                            0x7FFFFFFF], dtype=torch.int32)
+    wide = torch.randint(0, 0x7FFFFFFF, (1 << 17,), generator=g, dtype=torch.int32)
+    subnormal_quotient = torch.randint(0, 0x0A800000, (1 << 15,), generator=g, dtype=torch.int32)  # amax < 2688 * 2^-126
+    return torch.cat([special, near.int().clamp(0, 0x7FFFFFFF), wide, subnormal_quotient])
+
+
+def _pow2_at_or_above(amax: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """per_tensor_scale's last steps on a given quotient (for its near misses below)."""
+    mantissa, exponent = torch.frexp(scale)
+    scale = torch.ldexp(torch.ones_like(scale), torch.where(mantissa == 0.5, exponent - 1, exponent))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _near_misses(amax: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Scales a slightly wrong kernel would compute: the edges must tell each from the definition."""
+    quotient = amax / torch.tensor(2688.0)
+    one = torch.ones_like(amax)
+    return {
+        # PyTorch's CUDA division by a Python number: the product with the float32 reciprocal.
+        "reciprocal": _pow2_at_or_above(amax, amax * (torch.tensor(1.0) / torch.tensor(2688.0))),
+        "always the next binade": torch.where(amax > 0, torch.ldexp(one, torch.frexp(quotient).exponent), one),
+        "at or below": torch.where(amax > 0, torch.ldexp(one, torch.frexp(quotient).exponent - 1), one),
+        "subnormal quotients flushed": _pow2_at_or_above(amax, torch.where(quotient < 2.0**-126, 0.0, quotient)),
+        "infinity unclamped": torch.where(amax == math.inf, amax, per_tensor_scale(amax)),
+    }
+
+
+def test_the_amax_edges_tell_the_definition_from_its_near_misses():
+    """Each way of getting the scale slightly wrong differs from ``per_tensor_scale`` on the edges (so the twin's
+    test below would catch it); the definition itself divides by a tensor, which is the IEEE quotient on CPU and
+    CUDA alike, and a division by the Python number 2688 on CUDA would be the "reciprocal" miss."""
+    amax = _amax_edges().view(torch.float32)
+    want = per_tensor_scale(amax).view(torch.int32)
+    for name, miss in _near_misses(amax).items():
+        assert (miss.view(torch.int32) != want).any(), name
+    tie = torch.tensor(21 * 1025 * 2.0**-143)  # quotient 2^-140 + 2^-150: even 2^-140, the reciprocal's one above
+    assert per_tensor_scale(tie).item() == 2.0**-140
+    assert _near_misses(tie)["reciprocal"].item() == 2.0**-139
+
+
+def test_the_kernels_scale_is_per_tensor_scale_bit_for_bit():
+    """``pow2_per_tensor_scale`` (the quantize kernel's, in a one-line kernel here) on every edge and ~160K random
+    magnitudes, against the definition."""
+    bits = _amax_edges()
+    want = per_tensor_scale(bits.view(torch.float32)).view(torch.int32)
+    got = _twin(bits.to(DEVICE)).cpu()
+    bad = (got != want).nonzero()
+    assert bad.numel() == 0, [(hex(bits[i].item()), got[i].view(torch.float32).item(),
+                               want[i].view(torch.float32).item()) for i in bad[:5, 0].tolist()]
+
+
+def _pow2_input(dtype, shape, content, seed=15) -> torch.Tensor:
+    """x of ``shape`` whose amax is of the kind ``content`` names, placed in the last row and column (the tails
+    of both tilings)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    big = {"boundary": 336.0, "above the boundary": math.nextafter(336.0, math.inf) if dtype == torch.float32
+           else 338.0, "largest": torch.finfo(dtype).max, "inf": math.inf, "-inf": -math.inf, "nan": math.nan,
+           "negative": -1000.0}
+    if content == "zeros":
+        x.zero_()
+        x[..., ::3] = -0.0
+    elif content == "subnormal":  # the dtype's subnormals (float16's are float32 normals)
+        x = (x.float() * (2.0**-20 if dtype == torch.float16 else 2.0**-130)).to(dtype)
+    elif content == "tie":  # float32: the quotient halfway between two subnormals next to 2^-140
+        x = (x.float() * 2.0**-140).to(dtype)
+        x[..., -1, -1] = 21 * 1025 * 2.0**-143
+    elif content == "underflow":  # float32: the quotient rounds to zero, so the scale is 1
+        x = (x.float() * 2.0**-150).to(dtype)
+        x[..., -1, -1] = 21 * 2.0**-143
+    elif content in big:
+        x[..., -1, -1] = big[content]
+    return x
+
+
+POW2_CONTENTS = ["random", "zeros", "subnormal", "boundary", "above the boundary", "largest", "inf", "-inf", "nan",
+                 "negative"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("content", POW2_CONTENTS + ["tie", "underflow"])
+def test_pow2_global_scale_is_per_tensor_scale_of_the_amax(dtype, content):
+    """``global_scale="pow2"``: the kernels' scale is ``per_tensor_scale(amax(|x|))`` bit for bit, and the bytes
+    those of quantizing with that scale given; the CPU path (torch) gives the same.  K = 1040 is 520 pair words,
+    not a whole number of the amax kernel's 512-word tiles."""
+    if content in ("tie", "underflow") and dtype != torch.float32:
+        pytest.skip("that amax is a float32 only")
+    x = _pow2_input(dtype, (5, 1040), content)
+    want_g = per_tensor_scale(x.abs().amax())
+    if content == "subnormal" and dtype != torch.float16:
+        assert 0 < want_g.item() < 2.0**-126
+    if content in ("zeros", "inf", "-inf", "nan", "underflow"):
+        assert want_g.item() == 1
+    got = quantize(x.to(DEVICE), "nvfp4", "linear", "pow2", backend="triton", check_values=False)
+    assert _bits(got.global_scale.cpu()).item() == _bits(want_g).item()
+    given = quantize(x.to(DEVICE), "nvfp4", "linear", want_g.to(DEVICE), backend="triton", check_values=False)
+    assert_same_quantized(got, given)
+    assert_same_quantized(quantize(x, "nvfp4", "linear", "pow2", backend="reference", check_values=False), given)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("shape", [(1, 16), (1, 1040), (9, 64), (2, 3, 96), (17, 2064)])
+def test_pow2_global_scale_over_shapes(dtype, shape, monkeypatch):
+    """One row (decode), K tails, batches, fewer tiles than programs (3 tiles, 4 programs: one writes +0), and two
+    programs for many tiles (each takes every other one), the amax in the last."""
+    from fp4gemv.kernels import amax
+
+    if shape[-2] == 17:
+        monkeypatch.setattr(amax, "MAX_PARTIALS", 2)
+    for content in ("random", "largest"):
+        x = _pow2_input(dtype, shape, content, seed=sum(shape))
+        want = quantize(x.to(DEVICE), "nvfp4", "swizzled", per_tensor_scale(x.abs().amax()).to(DEVICE),
+                        backend="triton")
+        got = quantize(x.to(DEVICE), "nvfp4", "swizzled", "pow2", backend="triton")
+        assert_same_quantized(got, want)
+
+
+def test_pow2_global_scale_checks_values_like_the_others():
+    x = torch.ones(2, 64)
+    x[1, 7] = math.nan
+    with pytest.raises(ValueError, match="x: expected finite values"):
+        quantize(x.to(DEVICE), global_scale="pow2", backend="triton")
+    assert quantize(x.to(DEVICE), global_scale="pow2", backend="triton", check_values=False).global_scale.item() == 1
+
+
+@pytest.mark.gpu
+def test_gpu_per_tensor_scale_is_the_cpus_on_the_amax_edges():
+    """The definition gives the same bits on CUDA as on the CPU (its division by a tensor is IEEE on both; frexp and
+    ldexp of subnormals alike), so the kernels' twin matches it on either device."""
+    amax = _amax_edges().view(torch.float32)
+    assert torch.equal(per_tensor_scale(amax.cuda()).cpu().view(torch.int32), per_tensor_scale(amax).view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("shape", [(1, 16384), (16, 7168), (2048, 4096)])
+def test_gpu_pow2_global_scale_on_real_sizes(dtype, shape):
+    """Decode rows and a prefill activation (more tiles than the amax kernel's 128 programs): the scale and the
+    bytes of the definition's scale given, and of the CPU path."""
+    for content in ("random", "largest", "nan"):
+        x = _pow2_input(dtype, shape, content, seed=shape[0])
+        got = quantize(x.cuda(), "nvfp4", "linear", "pow2", check_values=False)
+        want_g = per_tensor_scale(x.abs().amax())
+        assert _bits(got.global_scale.cpu()).item() == _bits(want_g).item(), content
+        assert_same_quantized(got, quantize(x.cuda(), "nvfp4", "linear", want_g.cuda(), check_values=False))
+        assert_same_quantized(got, quantize(x, "nvfp4", "linear", "pow2", check_values=False))
+
+
 # --- dequantize ------------------------------------------------------------------------------------------
 
 
@@ -499,45 +687,54 @@ import re, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.backends.nvidia.compiler import CUDABackend
+from fp4gemv.kernels.amax import amax_partials_kernel
 from fp4gemv.kernels.quantize import quantize_kernel, dequantize_kernel
 
 D = CUDABackend.parse_attr("D")
+BYTES = dict(data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", partials_ptr="*i32")
+BAD = (".ftz", "div.full", "div.approx", "rcp.approx", "ld.local", "st.local", "fma.rn.f32", "fma.rn.f64")
 count = 0
-variants = [(quantize_kernel, None)] + [(dequantize_kernel, order) for order in (0, 1, 2)]
-for kernel, order in variants:
-    names = kernel.arg_names
+
+
+def compile_variant(kernel, code, const, label):
+    words = "*i64" if code == 0 else "*i32"
+    sig = {n: ("constexpr" if n in const else BYTES.get(n, words if n in ("x_ptr", "out_ptr") else "i32"))
+           for n in kernel.arg_names if n in const or not n.isupper()}
+    aligned = [n for n in kernel.arg_names if n not in const and n not in ("gs_ptr", "rows")]
+    attrs = {(kernel.arg_names.index(n),): D for n in aligned}
+    k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, num_stages=1))
+    ptx = k.asm["ptx"]
+    bad = [w for w in BAD if w in ptx]
+    loads = set(re.findall(r"ld\.global(?:\.\w+)*\.(v\d)\.b(\d+)", ptx))
+    if kernel is not dequantize_kernel and (("v4", "32") if code else ("v2", "64")) not in loads:
+        bad.append("no 16-byte input loads: %s" % loads)
+    if kernel is dequantize_kernel and not re.search(r"st\.global(?:\.\w+)*\.v(4\.b32|2\.b64)", ptx):
+        bad.append("no 16-byte output stores")
+    print(("FAIL " if bad else "ok ") + label, bad)
+    global count
+    count += 1
+
+
+for kernel, order in [(quantize_kernel, None)] + [(dequantize_kernel, order) for order in (0, 1, 2)]:
     for code in (0, 1, 2):
         for bs in (16, 32):
             for has_global in (False, True):
-                words = "*i64" if code == 0 else "*i32"
-                sig = {n: "i32" for n in names[4:15]}
-                if kernel is quantize_kernel:
-                    sig.update(x_ptr=words, data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32")
-                else:
-                    sig.update(data_ptr="*u8", scales_ptr="*u8", gs_ptr="*fp32", out_ptr=words)
                 const = dict(FLOAT_CODE=code, FORMAT="nvfp4" if bs == 16 else "mxfp4", HAS_GLOBAL=has_global,
                              ROWS=8, BLOCKS=512 // bs)
                 if kernel is quantize_kernel:
                     const["FLOAT64_RECIPROCAL"] = code != 2  # the fp16 variants divide element by element
+                    const["PARTIALS"] = 0
                 else:
                     const["ORDER"] = order
-                sig.update({n: "constexpr" for n in const})
-                aligned = [n for n in names[:15] if n not in ("gs_ptr", "rows")]
-                attrs = {(names.index(n),): D for n in aligned}
-                k = triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                                   options=dict(num_warps=4, num_stages=1))
-                ptx = k.asm["ptx"]
-                label = f"{kernel.__name__} code={code} bs={bs} global={has_global} order={order}"
-                bad = [w for w in (".ftz", "div.full", "div.approx", "rcp.approx", "ld.local", "st.local", "fma.rn.f32",
-                                     "fma.rn.f64")
-                       if w in ptx]
-                loads = set(re.findall(r"ld\.global(?:\.\w+)*\.(v\d)\.b(\d+)", ptx))
-                if kernel is quantize_kernel and (("v4", "32") if code else ("v2", "64")) not in loads:
-                    bad.append("no 16-byte input loads: %s" % loads)
-                if kernel is dequantize_kernel and not re.search(r"st\.global(?:\.\w+)*\.v(4\.b32|2\.b64)", ptx):
-                    bad.append("no 16-byte output stores")
-                print(("FAIL " if bad else "ok ") + label, bad)
-                count += 1
+                compile_variant(kernel, code, const,
+                                f"{kernel.__name__} code={code} bs={bs} global={has_global} order={order}")
+for code in (0, 1, 2):
+    # global_scale="pow2": the amax kernel, and the quantize kernel computing its scale from 128 partials.
+    compile_variant(amax_partials_kernel, code, dict(FLOAT_CODE=code, ROWS=4, WORDS=512), f"amax code={code}")
+    compile_variant(quantize_kernel, code, dict(FLOAT_CODE=code, FORMAT="nvfp4", HAS_GLOBAL=True, ROWS=8, BLOCKS=32,
+                                                FLOAT64_RECIPROCAL=code != 2, PARTIALS=128),
+                    f"quantize_kernel code={code} pow2")
 print("compiled", count)
 '''
 
@@ -545,11 +742,12 @@ print("compiled", count)
 def test_kernels_compile_for_sm90_with_exact_arithmetic(compile_for_sm90):
     """Every variant compiles for sm_90: no flush-to-zero, no approximate division or reciprocal, no fused
     multiply-add (the compiler contracts a product and a following addition: the interpreter rounds twice,
-    and an underflowing ``a * b + 0.0`` keeps its sign), no local memory, 16-byte loads (quantize) and
-    stores (dequantize, in every code order)."""
+    and an underflowing ``a * b + 0.0`` keeps its sign), no local memory, 16-byte loads (quantize, amax) and
+    stores (dequantize, in every code order); the per-call scale's variants too (the amax kernel, and the
+    quantize kernel computing ``pow2_per_tensor_scale``)."""
     out = compile_for_sm90(_AOT_SCRIPT)
     assert "FAIL" not in out, out
-    assert "compiled 48" in out, out
+    assert "compiled 54" in out, out
 
 
 # --- GPU --------------------------------------------------------------------------------------------------
@@ -608,7 +806,6 @@ def test_kept_launch_addresses_are_the_operands_the_kernel_reads(monkeypatch, op
     .KeptLaunch``, CUDA with Triton 3.6): for the table's kernel on an sm_90 target, every pointer the JIT call
     would pass (``fill_sources``) is the address the kept launch puts in its place."""
     q = importlib.import_module("fp4gemv.quantize")  # the module (fp4gemv.quantize is the op)
-    from fp4gemv.kernels.spec import Src, fill_sources
     from fp4gemv.target import SM90
     x = torch.randn(2, 200, 256, dtype=torch.bfloat16)
     g = None if global_scale is None else torch.tensor(global_scale)
@@ -622,9 +819,42 @@ def test_kept_launch_addresses_are_the_operands_the_kernel_reads(monkeypatch, op
         monkeypatch.setattr(q, "_resolve_backend", lambda backend, device: SM90)
         dequantize(t, torch.float16)
     kept, operands, addresses = seen[-1]
-    assert kept.plan.spec.name == op
+    assert kept.plan.spec.name == op and kept.first is None
+    _check_kept_addresses(kept, operands, addresses, 5 if op == "quantize" else 4)
+
+
+def _check_kept_addresses(kept, operands, addresses, count):
+    """Each of the ``count`` pointer arguments of ``kept``'s template is filled with the address of the operand the
+    JIT call would pass (``fill_sources``)."""
+    from fp4gemv.kernels.spec import Src, fill_sources
     filled = fill_sources(kept._template.args, operands)
     pointers = [name for name, v in kept._template.args.items() if isinstance(v, Src)]
-    assert len(pointers) == 4
+    assert len(pointers) == count
     for name in pointers:
         assert addresses[kept._fields[kept._template.args[name].name]] == filled[name].data_ptr(), name
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (2, 40, 1040)])
+def test_kept_pow2_quantize_launches_the_amax_kernel_first_on_the_same_addresses(monkeypatch, shape):
+    """With global_scale="pow2" on a Triton target the kept plan is two launches: the amax kernel's (x, the
+    partials) and the quantize kernel's (x, data, scales, the global scale it writes, the partials), every pointer
+    of each filled from the call's addresses by operand name; the partials and the scale are new tensors."""
+    q = importlib.import_module("fp4gemv.quantize")
+    from fp4gemv.kernels.amax import amax_partials, amax_partials_kernel
+    from fp4gemv.target import SM90
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    seen = []
+    monkeypatch.setattr(q.KeptQuantize, "run", lambda self, operands, addresses: seen.append((self, operands,
+                                                                                              addresses)))
+    q._quantize_into(x, formats.resolve_format("nvfp4"), "linear", "pow2", None, SM90)
+    kept, operands, addresses = seen[-1]
+    assert kept.plan.spec.name == "quantize" and kept.first._template.kernel is amax_partials_kernel
+    partials = amax_partials(1 if len(shape) == 2 else shape[0], shape[-2], shape[-1] // 2)
+    assert kept.amax_partials == partials == operands.partials.numel() and operands.partials.dtype == torch.int32
+    assert operands.global_scale.dtype == torch.float32 and operands.global_scale.numel() == 1
+    assert len(set(addresses)) == 5 and 0 not in addresses
+    _check_kept_addresses(kept, operands, addresses, 5)
+    _check_kept_addresses(kept.first, operands, addresses, 2)
+    assert not kept.launches_by_address  # nothing compiled on the CPU
+    with pytest.raises(RuntimeError, match="addresses: this call cannot launch on addresses alone"):
+        kept.launch_at(addresses)

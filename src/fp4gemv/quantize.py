@@ -8,6 +8,11 @@ on the operands' addresses, without the JIT's dispatch): a Triton kernel where T
 and the exact CPU path of ``formats`` elsewhere (``kernels.reference``); the two give the same bytes (quantize) and
 the same bits (dequantize) on the same input, so the CPU path is the definition: ``formats.quantize`` documents every rounding (NVFP4 per NVIDIA ModelOpt, MXFP4
 per the OCP Microscaling spec), ``formats.dequantize`` the single rounding of the exact value.
+
+The per-tensor scales are defined here with torch ops: :func:`nvfp4_global_scale` (``global_scale="auto"``) and
+:func:`per_tensor_scale` (``"pow2"``, FP4Linear's per-call W4A4 scale).  On a Triton target ``"pow2"`` is computed
+by the kernels instead (``kernels.QUANTIZE_AMAX_KERNELS``' partial maxima, then the quantize kernel's twin of
+:func:`per_tensor_scale`), kept as one plan of two launches.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from . import formats, layouts
-from .kernels import DEQUANTIZE_KERNELS, QUANTIZE_KERNELS, choose_kernel
+from .kernels import DEQUANTIZE_KERNELS, QUANTIZE_AMAX_KERNELS, QUANTIZE_KERNELS, choose_kernel
+from .kernels.amax import amax_partials
 from .kernels.quantize import (DequantizeCase, DequantizeOperands, QuantizeCase, QuantizeConfig, QuantizeOperands,
                                pair_dtype)
 from .kernels.spec import DIRECT_LAUNCH, linear_scale_addressing, swizzled_scale_addressing
@@ -25,13 +31,15 @@ from .ops import KeptLaunch, keep_call, kept_call
 from .target import Target, resolve_target
 from .tensor import SCALE_LAYOUTS, FP4Tensor, ScaleLayout, check_device_with_values, checked_global_scale
 
-__all__ = ["quantize", "dequantize", "nvfp4_global_scale", "global_scale_tensor", "check_quantize_arguments",
-           "prepare_quantize", "QuantizeBackend", "QUANTIZE_BACKENDS"]
+__all__ = ["quantize", "dequantize", "nvfp4_global_scale", "per_tensor_scale", "global_scale_tensor",
+           "scale_on_device", "check_quantize_arguments", "prepare_quantize", "QuantizeBackend", "QUANTIZE_BACKENDS"]
 
 QuantizeBackend = Literal["auto", "triton", "reference"]
 QUANTIZE_BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _OUTPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# NVFP4's per-tensor scale divides amax(|x|) by this: e2m1's largest magnitude times e4m3's.
+_E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
 
 def _resolve_backend(backend: str, device: torch.device) -> Target:
@@ -51,29 +59,76 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     ModelOpt would divide by zero), and 1 when ``x`` holds a NaN or infinity.  No device synchronisation.
     """
     amax = torch.linalg.vector_norm(x, float("inf")).to(torch.float32)
-    g = amax / torch.full((), 6.0 * 448.0, dtype=torch.float32, device=x.device)
+    g = amax / torch.full((), _E2M1_MAX_TIMES_E4M3_MAX, dtype=torch.float32, device=x.device)
     g = torch.clamp(g, min=formats.F32_SMALLEST_NORMAL)
     return torch.where(torch.isfinite(g), g, torch.ones_like(g))
+
+
+def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "pow2") -> torch.Tensor:
+    """The NVFP4 per-tensor multiplier for a tensor of largest magnitude ``amax`` (a float32 0-d tensor).
+
+    ``"amax"``: ``amax / (6 * 448)`` in fp32, NVIDIA ModelOpt's choice (NVIDIA/Model-Optimizer,
+    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``get_weights_scaling_factor_2``): the
+    largest block's e4m3 scale lands on 448.  ``"pow2"``: that value rounded up to a power of two, so that
+    the largest block scale lands in (224, 448] (no block saturates; e4m3's relative precision is the same
+    over its normal range) and the scale is exact both as a multiplier and as a divisor (1/s is exact), and
+    in bf16.  ``amax == 0`` (an all-zero tensor) gives 1, and so do a NaN ``amax`` (``amax > 0`` is false), an
+    infinite one (``frexp`` gives infinity the exponent 0) and one whose quotient underflows to zero.  The
+    quotient is the IEEE float32 one on every device (divided by a tensor: PyTorch's CUDA division by a Python
+    number multiplies by its reciprocal, which rounds some subnormal quotients the other way).  Tensor ops
+    only: no host synchronisation.  ``quantize(x, global_scale="pow2")`` takes ``per_tensor_scale(amax(|x|))``
+    (on a Triton target computed by the kernels: ``kernels.quantize.pow2_per_tensor_scale``, this function's
+    twin, tested bit for bit against it).
+    """
+    if rounding not in ("pow2", "amax"):
+        raise ValueError(f"rounding: expected 'pow2' or 'amax', got {rounding!r}")
+    amax = amax.to(torch.float32)
+    scale = amax / torch.full((), _E2M1_MAX_TIMES_E4M3_MAX, dtype=torch.float32, device=amax.device)
+    if rounding == "pow2":
+        # frexp: scale = m * 2^e with m in [0.5, 1); the power of two at or above it is 2^(e-1) when m == 0.5.
+        mantissa, exponent = torch.frexp(scale)
+        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+        scale = torch.ldexp(torch.ones_like(scale), exponent)
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+_GLOBAL_SCALE_NAMES = {"auto": "amax / (6 * 448)", "pow2": "per_tensor_scale(amax), a power of two"}
+
+
+def _named_global_scale(global_scale: str, fmt: formats.FP4Format) -> str:
+    """``global_scale`` given by name, checked: ``"auto"`` or ``"pow2"`` (NVFP4 only)."""
+    if global_scale not in _GLOBAL_SCALE_NAMES:
+        raise ValueError(f"global_scale: expected None, 'auto', 'pow2', a number or a tensor, got {global_scale!r}")
+    if fmt.name != "nvfp4":
+        raise ValueError(
+            f"global_scale: {global_scale!r} is NVFP4's per-tensor scale {_GLOBAL_SCALE_NAMES[global_scale]}; "
+            "MXFP4 has none (its e8m0 block scales span 2^-127..2^127): pass None or an explicit scale"
+        )
+    return global_scale
+
+
+def scale_on_device(global_scale, fmt: formats.FP4Format, target: Target) -> bool:
+    """Whether the kernels compute ``global_scale`` themselves: ``"pow2"`` on a Triton target (the amax kernel's
+    partial maxima, then the quantize kernel's ``pow2_per_tensor_scale``: ``kernels/amax.py``); elsewhere
+    :func:`global_scale_tensor` computes it with torch.  Raises on a bad name as quantize does."""
+    return isinstance(global_scale, str) and _named_global_scale(global_scale, fmt) == "pow2" and target.runs_triton
 
 
 def global_scale_tensor(global_scale, fmt: formats.FP4Format, x: torch.Tensor,
                         check_values: bool) -> torch.Tensor | None:
     """:func:`quantize`'s ``global_scale`` as a 0-d float32 tensor on x's device, or None; validated before
-    anything is written (a tensor's value only with ``check_values``: reading it synchronises)."""
+    anything is written (a tensor's value only with ``check_values``: reading it synchronises).  A name is
+    computed from x with torch ops (``"pow2"``: :func:`per_tensor_scale`, the definition the kernels' twin
+    follows)."""
     if global_scale is None:
         return None
     if isinstance(global_scale, str):
-        if global_scale != "auto":
-            raise ValueError(f"global_scale: expected None, 'auto', a number or a tensor, got {global_scale!r}")
-        if fmt.name != "nvfp4":
-            raise ValueError(
-                "global_scale: 'auto' is NVFP4's per-tensor scale amax / (6 * 448); MXFP4 has none (its e8m0 "
-                "block scales span 2^-127..2^127): pass None or an explicit scale"
-            )
-        return nvfp4_global_scale(x)
+        if _named_global_scale(global_scale, fmt) == "auto":
+            return nvfp4_global_scale(x)
+        return per_tensor_scale(x.detach().abs().amax())
     if isinstance(global_scale, bool) or not isinstance(global_scale, (int, float, torch.Tensor)):
         raise TypeError(
-            f"global_scale: expected None, 'auto', a number or a tensor, got {type(global_scale).__name__}"
+            f"global_scale: expected None, 'auto', 'pow2', a number or a tensor, got {type(global_scale).__name__}"
         )
     return checked_global_scale(global_scale, x.device, check_values, owner="x")
 
@@ -116,28 +171,51 @@ class QuantizePlan(NamedTuple):
 class KeptQuantize(KeptLaunch):
     """A quantize or dequantize plan kept for its metadata (``ops``' cache): the first call launches through
     Triton's JIT; on CUDA (Triton 3.6) later calls launch the compiled kernel on the operands' addresses
-    (``ops.KeptLaunch``).  The reference runs ``spec.launch`` on every call."""
+    (``ops.KeptLaunch``).  The reference runs ``spec.launch`` on every call.
 
-    __slots__ = ("plan",)
+    ``first``: the amax kernel's launch (``kernels/amax.py``), kept the same way and run before this one, where
+    the quantization takes a global scale chosen per call (``QuantizeCase.amax_partials``); else None."""
 
-    def __init__(self, plan: QuantizePlan, fields: dict[str, int], device: torch.device):
+    __slots__ = ("plan", "first")
+
+    def __init__(self, plan: QuantizePlan, fields: dict[str, int], device: torch.device,
+                 first: QuantizePlan | None = None):
         # The JIT launches on the current device's stream: so does the kept launch (that device is keyed).
-        cuda = device.type == "cuda"
-        super().__init__(plan, fields, torch.device("cuda", torch.cuda.current_device()) if cuda else device,
-                         DIRECT_LAUNCH)
+        if device.type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(plan, fields, device, DIRECT_LAUNCH)
         self.plan = plan
+        self.first = None if first is None else KeptLaunch(first, fields, device, DIRECT_LAUNCH)
+
+    @property
+    def amax_partials(self) -> int:
+        """The int32 partial maxima the launches take (``partials``, the addresses' last), 0 for none."""
+        return getattr(self.plan.case, "amax_partials", 0)
+
+    @property
+    def launches_by_address(self) -> bool:
+        """Whether :meth:`launch_at` can run this call: every kernel of it compiled and launched directly."""
+        return self._compiled is not None and (self.first is None or self.first._compiled is not None)
+
+    def _launch(self, addresses: tuple) -> None:
+        """Both compiled kernels in order (``launch_at``'s), on the current stream."""
+        if self.first is not None:
+            self.first._launch(addresses)
+        super()._launch(addresses)
 
     def run(self, operands: QuantizeOperands | DequantizeOperands, addresses: tuple[int, ...]) -> None:
-        if self._compiled is not None:
-            self._launch(addresses)
-        elif self._template is not None:
-            self._launch_jit(operands)
-        else:
+        if self._template is None:
             self.plan.spec.launch(operands, self.plan.config, self.plan.target)
+        elif self.launches_by_address:
+            self._launch(addresses)
+        else:
+            for launch in (self.first, self):
+                if launch is not None:
+                    launch._launch_jit(operands)
 
 
 # Operand name -> index in the addresses a kept launch is given.
-_QUANTIZE_FIELDS = {"x_words": 0, "data": 1, "scales": 2, "global_scale": 3}
+_QUANTIZE_FIELDS = {"x_words": 0, "data": 1, "scales": 2, "global_scale": 3, "partials": 4}
 _DEQUANTIZE_FIELDS = {"data": 0, "scales": 1, "global_scale": 2, "out_words": 3}
 
 
@@ -153,22 +231,27 @@ def _kept(op: str, case, target: Target, config: QuantizeConfig | None, aligned:
         # A tile configures the kernels; the reference (no configuration) computes the same bytes without one.
         plan = QuantizePlan(spec, case, spec.resolve_config(config if spec.config_type else None, case, target),
                             target)
-        kept = keep_call(key, KeptQuantize(plan, fields, device))
+        first = None
+        if getattr(case, "amax_partials", 0):  # a per-call global scale: the amax kernel's launch first
+            first = QuantizePlan(choose_kernel(case, target, None, QUANTIZE_AMAX_KERNELS), case, None, target)
+        kept = keep_call(key, KeptQuantize(plan, fields, device, first))
     return kept
 
 
-def _quantize_into(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
-                   config: QuantizeConfig | None, target: Target) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed bytes, scale bytes) of checked ``x``, through the table's kept plan."""
+def _quantize_into(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | str | None,
+                   config: QuantizeConfig | None, target: Target) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           torch.Tensor | None]:
+    """(packed bytes, scale bytes, global scale) of checked ``x``, through the table's kept plan."""
     kept, operands, addresses = _quantize_call(x, fmt, layout, g, config, target)
     kept.run(operands, addresses)
-    return operands.data, operands.scales
+    return operands.data, operands.scales, operands.global_scale
 
 
-def _quantize_call(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | None,
+def _quantize_call(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torch.Tensor | str | None,
                    config: QuantizeConfig | None, target: Target) -> tuple[KeptQuantize, QuantizeOperands, tuple]:
     """The kept plan that quantizes checked ``x`` into new packed bytes and scale bytes, its operands and their
-    addresses (``_QUANTIZE_FIELDS``' order)."""
+    addresses (``_QUANTIZE_FIELDS``' order).  ``g``: the global scale tensor, None, or ``"pow2"`` where the
+    kernels compute it (:func:`scale_on_device`) into a new fp32 tensor, through new int32 partials."""
     *batch, rows, k = x.shape
     cols = k // fmt.block_size
     words = x  # what the kernel reads: x as pair words (the reference reads x)
@@ -192,25 +275,35 @@ def _quantize_call(x: torch.Tensor, fmt: formats.FP4Format, layout: str, g: torc
         scales = (torch.zeros if padded else torch.empty)((*batch, rows_p * cols_p), dtype=torch.uint8,
                                                           device=x.device)
     w3, d3 = _as_3d(words), _as_3d(data)
+    partials = None
+    if isinstance(g, str):
+        partials = torch.empty(amax_partials(w3.shape[0], rows, k // 2), dtype=torch.int32, device=x.device)
+        g = torch.empty((), dtype=torch.float32, device=x.device)
     case = QuantizeCase(fmt, w3.shape[0], rows, k, x.dtype, (w3.stride(0), w3.stride(1)), (d3.stride(0), d3.stride(1)),
-                        layout, _scale_addressing(scales, layout, cols), g is not None)
-    addresses = (words.data_ptr(), data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr())
+                        layout, _scale_addressing(scales, layout, cols), g is not None,
+                        0 if partials is None else partials.numel())
+    addresses = (words.data_ptr(), data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr(),
+                 0 if partials is None else partials.data_ptr())
     kept = _kept("quantize", case, target, config, tuple(a & 15 for a in addresses), QUANTIZE_KERNELS,
                  _QUANTIZE_FIELDS, x.device)
-    return kept, QuantizeOperands(case, x, words, data, scales, g), addresses
+    return kept, QuantizeOperands(case, x, words, data, scales, g, partials), addresses
 
 
 def prepare_quantize(x: torch.Tensor, fmt: str | formats.FP4Format, scale_layout: ScaleLayout = "linear",
-                     global_scale: torch.Tensor | None = None) -> KeptQuantize | None:
+                     global_scale: torch.Tensor | Literal["pow2"] | None = None) -> KeptQuantize | None:
     """The kept launch that ``quantize(x, fmt, scale_layout, global_scale, check_values=False)`` runs for x's
     metadata (validated and planned when new), for callers that launch it on addresses: its
-    :meth:`~KeptQuantize.launch_at` takes ``(x, data, scales, global_scale)`` addresses (0 for no global scale),
-    ``data`` and ``scales`` new contiguous uint8 tensors of the result's shapes (:func:`quantize`'s).  None where
-    x is not read in place (float64, a stride along K, an odd row offset: quantize copies it first).  Raises as
-    quantize does."""
+    :meth:`~KeptQuantize.launch_at` takes ``(x, data, scales, global_scale, partials)`` addresses, ``data`` and
+    ``scales`` new contiguous uint8 tensors of the result's shapes (:func:`quantize`'s).  With a global scale
+    tensor, its address; with none, 0; with ``"pow2"``, the address of a new 0-d float32 tensor that the kernels
+    write the scale into (the result's global scale), and ``partials`` that of a new int32 tensor of
+    :attr:`~KeptQuantize.amax_partials` elements (the amax kernel's partial maxima; 0 where that is 0).  Two
+    launches then, the amax kernel's and the quantize kernel's, both on addresses.  None where x is not read in
+    place (float64, a stride along K, an odd row offset: quantize copies it first).  Raises as quantize does."""
     resolved = check_quantize_arguments(x, fmt, scale_layout, "auto", None)
     target = _resolve_backend("auto", x.device)
-    g = global_scale_tensor(global_scale, resolved, x, False)
+    g = "pow2" if scale_on_device(global_scale, resolved, target) else global_scale_tensor(global_scale, resolved,
+                                                                                             x, False)
     kept, operands, _ = _quantize_call(x, resolved, scale_layout, g, None, target)
     if operands.x is not x or operands.x_words.data_ptr() != x.data_ptr():
         return None
@@ -245,7 +338,7 @@ def quantize(
     x: torch.Tensor,
     fmt: str | formats.FP4Format = "nvfp4",
     scale_layout: ScaleLayout = "linear",
-    global_scale: float | torch.Tensor | Literal["auto"] | None = None,
+    global_scale: float | torch.Tensor | Literal["auto", "pow2"] | None = None,
     *,
     backend: QuantizeBackend = "auto",
     check_values: bool = True,
@@ -268,8 +361,13 @@ def quantize(
         scale_layout: ``"linear"`` ``[L?, R, K/bs]`` or ``"swizzled"`` (the 128x4 layout, written directly
             by the kernel; padding zero).
         global_scale: None; ``"auto"`` (NVFP4 only: ModelOpt's ``amax(|x|) / (6 * 448)``, see
-            :func:`nvfp4_global_scale`; one extra read of ``x``); a Python number (rounded to float32); or a
-            one-element float32 tensor on x's device.  It must be a positive normal float32.  NVFP4 divides by
+            :func:`nvfp4_global_scale`; one extra read of ``x``); ``"pow2"`` (NVFP4 only:
+            ``per_tensor_scale(amax(|x|))``, that quotient rounded up to a power of two, see
+            :func:`per_tensor_scale`: 1 where x is all zeros or holds a NaN or infinity, subnormal for a tiny
+            amax; on a Triton target computed on the device by one extra kernel, ``kernels/amax.py``'s partial
+            maxima, which the quantize kernel reduces: no torch ops, no synchronisation, CUDA graphs alike; the
+            CPU path computes it with torch); a Python number (rounded to float32); or a one-element float32
+            tensor on x's device.  A number or tensor must be a positive normal float32.  NVFP4 divides by
             ``scale * g``; MXFP4 divides ``x`` by ``g`` before choosing its exponents.  The result carries it.
             NVFP4 without one saturates silently: its e4m3 block scales reach 448 at most and 2^-9 at least,
             so magnitudes above 6 * 448 = 2688 become ±2688 and blocks whose largest magnitude is below
@@ -288,9 +386,10 @@ def quantize(
     """
     fmt = check_quantize_arguments(x, fmt, scale_layout, backend, config)
     target = _resolve_backend(backend, x.device)
-    g = global_scale_tensor(global_scale, fmt, x, check_values)
+    g = "pow2" if scale_on_device(global_scale, fmt, target) else global_scale_tensor(global_scale, fmt, x,
+                                                                                        check_values)
     with torch.no_grad():  # quantized bytes carry no gradient on any backend
-        data, scales = _quantize_into(x, fmt, scale_layout, g, config, target)
+        data, scales, g = _quantize_into(x, fmt, scale_layout, g, config, target)
     if check_values and bool((scales == formats.NAN_SCALE_BYTE[fmt.name]).any()):
         where = "x / global_scale" if fmt.name == "mxfp4" and g is not None else "x"
         raise ValueError(f"{where}: expected finite values (NaN and infinity have no FP4 encoding)")

@@ -145,9 +145,14 @@ __all__ += ["COMBINE_KERNELS"]
 # The tables ``fp4gemv.quantize`` reads (``quantize.QuantizeCase`` / ``DequantizeCase``): the kernels where Triton
 # runs, ``formats``' exact CPU path otherwise (and for float64 results, the exact value).
 
+# A global scale chosen per call (global_scale="pow2") on a Triton target adds a first launch from
+# QUANTIZE_AMAX_KERNELS (``amax.QuantizeAmax``: x's partial maxima, which the quantize kernel reduces).
+
+from .amax import QuantizeAmax  # noqa: E402
 from .quantize import Dequantize, Quantize  # noqa: E402
 from .reference import DequantizeReference, QuantizeReference  # noqa: E402
 
 QUANTIZE_KERNELS: tuple[KernelSpec, ...] = (Quantize(), QuantizeReference())
+QUANTIZE_AMAX_KERNELS: tuple[KernelSpec, ...] = (QuantizeAmax(),)
 DEQUANTIZE_KERNELS: tuple[KernelSpec, ...] = (Dequantize(), DequantizeReference())
-__all__ += ["QUANTIZE_KERNELS", "DEQUANTIZE_KERNELS"]
+__all__ += ["QUANTIZE_KERNELS", "QUANTIZE_AMAX_KERNELS", "DEQUANTIZE_KERNELS"]

@@ -15,6 +15,11 @@ byte j (in the checkpoint code order; ``dequantize_kernel`` reads the others' co
 the same bytes, ``_code_words``).  A program owns a tile of ``ROWS`` rows x ``BLOCKS`` scale blocks of
 ``BLOCK_SIZE`` elements, held as ``[ROWS, BLOCKS, BLOCK_SIZE / 2]`` words, so a block's maximum is a reduction
 over the last axis and the packed bytes come out in the words' own layout.
+
+NVFP4 with a global scale chosen per call (``quantize(x, global_scale="pow2")``: ``quantize.per_tensor_scale`` of
+x's largest magnitude) takes two launches: ``kernels/amax.py``'s partial maxima of x's magnitude bits, then
+``quantize_kernel`` with ``PARTIALS`` > 0, each of whose programs takes the maximum of the partials and computes the
+scale from it (``pow2_per_tensor_scale``, the definition's twin; program 0 stores it for the result to carry).
 """
 
 from __future__ import annotations
@@ -33,13 +38,17 @@ from ._decode import code_order_index, ordered_codes
 from .spec import ScaleAddressing, Src, TritonKernelSpec, TritonLaunch, check_powers_of_two
 
 __all__ = ["QuantizeConfig", "quantize_config", "quantize_kernel", "dequantize_kernel", "FLOAT_CODES", "QuantizeCase",
-           "QuantizeOperands", "DequantizeCase", "DequantizeOperands", "Quantize", "Dequantize", "pair_dtype"]
+           "QuantizeOperands", "DequantizeCase", "DequantizeOperands", "Quantize", "Dequantize", "pair_dtype",
+           "pow2_per_tensor_scale"]
 
 # How a kernel names the float dtype of its pair words.
 FLOAT_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 
 _F32_EXPONENT_MASK = tl.constexpr(0x7F800000)
 _F32_MAGNITUDE_MASK = tl.constexpr(0x7FFFFFFF)
+_F32_MANTISSA_MASK = tl.constexpr(0x007FFFFF)
+_F32_SMALLEST_NORMAL_BITS = tl.constexpr(0x00800000)
+_F32_ONE_BITS = tl.constexpr(0x3F800000)
 
 
 class QuantizeConfig(NamedTuple):
@@ -71,7 +80,11 @@ def pair_dtype(dtype: torch.dtype) -> torch.dtype:
 class QuantizeCase:
     """Quantizing floats ``[L, R, K]`` of ``x_dtype`` (read as pair words, ``x_strides`` their batch and row
     strides in words) to ``fmt`` bytes ``[L, R, K/2]`` (``data_strides``) and scale bytes at ``scales``
-    (``layout``), divided by a global scale where ``has_global_scale``: what a quantize kernel may look at."""
+    (``layout``), divided by a global scale where ``has_global_scale``: what a quantize kernel may look at.
+
+    ``amax_partials``: 0 where the global scale is given (or there is none); else NVFP4's scale of this call,
+    ``quantize.per_tensor_scale`` of x's largest magnitude, which the kernel computes from that many partial maxima
+    of ``kernels/amax.py`` (and writes to ``global_scale``)."""
 
     fmt: FP4Format
     batch: int
@@ -83,15 +96,18 @@ class QuantizeCase:
     layout: str
     scales: ScaleAddressing
     has_global_scale: bool
+    amax_partials: int = 0
 
     def describe(self) -> str:
+        per_call = " and the global scale of x's amax" if self.amax_partials else ""
         return (f"quantizing {dtype_name(self.x_dtype)} [{self.batch}, {self.rows}, {self.k}] to {self.fmt.name} "
-                f"with {self.layout} scales")
+                f"with {self.layout} scales{per_call}")
 
 
 class QuantizeOperands(NamedTuple):
     """The tensors of one quantization: x as given (floats), x as pair words, the results' bytes and scale bytes,
-    and the fp32 global scale (or None)."""
+    the fp32 global scale (or None; written by the kernel where ``case.amax_partials``), and the int32 partial
+    maxima of x's magnitude (``case.amax_partials`` of them, or None)."""
 
     case: QuantizeCase
     x: torch.Tensor
@@ -99,6 +115,7 @@ class QuantizeOperands(NamedTuple):
     data: torch.Tensor
     scales: torch.Tensor
     global_scale: torch.Tensor | None
+    partials: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -164,15 +181,17 @@ class Quantize(_Tiled):
 
     def triton_launch(self, case: QuantizeCase, config: QuantizeConfig, target: Target) -> TritonLaunch:
         gs = Src("global_scale", torch.float32) if case.has_global_scale else Src("data", torch.uint8)  # not read
+        partials = Src("partials", torch.int32) if case.amax_partials else Src("data", torch.uint8)  # not read
         args = dict(x_ptr=Src("x_words", pair_dtype(case.x_dtype)), data_ptr=Src("data", torch.uint8),
-                    scales_ptr=Src("scales", torch.uint8), gs_ptr=gs, rows=case.rows,
+                    scales_ptr=Src("scales", torch.uint8), gs_ptr=gs, partials_ptr=partials, rows=case.rows,
                     n_blocks=case.k // case.fmt.block_size, x_stride_l=case.x_strides[0],
                     x_stride_r=case.x_strides[1], data_stride_l=case.data_strides[0],
                     data_stride_r=case.data_strides[1], sf_stride_l=case.scales.batch,
                     sf_row_tile=case.scales.row_tile, sf_r32=case.scales.r32, sf_r4=case.scales.r4,
                     sf_col_tile=case.scales.col_tile, FLOAT_CODE=FLOAT_CODES[dtype_name(case.x_dtype)],
                     FORMAT=case.fmt.name, HAS_GLOBAL=case.has_global_scale, ROWS=config.rows,
-                    BLOCKS=config.blocks, FLOAT64_RECIPROCAL=config.float64_reciprocal)
+                    BLOCKS=config.blocks, FLOAT64_RECIPROCAL=config.float64_reciprocal,
+                    PARTIALS=case.amax_partials)
         return TritonLaunch(quantize_kernel, _grid(case.rows, case.k, case.batch, case.fmt.block_size, config), args,
                             dict(num_warps=config.num_warps))
 
@@ -326,11 +345,42 @@ def _mxfp4_block_scales(lo_bits, hi_bits, lo, hi, g, HAS_GLOBAL: tl.constexpr):
 
 
 @triton.jit
+def _pow2_at_or_above(bits):
+    """The bits of the power of two at or above the positive normal float32 of bits ``bits`` (int32): itself when
+    its mantissa is zero, else the next binade's."""
+    return tl.where((bits & _F32_MANTISSA_MASK) == 0, bits, (bits & _F32_EXPONENT_MASK) + _F32_SMALLEST_NORMAL_BITS)
+
+
+@triton.jit
+def pow2_per_tensor_scale(amax_bits):
+    """``quantize.per_tensor_scale(amax, "pow2")`` (float32) bit for bit, for the float32 magnitude bits
+    ``amax_bits`` (int32 >= 0; NaN's above infinity's): the twin of that definition, checked against it in
+    tests/test_quantize.py.
+
+    q = amax / 2688 rounded once (``tl.div_rn``: the definition divides by a tensor, IEEE on every device), then
+    the power of two at or above q.  A normal q's is read from its bits.  A subnormal q is m * 2^-149 with m its
+    bits, so the power of two at or above it is 2^c * 2^-149 with 2^c the power of two at or above the integer m:
+    m as a float32 (exact, m < 2^23) rounded up the same way, back to an integer (2^23 is 2^-126's bits, the
+    smallest normal).  1 where the definition's ``amax > 0`` is false (zero, NaN), for an infinite amax (frexp
+    gives infinity the exponent 0 on the CPU and on CUDA: ldexp(1, 0)) and where q rounds to zero (frexp(0) too).
+    Integer operations and one division, so the GPU and the interpreter agree bit for bit."""
+    finite = amax_bits < _F32_EXPONENT_MASK
+    amax = tl.where(finite, amax_bits, 0).to(tl.float32, bitcast=True)  # no arithmetic on NaN or infinity
+    q_bits = tl.div_rn(amax, 2688.0).to(tl.int32, bitcast=True)
+    m = tl.minimum(q_bits, _F32_SMALLEST_NORMAL_BITS).to(tl.float32)  # the subnormal case's integer, exactly
+    subnormal = _pow2_at_or_above(m.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True).to(tl.int32)
+    bits = tl.where(q_bits < _F32_SMALLEST_NORMAL_BITS, subnormal, _pow2_at_or_above(q_bits))
+    defined = finite & (q_bits > 0)  # q_bits > 0: amax > 0, and q did not round to zero
+    return tl.where(defined, bits, _F32_ONE_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def quantize_kernel(
     x_ptr,
     data_ptr,
     scales_ptr,
     gs_ptr,
+    partials_ptr,
     rows,
     n_blocks,
     x_stride_l,
@@ -348,16 +398,23 @@ def quantize_kernel(
     ROWS: tl.constexpr,
     BLOCKS: tl.constexpr,
     FLOAT64_RECIPROCAL: tl.constexpr = True,
+    PARTIALS: tl.constexpr = 0,
 ):
     """Quantize pair words ``x`` ``[L, rows, K/2]`` into packed bytes ``[L, rows, K/2]`` and scale bytes
     (addressed by ``ScaleAddressing``) of ``FORMAT`` ("nvfp4" or "mxfp4"); ``gs_ptr``: the fp32 global scale,
-    read when HAS_GLOBAL."""
+    read when HAS_GLOBAL.  PARTIALS > 0 (NVFP4, HAS_GLOBAL): the global scale is instead
+    ``pow2_per_tensor_scale`` of the largest of the PARTIALS int32 magnitude bits at ``partials_ptr``
+    (``kernels/amax.py``), which program 0 writes to ``gs_ptr``."""
     pid_l, r, b, r3, col, mask = _tile(rows, n_blocks, FORMAT, ROWS, BLOCKS)
     words = tl.load(x_ptr + pid_l * x_stride_l + r3 * x_stride_r + col, mask=mask, other=0)
     lo_bits, hi_bits = _unpack_pairs(words, FLOAT_CODE)
     lo = lo_bits.to(tl.float32, bitcast=True)
     hi = hi_bits.to(tl.float32, bitcast=True)
-    if HAS_GLOBAL:
+    if PARTIALS > 0:
+        g = pow2_per_tensor_scale(tl.max(tl.load(partials_ptr + tl.arange(0, PARTIALS)), axis=0))
+        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+        tl.store(gs_ptr, g, mask=first)
+    elif HAS_GLOBAL:
         g = tl.load(gs_ptr)
     else:
         g = 1.0  # not read

@@ -37,7 +37,7 @@ from ..formats import CODE_ORDERS, reorder_codes
 from ..formats import dtype_name as _dtype_name
 from .. import ops
 from ..library import gemv, quantize
-from ..quantize import dequantize, prepare_quantize
+from ..quantize import dequantize, per_tensor_scale, prepare_quantize
 from ..tensor import FP4Tensor
 from .checkpoints import CheckpointLayer, read_layer
 
@@ -62,34 +62,11 @@ DECODE_MAX_TOKENS = ops.GEMV_MAX_N
 # read.
 LINEAR_CODE_ORDER = {"weight-only": "paired", "w4a4": "checkpoint"}
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_E2M1_MAX_TIMES_E4M3_MAX = 6.0 * 448.0
 
 # Buffer names of the per-tensor scales, by what they scale and how they apply.
 _WEIGHT_SCALE_NAMES = {"multiplier": "weight_scale_2", "divisor": "weight_global_scale"}
 _INPUT_SCALE_NAMES = {"multiplier": "input_scale", "divisor": "input_global_scale"}
 _FIXED_BUFFERS = ("weight", "weight_scale", *_WEIGHT_SCALE_NAMES.values(), *_INPUT_SCALE_NAMES.values())
-
-
-def per_tensor_scale(amax: torch.Tensor, rounding: Literal["pow2", "amax"] = "pow2") -> torch.Tensor:
-    """The NVFP4 per-tensor multiplier for a tensor of largest magnitude ``amax`` (a float32 0-d tensor).
-
-    ``"amax"``: ``amax / (6 * 448)`` in fp32, NVIDIA ModelOpt's choice (NVIDIA/Model-Optimizer,
-    ``modelopt/torch/quantization/qtensor/nvfp4_tensor.py``, ``get_weights_scaling_factor_2``): the
-    largest block's e4m3 scale lands on 448.  ``"pow2"``: that value rounded up to a power of two, so that
-    the largest block scale lands in (224, 448] (no block saturates; e4m3's relative precision is the same
-    over its normal range) and the scale is exact both as a multiplier and as a divisor (1/s is exact), and
-    in bf16.  ``amax == 0`` (an all-zero tensor) gives 1.  Tensor ops only: no host synchronisation.
-    """
-    if rounding not in ("pow2", "amax"):
-        raise ValueError(f"rounding: expected 'pow2' or 'amax', got {rounding!r}")
-    amax = amax.to(torch.float32)
-    scale = amax / _E2M1_MAX_TIMES_E4M3_MAX
-    if rounding == "pow2":
-        # frexp: scale = m * 2^e with m in [0.5, 1); the power of two at or above it is 2^(e-1) when m == 0.5.
-        mantissa, exponent = torch.frexp(scale)
-        exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
-        scale = torch.ldexp(torch.ones_like(scale), exponent)
-    return torch.where(amax > 0, scale, torch.ones_like(scale))
 
 
 W4A4_NO_BACKWARD = ("FP4Linear with activations='w4a4' has no backward (its input is quantized, which has no "
@@ -110,7 +87,8 @@ class FP4Linear(nn.Module):
         weight_scale: the per-tensor weight scale's kind, ``"multiplier"``, ``"divisor"`` or None (none).
         input_scale: W4A4's static activation scale's kind, ``"multiplier"``, ``"divisor"`` or None: then a
             W4A4 module picks an NVFP4 per-tensor scale per call from the activation's amax
-            (:func:`per_tensor_scale`, ``"pow2"``; the scale then depends on every token of the call), and
+            (:func:`per_tensor_scale`, ``"pow2"``; the scale then depends on every token of the call; computed
+            on the device, ``quantize``'s ``global_scale="pow2"``), and
             MXFP4 activations get none (e8m0 block scales span 2^-127 .. 2^127).
         device: where the buffers live.
         code_order: the order the module keeps the weight's codes in (``formats.CODE_ORDERS``); None:
@@ -270,12 +248,15 @@ class FP4Linear(nn.Module):
 
     def quantize_input(self, x2d: torch.Tensor) -> FP4Tensor:
         """W4A4's activation ``[T, in_features]`` as an FP4Tensor in the weight's format (linear scales)."""
-        multiplier = self.input_multiplier()
-        if multiplier is None and self.fmt == "nvfp4":
-            multiplier = per_tensor_scale(x2d.detach().abs().amax())
         # Unchecked (checking reads a value back: a device synchronisation per call): a NaN or infinity
         # gets its block the NaN scale byte, so the outputs it reaches are NaN, as nn.Linear's would be.
-        return quantize(x2d, self.fmt, "linear", multiplier, check_values=False)
+        return quantize(x2d, self.fmt, "linear", self._activation_scale(), check_values=False)
+
+    def _activation_scale(self) -> torch.Tensor | str | None:
+        """W4A4's ``global_scale`` argument of ``quantize``: the static multiplier, else for NVFP4 ``"pow2"``
+        (:func:`per_tensor_scale` of the call's amax, computed on the device), else (MXFP4) None."""
+        multiplier = self.input_multiplier()
+        return "pow2" if multiplier is None and self.fmt == "nvfp4" else multiplier
 
     def extra_repr(self) -> str:
         parts = [f"in_features={self.in_features}", f"out_features={self.out_features}",
@@ -533,12 +514,16 @@ class _DecodeLaunch:
     """An eager decode call's launches, kept for the next call with the same metadata: one check of x's metadata
     and of the module's tensors' identity, then the outputs' allocation and the compiled kernels' launches on
     addresses (``ops.prepare_gemv``'s kept call; for W4A4 first ``quantize.prepare_quantize``'s, the activation
-    quantized with the module's static scale); about nn.Linear's host cost.  Only for Triton kernels already
-    compiled, on an activation read in place (no copy); not for W4A4 with a scale chosen per call (its amax is
-    torch ops)."""
+    quantized with the module's static scale, or with NVFP4's scale of each call's amax: then two launches, the
+    amax kernel's partial maxima and the quantize kernel, which computes the scale from them into a new fp32
+    tensor that the product reads as the activation's global scale); about nn.Linear's host cost.  Every output
+    and workspace is allocated per call (torch.empty on the current stream, as the ordinary call's), so calls on
+    several streams or in CUDA graphs share nothing.  Only for Triton kernels already compiled, on an activation
+    read in place (no copy)."""
 
     __slots__ = ("key", "tensors", "version", "weight", "prepared", "weight_addresses", "out_shape", "rows_shape",
-                 "dtype", "device", "quantize", "input_scale", "input_version", "input_multiplier", "act_shapes")
+                 "dtype", "device", "quantize", "input_scale", "input_version", "input_multiplier", "act_shapes",
+                 "partials")
 
     @staticmethod
     def of(module: FP4Linear, x: torch.Tensor, x2d: torch.Tensor, y: torch.Tensor) -> _DecodeLaunch | None:
@@ -547,19 +532,20 @@ class _DecodeLaunch:
         weight = module.quantized_weight()
         launch = _DecodeLaunch()
         launch.quantize, launch.input_scale, launch.input_version, launch.input_multiplier = None, None, None, None
+        launch.partials = 0
         activation = x2d
         if module.activations == "w4a4":
             kind = module.input_scale_kind()
-            if kind is None and module.fmt == "nvfp4":
-                return None  # the scale of each call's amax: torch ops before the quantization
             # A divisor's reciprocal is made here once and kept, remade (a new launch) when the buffer changes.
             launch.input_scale = _input_scale_buffer(module)
             launch.input_version = None if kind is None else launch.input_scale[1]._version
-            launch.input_multiplier = module.input_multiplier()
-            launch.quantize = prepare_quantize(x2d, module.fmt, "linear", launch.input_multiplier)
+            scale = module._activation_scale()
+            launch.input_multiplier = None if isinstance(scale, str) else scale
+            launch.quantize = prepare_quantize(x2d, module.fmt, "linear", scale)
             if launch.quantize is None or not launch.quantize.launches_by_address:
                 return None
-            activation = quantize(x2d, module.fmt, "linear", launch.input_multiplier, check_values=False)
+            launch.partials = launch.quantize.amax_partials  # 0 unless the scale is the call's ("pow2")
+            activation = quantize(x2d, module.fmt, "linear", scale, check_values=False)
             launch.act_shapes = (tuple(activation.data.shape), tuple(activation.scales.shape))
         prepared = ops.prepare_gemv(weight, activation, out=y.t(), out_dtype=x.dtype)
         if not prepared.launches_by_address:
@@ -595,9 +581,13 @@ class _DecodeLaunch:
                 return None
             data = torch.empty(self.act_shapes[0], dtype=torch.uint8, device=self.device)
             scales = torch.empty(self.act_shapes[1], dtype=torch.uint8, device=self.device)
-            g = self.input_multiplier
+            g, partials = self.input_multiplier, None
+            if self.partials:  # the call's own scale: the quantize kernel writes it, from the amax kernel's partials
+                g = torch.empty((), dtype=torch.float32, device=self.device)
+                partials = torch.empty(self.partials, dtype=torch.int32, device=self.device)
             b, b_scales, b_global = data.data_ptr(), scales.data_ptr(), 0 if g is None else g.data_ptr()
-            self.quantize.launch_at((x.data_ptr(), b, b_scales, b_global))
+            work = 0 if partials is None else partials.data_ptr()
+            self.quantize.launch_at((x.data_ptr(), b, b_scales, b_global, work))
         y = torch.empty(self.rows_shape, dtype=self.dtype, device=self.device)
         data, scales, global_scale = self.weight_addresses
         self.prepared.launch_at(ops.GemvAddresses(data, scales, b, y.data_ptr(), b_scales, global_scale, b_global))
