@@ -4,7 +4,9 @@
 # machine, repo root:
 #   bash benchmarks/engine_ncu.sh ["CONFIG LAYOUT [ORDER]" ...]    e.g. "default swizzled" "2,2,128 linear paired"
 # CONFIG: ``default`` (the engine's own choice) or EngineConfig fields joined by commas; ORDER a code order of
-# ``formats.CODE_ORDERS`` (default checkpoint).  Clocks as found.
+# ``formats.CODE_ORDERS`` (default checkpoint).  FMT=mxfp4 for MXFP4; CONFIG ``wgmma`` (bias ``x`` by default,
+# or ``wgmma:bias`` / ``wgmma:nobias``) runs the wgmma consumer prototype (``kernels/engine_wgmma.py``, MXFP4,
+# linear scales) on the same shape.  Clocks as found.
 set -u
 export PYTHONPATH=$PWD/src
 if [ $# -eq 0 ]; then set -- "default swizzled"; fi
@@ -13,14 +15,24 @@ import sys, torch
 sys.path.insert(0, "tests")
 import operands as O
 from fp4gemv import gemv
+import os
 from fp4gemv.kernels.engine import EngineConfig
-cfg = None if sys.argv[1] == "default" else EngineConfig(*(int(v) for v in sys.argv[1].split(",")))
-a = O.random_fp4((7168, 16384), "nvfp4", sys.argv[2], seed=1, device="cuda")
-a = a.with_code_order(sys.argv[3] if len(sys.argv) > 3 else "checkpoint")
+fmt = os.environ.get("FMT", "nvfp4")
+a = O.random_fp4((7168, 16384), fmt, sys.argv[2], seed=1, device="cuda")
 b = O.random_activation((16, 16384), torch.bfloat16, seed=2, device="cuda")
 out = torch.empty((7168, 16), dtype=torch.float16, device="cuda")
-for _ in range(4):
-    gemv(a, b, out=out, kernel="engine", config=cfg)
+if sys.argv[1].startswith("wgmma"):
+    from fp4gemv import layouts
+    from fp4gemv.kernels import engine_wgmma as W
+    bias = {"x": "x", "bias": True, "nobias": False}[(sys.argv[1] + ":x").split(":")[1]]
+    tiles = layouts.pack_mma_tiles(a.with_code_order("checkpoint").data)
+    for _ in range(4):
+        W.wgmma_gemv(tiles, a.scales[:7168], b, out, 7168, 16384, bias=bias)
+else:
+    cfg = None if sys.argv[1] == "default" else EngineConfig(*(int(v) for v in sys.argv[1].split(",")))
+    a = a.with_code_order(sys.argv[3] if len(sys.argv) > 3 else "checkpoint")
+    for _ in range(4):
+        gemv(a, b, out=out, kernel="engine", config=cfg)
 torch.cuda.synchronize()
 PY
 M="sm__cycles_elapsed.avg,smsp__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,\
@@ -55,6 +67,6 @@ PY
 echo "metrics: $(echo $M | tr ',' '\n' | wc -l)"
 for v in "$@"; do
   echo "== $v"
-  timeout 120 ncu --clock-control none --kernel-name regex:engine --launch-skip 2 --launch-count 1 --metrics "$M" \
+  timeout 120 ncu --clock-control none --kernel-name regex:'engine|wgmma' --launch-skip 2 --launch-count 1 --metrics "$M" \
      python /tmp/one.py $v 2>&1 | grep -E "^\s+(sm__|smsp__|l1tex__|dram__|gpu__|launch__)" | sed -E 's/ +/ /g'
 done
