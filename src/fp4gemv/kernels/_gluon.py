@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 __all__ = ["gluon", "gl", "tma", "mbarrier", "async_copy", "tma_load", "thread_barrier", "TensorDescriptor",
-           "PUBLIC_REINTERPRET", "shared_view"]
+           "PUBLIC_REINTERPRET", "shared_view", "ring_barriers"]
 
 # The bulk copy global -> shared, completing on an mbarrier: (descriptor, coordinates, barrier, destination).
 tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -46,3 +46,16 @@ def shared_view(buf, DTYPE: gl.constexpr, SHAPE: gl.constexpr, LAYOUT: gl.conste
     else:
         view = buf._reinterpret(DTYPE, SHAPE, LAYOUT)
     return view
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr, READY: gl.constexpr, EMPTY: gl.constexpr):
+    """A ring's mbarriers, initialized: ``ready`` (slot s complete after ``READY`` arrivals: the copies' expect, and
+    any others) and ``empty`` (free again after ``EMPTY`` arrivals, e.g. every consumer thread), ``[STAGES, 1]``
+    each."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY)
+        mbarrier.init(empty.index(i), count=EMPTY)
+    return ready, empty

@@ -82,7 +82,7 @@ import torch
 
 from ..formats import CODE_ORDERS, decode_e2m1, decode_e4m3, decode_e8m0, unpack_e2m1
 from ..target import Target
-from ._gluon import async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
+from ._gluon import async_copy, gl, gluon, mbarrier, ring_barriers, shared_view, thread_barrier, tma_load
 from ._mma_step import MULTIPLIERS, StepSpec, _Step, fold_exponent, multipliers
 from ._ptx import AsmOperands, PtxBlock
 from .spec import (DescSrc, ErrorModel, GemvCase, GemvOperands, Src, TritonKernelSpec, TritonLaunch, fill_sources,
@@ -906,11 +906,7 @@ def engine_gemv_kernel(w_desc, s_desc, x_desc, out_ptr, gsa_ptr, ws_ptr, count_p
     else:
         sbuf = gl.allocate_shared_memory(s_desc.dtype, [STAGES] + s_desc.block_type.shape, s_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=128 * GROUPS)  # every consumer thread
+    ready, empty = ring_barriers(STAGES, 1, 128 * GROUPS)  # empty: every consumer thread
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ready, empty, out_ptr, gsa_ptr, ws_ptr, count_ptr, sp_ptr, start, end, units,
                      programs, M, N, K, n_steps, out_stride_m, out_stride_n, TB, SPB, out_stride_l, mp0, mp1, m24,

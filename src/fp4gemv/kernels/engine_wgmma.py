@@ -32,7 +32,8 @@ import struct
 
 import torch
 
-from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, thread_barrier, tma_load
+from ._gluon import (TensorDescriptor, async_copy, gl, gluon, mbarrier, ring_barriers, shared_view, thread_barrier,
+                     tma_load)
 from ._mma_step import decode_native_bf16, multipliers
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
@@ -181,11 +182,7 @@ def wgmma_gemv_kernel(w_desc, x_desc, out_ptr, sp_ptr, ws_ptr, count_ptr, M, N, 
     s1 = (gl.program_id(1) + 1) * n_steps // SPLIT
     wbuf = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     xbuf = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=128)
+    ready, empty = ring_barriers(STAGES, 1, 128)
     gl.warp_specialize([
         (_consumer, (wbuf, xbuf, ready, empty, out_ptr, sp_ptr, ws_ptr, count_ptr, M, N, s0, s1, s_row,
                      out_stride_m, out_stride_n, mp0, mp1, m24, m29, bias, STAGES, KT, NR, ASM, CONS, BIAS, FOLD, LWS,

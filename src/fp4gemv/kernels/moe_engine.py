@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from ..target import SM90, Target
-from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, shared_view, tma_load
+from ._gluon import TensorDescriptor, async_copy, gl, gluon, mbarrier, ring_barriers, shared_view, tma_load
 from ._mma_step import multipliers
 from .engine import (SCALE_ROWS as _SCALE_ROWS, STEP_K, STEPS, WARPS, _as_int64, _layouts, _x_operands,
                      check_ring_config, copy_layout, k32_scale_layout as _k32_scale_layout, k32_scales, k32_step,
@@ -497,11 +497,8 @@ def moe_engine_kernel(w_desc, s_desc, x_desc, plan_ptr, sf_ptr, gs_ptr, bias_ptr
         sbuf = xbuf  # unused
     # The consumers' per-item exchange of accumulators ([warp, row, column] fp32).
     ebuf = gl.allocate_shared_memory(gl.float32, [4, 16 * TILES, 16], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1 + ROWS)  # the weights' copies, one arrival per activation row
-        mbarrier.init(empty.index(s), count=128)  # every consumer thread
+    # ready: the weights' copies and one arrival per activation row; empty: every consumer thread
+    ready, empty = ring_barriers(STAGES, 1 + ROWS, 128)
     gl.warp_specialize([
         (_consumer, (wbuf, sbuf, xbuf, ebuf, ready, empty, plan_ptr, sf_ptr, gs_ptr, bias_ptr, pw_ptr, out_ptr, M, HALF,
                      E, K, n_steps, ROW_TILES, TOP_K, sf_e, sf_row_tile, sf_r32, sf_r4, sf_col_tile, gs_e, gs_h,
