@@ -11,7 +11,7 @@ The program.  64 weight rows (one warp group's ``wgmma.m64nNk16``) over all of K
   blocks, ``pack_mma_tiles``' layout), decode them with the engine's native decode straight into the A registers
   (the four decoded registers of a word are four of the A operand's: no data moves), and per 32-element block run
   ``warpgroup_mma`` into a fresh fp32 accumulator (``use_acc=False``), which the block's e8m0 scales (one a row, as
-  fp32 ``2^(e - 127)``, byte 0 as 2^-127) multiply into the running accumulator -- the k32 step's numerics.  Two
+  fp32 ``2^(e - 127)``, byte 0 as 2^-127, byte 255 NaN) multiply into the running accumulator -- the k32 step's numerics.  Two
   blocks are in flight: block j's product is scaled after block j + 1's wgmma is issued
   (``warpgroup_mma_wait(1)``).  The activation is read by the tensor cores from the ring's slot: no fragment loads,
   no conversion.
@@ -92,11 +92,15 @@ def _a_operand(words, zero, mp0, mp1, m24, m29, bias, ASM: gl.constexpr, CONS: g
 
 @gluon.jit
 def _block_scales(s8, j: gl.constexpr, ROWS_L: gl.constexpr):
-    """Block ``j``'s e8m0 scales of the program's rows as fp32 ``[64]`` in ``ROWS_L`` (byte 0 as 2^-127)."""
+    """Block ``j``'s e8m0 scales of the program's rows as fp32 ``[64]`` in ``ROWS_L`` (byte 0 as 2^-127, byte 255
+    as NaN: the format's values, as the k32 step's)."""
     col = gl.arange(0, 16, layout=gl.SliceLayout(0, s8.type.layout))[None, :]
     e = gl.sum(gl.where(col == j, s8, 0), axis=1)
     e = gl.convert_layout(e, ROWS_L)
-    return gl.maximum(e << 23, 1 << 22).to(gl.float32, bitcast=True)
+    f = gl.maximum(e << 23, 1 << 22).to(gl.float32, bitcast=True)
+    # byte 255 shifted is infinity: f * 0 + f makes it NaN and leaves every finite f as it is (one FFMA)
+    return gl.inline_asm_elementwise("fma.rn.f32 $0, $1, 0f00000000, $1;", "=r,r", [f], dtype=gl.float32,
+                                     is_pure=True, pack=1)
 
 
 @gluon.jit
