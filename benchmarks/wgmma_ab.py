@@ -15,9 +15,10 @@ from fp4gemv import layouts
 from fp4gemv.bench.cases import Shape, _fp8_scaled_mm_us, case_bytes, random_gemv_operands
 from fp4gemv.bench.stream import best_read
 from fp4gemv.bench.timing import device_time_us, input_count
-from fp4gemv.formats import decode_e2m1, decode_e8m0, unpack_e2m1
+from fp4gemv.formats import FORMATS
 from fp4gemv.kernels import engine_wgmma as W
 from fp4gemv.library import gemv
+from fp4gemv.reference import fp4_values
 
 SHAPES = ((7168, 16384), (28672, 8192), (14336, 4096), (4096, 14336), (4096, 4096))
 if os.environ.get("SHAPES"):
@@ -27,7 +28,7 @@ BIAS = {"x": "x", "bias": True, "nobias": False}  # the activation biased in sha
 VARIANTS = tuple(os.environ.get("VARIANTS", "x:3,bias:3,nobias:3,x:2,x:4").split(","))
 
 
-def prototype_operands(shape, seed, scale_layout="linear"):
+def prototype_operands(shape, seed):
     a, b, out = random_gemv_operands(shape, "mxfp4", "bf16", seed=seed, scale_layout="linear")
     data = a.with_code_order("checkpoint").data[0]
     scales = a.scales[0][:shape.m]
@@ -35,7 +36,7 @@ def prototype_operands(shape, seed, scale_layout="linear"):
 
 
 def exact(data, scales, x):
-    w = decode_e2m1(unpack_e2m1(data)).double() * decode_e8m0(scales).double().repeat_interleave(32, 1)
+    w = fp4_values(data, scales, FORMATS["mxfp4"], "linear", None)
     return w @ x.double().T, w.abs() @ x.double().abs().T
 
 

@@ -7,13 +7,14 @@ import pytest
 import torch
 
 import operands as O
-from fp4gemv import layouts
+from fp4gemv import formats, layouts
 from fp4gemv.kernels import engine_wgmma as W
+from fp4gemv.reference import fp4_values
 
 _COMPILE = textwrap.dedent("""
     import collections, torch
     from aot import compile_gluon_sm90, sass_listing, registers, local_memory
-    from fp4gemv import layouts
+    from fp4gemv import formats, layouts
     from fp4gemv.kernels import engine_wgmma as W
     for n, bias, split in ((16, "x", 1), (16, True, 1), (8, "x", 4), (3, False, 2)):
         m, k = 256, 4096
@@ -39,6 +40,14 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="K % 512"):
         W.wgmma_arguments(tiles, torch.zeros((64, 32), dtype=torch.uint8), torch.zeros((17, 1024)),
                           torch.empty(64, 17), 64, 1024)
+    scales, x, out = torch.zeros((64, 32), dtype=torch.uint8), torch.zeros((4, 1024), dtype=torch.bfloat16), \
+        torch.empty(64, 4)
+    with pytest.raises(ValueError, match="tiles: expected uint8"):  # tiles of fewer rows than M
+        W.wgmma_arguments(tiles, torch.zeros((128, 32), dtype=torch.uint8), x, torch.empty(128, 4), 128, 1024)
+    with pytest.raises(ValueError, match="scales: expected"):
+        W.wgmma_arguments(tiles, scales[:32], x, out, 64, 1024)
+    with pytest.raises(ValueError, match="x, out: expected bf16"):
+        W.wgmma_arguments(tiles, scales, x.half(), out, 64, 1024)
 
 
 def test_compiles_for_sm90_with_two_wgmma_a_block_and_no_local_memory(compile_for_sm90):
@@ -56,8 +65,8 @@ def test_compiles_for_sm90_with_two_wgmma_a_block_and_no_local_memory(compile_fo
 
 
 def _exact(data, scales, x):
-    from fp4gemv.formats import decode_e2m1, decode_e8m0, unpack_e2m1
-    w = decode_e2m1(unpack_e2m1(data)).double() * decode_e8m0(scales).double().repeat_interleave(32, 1)
+    """The exact product and the magnitudes' (|W| |x|), from the oracle's values of the weights."""
+    w = fp4_values(data, scales, formats.FORMATS["mxfp4"], "linear", None)
     return w @ x.double().T, w.abs() @ x.double().abs().T
 
 

@@ -35,6 +35,7 @@ import torch
 from ._gluon import (TensorDescriptor, async_copy, gl, gluon, mbarrier, ring_barriers, shared_view, thread_barrier,
                      tma_load)
 from ._mma_step import decode_native_bf16, multipliers
+from .engine import fixup_counters
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 __all__ = ["STEP_K", "wgmma_gemv", "wgmma_arguments", "decode_asm"]
@@ -213,9 +214,6 @@ def _layouts(nr: int):
     return lws, lwb, mma, dot, ls, lxb
 
 
-_COUNTERS: dict = {}
-
-
 def default_split(m: int, k: int, sm_count: int = 132) -> int:
     """Programs along K so that the 64-row tiles fill about two programs an SM (at most the steps)."""
     tiles, steps = -(-m // 64), -(-k // STEP_K)
@@ -234,6 +232,15 @@ def wgmma_arguments(tiles: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, 
     if k % STEP_K or n > 16 or scales.stride(0) % 16 or scales.stride(1) != 1:
         raise ValueError(f"wgmma prototype: K % {STEP_K} == 0, N <= 16 and 16-byte scale rows, got K={k}, N={n}, "
                          f"scale strides {scales.stride()}")
+    tiles_shape = (-(-m // 64), k // 64, 2048)
+    if tuple(tiles.shape) != tiles_shape or tiles.dtype != torch.uint8:
+        raise ValueError(f"tiles: expected uint8 {tiles_shape} (layouts.pack_mma_tiles of {m}x{k} weights), got "
+                         f"{tiles.dtype} {tuple(tiles.shape)}")
+    if scales.dtype != torch.uint8 or scales.shape[0] < m or scales.shape[1] != k // 32:
+        raise ValueError(f"scales: expected uint8 [>= {m}, {k // 32}], got {scales.dtype} {tuple(scales.shape)}")
+    if x.dtype != torch.bfloat16 or tuple(x.shape) != (n, k) or tuple(out.shape) != (m, n):
+        raise ValueError(f"x, out: expected bf16 x [N, {k}] and out [{m}, N], got x {x.dtype} {tuple(x.shape)}, "
+                         f"out {tuple(out.shape)}")
     nr = 8 if n <= 8 else 16
     kt = STEP_K // 64
     mt, ktiles = tiles.shape[0], tiles.shape[1]
@@ -252,10 +259,7 @@ def wgmma_arguments(tiles: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, 
     split = default_split(m, k) if split is None else split
     if split > 1:
         ws = torch.empty(mt * split * 64 * nr, dtype=torch.float32, device=out.device)
-        key = (out.device, mt)
-        if key not in _COUNTERS:
-            _COUNTERS[key] = torch.zeros(mt, dtype=torch.int32, device=out.device)
-        count = _COUNTERS[key]
+        count = fixup_counters(out.device, mt)  # the engine's: kept zero per device and stream
     else:
         ws, count = out, out
     args = (w_desc, x_desc, out, scales, ws, count, m, n, k, scales.stride(0), out.stride(0), out.stride(1), mul["mp0"],
